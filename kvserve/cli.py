@@ -1,0 +1,140 @@
+"""`kvserve` command line: thin wrappers over the library."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+
+def _engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None, help="GGUF file or HF model directory (default: bundled SmolLM2-135M-Instruct)")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--device", default="auto")
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--kv-cache-memory", default=None, help="KV pool size, e.g. 2GiB")
+    p.add_argument("--gpu-memory-utilization", type=float, default=None)
+    p.add_argument("--no-prefix-caching", action="store_true")
+    p.add_argument("--kv-cache-mode", default="paged", choices=["paged", "contiguous", "none"])
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--seed", type=int, default=0)
+
+
+def _sampling_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--min-p", type=float, default=0.0)
+    p.add_argument("--sample-seed", type=int, default=None, help="per-request sampling seed")
+    p.add_argument("--stop", action="append", default=None)
+    p.add_argument("--n", type=int, default=1)
+
+
+def make_llm(args):
+    """Build an LLM from parsed engine arguments."""
+    from kvserve.llm import LLM
+    return LLM(args.model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
+               block_size=args.block_size, kv_cache_memory=args.kv_cache_memory,
+               gpu_memory_utilization=args.gpu_memory_utilization,
+               enable_prefix_caching=not args.no_prefix_caching, max_num_seqs=args.max_num_seqs,
+               max_num_batched_tokens=args.max_num_batched_tokens, seed=args.seed,
+               kv_cache_mode=args.kv_cache_mode)
+
+
+def make_params(args):
+    """SamplingParams from parsed sampling arguments."""
+    from kvserve.sampling_params import SamplingParams
+    return SamplingParams(n=args.n, max_tokens=args.max_tokens, temperature=args.temperature,
+                          top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
+                          seed=args.sample_seed, stop=args.stop)
+
+
+def cmd_generate(args) -> int:
+    """Generate completions for prompts given on the command line."""
+    import time
+    t0 = time.perf_counter()
+    llm = make_llm(args)
+    load = time.perf_counter() - t0
+    outs = llm.generate(args.prompt, make_params(args), use_tqdm=not args.quiet)
+    first = outs[0].metrics.first_token_time - outs[0].metrics.arrival_time if outs else 0.0
+    for out in outs:
+        for c in out.outputs:
+            print(f"--- {out.prompt!r} [{c.index}] ({len(c.token_ids)} tokens, {c.finish_reason})")
+            print(out.prompt + c.text)
+    m = llm.get_metrics()
+    print(f"--- load {load:.2f} s, cold start to first token {load + first:.2f} s, "
+          f"{m['generation_tokens']} tokens generated, KV blocks used at peak: see `kvserve analyze`",
+          file=sys.stderr)
+    return 0
+
+
+def cmd_chat(args) -> int:
+    """Interactive chat that keeps the conversation and reuses its cached prefix."""
+    llm = make_llm(args)
+    params = make_params(args)
+    messages = [{"role": "system", "content": args.system}] if args.system else []
+    print("kvserve chat: type a message, empty line or Ctrl-D to quit.")
+    while True:
+        try:
+            line = input("you> ").strip()
+        except EOFError:
+            break
+        if not line:
+            break
+        messages.append({"role": "user", "content": line})
+        out = llm.chat(messages, params, use_tqdm=False)[0]
+        reply = out.outputs[0].text
+        messages.append({"role": "assistant", "content": reply})
+        print(f"assistant> {reply}")
+        print(f"  [{len(out.prompt_token_ids)} prompt tokens, {out.num_cached_tokens} from cache, "
+              f"{len(out.outputs[0].token_ids)} generated]")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The top-level parser with every subcommand."""
+    parser = argparse.ArgumentParser(prog="kvserve", description="An LLM inference engine built around the KV cache.")
+    parser.add_argument("-v", "--verbose", action="store_true")
+    sub = parser.add_subparsers(dest="command", required=True)
+    gen = sub.add_parser("generate", help="generate text for one or more prompts")
+    gen.add_argument("prompt", nargs="+")
+    gen.add_argument("--quiet", action="store_true")
+    _engine_args(gen)
+    _sampling_args(gen)
+    gen.set_defaults(func=cmd_generate)
+    chat = sub.add_parser("chat", help="interactive chat with the model")
+    chat.add_argument("--system", default=None)
+    _engine_args(chat)
+    _sampling_args(chat)
+    chat.set_defaults(func=cmd_chat, max_tokens=256)
+    _register_tools(sub)
+    return parser
+
+
+def _register_tools(sub) -> None:
+    try:
+        from kvserve.tools import analyze, plan
+    except ImportError:
+        return
+    plan.register(sub)
+    analyze.register(sub)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the `kvserve` command."""
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    if not args.verbose:
+        logging.getLogger("httpx").setLevel(logging.WARNING)
+    try:
+        return args.func(args)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

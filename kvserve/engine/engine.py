@@ -1,0 +1,360 @@
+"""LLMEngine: requests in, tokens out, one scheduler step at a time."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+
+import torch
+
+from kvserve.config import EngineConfig
+from kvserve.engine.detokenizer import IncrementalDetokenizer, find_stop
+from kvserve.engine.memory import PoolPlan, check_fits, gib, measure_activation_peak, plan_pool
+from kvserve.engine.metrics import EngineStats
+from kvserve.engine.model_runner import ModelRunner
+from kvserve.engine.request import Request, RequestStatus
+from kvserve.engine.sampler import Sampler, SamplingInput
+from kvserve.engine.scheduler import Scheduler
+from kvserve.kv.hashing import namespace_hash
+from kvserve.kv.manager import KVCacheManager
+from kvserve.kv.sizing import kv_bytes_per_token
+from kvserve.kv.storage import KVStorage
+from kvserve.model.loader import load_weights, resolve_model_path
+from kvserve.model.registry import build_model
+from kvserve.model.tokenizer import Tokenizer
+from kvserve.outputs import CompletionOutput, RequestOutput
+from kvserve.sampling_params import SamplingParams
+
+log = logging.getLogger("kvserve")
+
+PromptType = str | list[int] | dict
+
+
+class LLMEngine:
+    """Synchronous engine: add requests, call step() until none are left."""
+
+    def __init__(self, config: EngineConfig):
+        config.validate()
+        self.config = config
+        self.device = config.torch_device()
+        self.dtype = config.torch_dtype()
+        t0 = time.perf_counter()
+        self.model_path = resolve_model_path(config.model)
+        self.model_config, weights = load_weights(self.model_path, self.dtype)
+        self.tokenizer = Tokenizer.load(self.model_path)
+        self.model = self._build_model(weights)
+        self.load_seconds = time.perf_counter() - t0
+        self.max_model_len = self._max_model_len()
+        self.stats = EngineStats()
+        self.sampler = Sampler(self._eos_ids(), self.model_config.vocab_size, config.seed)
+        self._init_cache()
+        self.groups: dict[str, list[Request]] = {}
+        self.detoks: dict[str, IncrementalDetokenizer] = {}
+        self._ids = itertools.count()
+
+    # ---- set-up --------------------------------------------------------------------
+    def _build_model(self, weights: dict[str, torch.Tensor]) -> torch.nn.Module:
+        model = build_model(self.model_config)
+        missing, unexpected = model.load_state_dict(weights, strict=False)
+        missing = [k for k in missing if not (k == "lm_head.weight" and self.model_config.tie_word_embeddings)]
+        if missing or unexpected:
+            raise ValueError(f"checkpoint does not match the model: missing {missing[:5]}, unexpected {unexpected[:5]}")
+        return model.to(device=self.device, dtype=self.dtype).eval()
+
+    def _max_model_len(self) -> int:
+        limit = self.model_config.max_position_embeddings
+        n = self.config.max_model_len or limit
+        if n > limit:
+            raise ValueError(f"max_model_len={n} exceeds the model's context length {limit}")
+        return n
+
+    def _eos_ids(self) -> list[int]:
+        ids = list(self.model_config.eos_token_ids)
+        if self.tokenizer.eos_token_id is not None and self.tokenizer.eos_token_id not in ids:
+            ids.append(self.tokenizer.eos_token_id)
+        return ids
+
+    def _init_cache(self) -> None:
+        cfg, mc = self.config, self.model_config
+        elem = torch.tensor([], dtype=self.dtype).element_size()
+        self.kv_bytes_per_token = kv_bytes_per_token(mc.num_layers, mc.num_kv_heads, mc.head_dim, elem)
+        self.kv, self.storage, self.pool_plan = None, None, None
+        if cfg.kv_cache_mode != "none":
+            self.pool_plan = self._plan_pool()
+            self.kv = KVCacheManager(
+                self.pool_plan.num_blocks, self.pool_plan.block_size, self._namespace(),
+                enable_prefix_caching=cfg.enable_prefix_caching and cfg.kv_cache_mode == "paged")
+            self.storage = KVStorage(mc.num_layers, self.pool_plan.num_blocks, self.pool_plan.block_size,
+                                     mc.num_kv_heads, mc.head_dim, self.dtype, self.device)
+        self.runner = ModelRunner(self.model, self.kv, self.storage, self.device)
+        max_batch = cfg.max_num_batched_tokens if self.kv is not None else self.max_model_len
+        self.scheduler = Scheduler(self.kv, cfg.max_num_seqs, max_batch)
+        self._log_pool()
+
+    def _plan_pool(self) -> PoolPlan:
+        cfg = self.config
+        # contiguous layout = one max_model_len "block" per sequence, reserved up front
+        block_size = self.max_model_len if cfg.kv_cache_mode == "contiguous" else cfg.block_size
+        weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        activation = 0
+        if cfg.kv_cache_memory is None:
+            activation = measure_activation_peak(self.device, self._warmup)
+        plan = plan_pool(cfg.kv_cache_memory, cfg.gpu_memory_utilization, self.device,
+                         weight_bytes, activation, block_size, self.kv_bytes_per_token)
+        check_fits(plan, self.max_model_len)
+        return plan
+
+    @torch.inference_mode()
+    def _warmup(self) -> None:
+        """One no-cache forward of max_num_batched_tokens tokens to measure activation memory."""
+        from kvserve.model.attention import AttentionMetadata, PrefillSpan
+        n = min(self.config.max_num_batched_tokens, self.max_model_len)
+        ids = torch.zeros(n, dtype=torch.long, device=self.device)
+        meta = AttentionMetadata(slot_mapping=None, prefills=[PrefillSpan(0, n, n)])
+        hidden = self.model(ids, torch.arange(n, device=self.device), None, meta)
+        self.model.compute_logits(hidden[-256:])
+        for layer in self.model.model.layers:
+            layer.self_attn.kv_rows = 0
+
+    def _namespace(self) -> bytes:
+        mc = self.model_config
+        return namespace_hash(mc.name, mc.architecture, self.dtype, self.config.block_size,
+                              mc.num_layers, mc.num_kv_heads, mc.head_dim)
+
+    def _log_pool(self) -> None:
+        if self.pool_plan is None:
+            log.info("KV cache: none (every step recomputes the whole sequence)")
+            return
+        p = self.pool_plan
+        log.info("KV cache (%s): %d blocks x %d tokens = %d tokens (%s, %d B/token) from %s; "
+                 "max concurrency at max_model_len=%d: %.1fx", self.config.kv_cache_mode, p.num_blocks,
+                 p.block_size, p.num_tokens, gib(p.nbytes), p.bytes_per_token, p.source,
+                 self.max_model_len, p.num_tokens / self.max_model_len)
+
+    # ---- requests ------------------------------------------------------------------
+    def make_request(self, prompt: PromptType, params: SamplingParams | None = None,
+                     request_id: str | None = None) -> Request:
+        """Validate a prompt and its parameters; no engine state changes."""
+        params = params or SamplingParams()
+        text, ids = self._tokenize(prompt)
+        if not ids:
+            raise ValueError("prompt is empty: give at least one token of text or token ids")
+        bad = [t for t in ids if not 0 <= t < self.model_config.vocab_size]
+        if bad:
+            raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {self.model_config.vocab_size})")
+        params = self._fit_max_tokens(params, len(ids))
+        rid = request_id or str(next(self._ids))
+        if rid in self.groups:
+            raise ValueError(f"request_id {rid!r} is already in use")
+        return Request(rid, ids, params, prompt=text, generator=self._generator(params.seed))
+
+    def add_request(self, prompt: PromptType, params: SamplingParams | None = None,
+                    request_id: str | None = None) -> str:
+        """Queue a request; returns its id. Raises ValueError for input that can never run."""
+        req = self.make_request(prompt, params, request_id)
+        self.groups[req.request_id] = [req]
+        self.detoks[req.request_id] = IncrementalDetokenizer(self.tokenizer, req.params.skip_special_tokens)
+        self.stats.prompt_tokens += req.num_prompt_tokens
+        self.scheduler.add(req)
+        return req.request_id
+
+    def abort_request(self, request_id: str) -> None:
+        """Stop a request now and free its blocks."""
+        for req in self.groups.get(request_id, []):
+            if not req.is_finished:
+                self._finish(req, RequestStatus.FINISHED_ABORTED)
+
+    def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+            if "prompt" in prompt:
+                prompt = prompt["prompt"]
+            else:
+                raise ValueError("a dict prompt needs 'prompt' or 'prompt_token_ids'")
+        if isinstance(prompt, str):
+            return prompt, self.tokenizer.encode(prompt) if prompt else []
+        if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) for t in prompt):
+            return None, list(prompt)
+        raise ValueError(f"a prompt must be a string, a list of token ids or a dict, got {type(prompt).__name__}")
+
+    def _fit_max_tokens(self, params: SamplingParams, prompt_len: int) -> SamplingParams:
+        room = self.max_model_len - prompt_len
+        if room < 1:
+            raise ValueError(f"prompt has {prompt_len} tokens but max_model_len is {self.max_model_len}: "
+                             "shorten the prompt or raise max_model_len")
+        if params.max_tokens is None:
+            params = _replace(params, max_tokens=room)
+        elif params.max_tokens > room:
+            raise ValueError(f"prompt ({prompt_len} tokens) + max_tokens ({params.max_tokens}) exceeds "
+                             f"max_model_len={self.max_model_len}: lower max_tokens to at most {room}")
+        if self.kv is not None:
+            need = self.kv.blocks_for_tokens(prompt_len + params.max_tokens)
+            if need > self.kv.num_blocks:
+                raise ValueError(f"request needs {need} KV blocks but the whole pool has {self.kv.num_blocks}: "
+                                 "lower max_tokens or raise kv_cache_memory")
+        return params
+
+    def _generator(self, seed: int | None, offset: int = 0) -> torch.Generator | None:
+        if seed is None:
+            return None
+        return torch.Generator(device=self.device).manual_seed(seed + offset)
+
+    # ---- the step ------------------------------------------------------------------
+    def has_unfinished_requests(self) -> bool:
+        """True while any request waits or runs."""
+        return self.scheduler.has_unfinished()
+
+    def step(self) -> list[RequestOutput]:
+        """Schedule, run the model once, sample, and return outputs of requests that moved."""
+        sched = self.scheduler.schedule()
+        if not sched.scheduled:
+            return []
+        self.stats.num_steps += 1
+        pl_reqs = [r for r, _ in sched.scheduled if r.params.prompt_logprobs is not None and r.num_output_tokens == 0]
+        inp, logits, prompt_logits = self.runner.execute(sched.scheduled, pl_reqs)
+        for req, n in sched.scheduled:
+            req.num_computed_tokens += n
+            if self.kv is not None:
+                self.kv.cache_blocks(req.request_id, req.token_ids, req.num_computed_tokens)
+        self._collect_prompt_logprobs(prompt_logits, pl_reqs)
+        touched = {r.group_id for r, _ in sched.scheduled}
+        self._sample(logits, inp.sampling_reqs)
+        return [self._output(gid) for gid in touched if gid in self.groups]
+
+    def _sample(self, logits: torch.Tensor, reqs: list[Request]) -> None:
+        inputs = [SamplingInput(r.params, r.prompt_token_ids, r.output_token_ids, r.generator,
+                                self._num_samples(r)) for r in reqs]
+        results = self.sampler(logits, inputs)
+        for req, res in zip(reqs, results):
+            top = res.top_logprobs or [None] * len(res.token_ids)
+            if len(res.token_ids) > 1:
+                self._fork(req, res.token_ids[1:], res.logprobs[1:], top[1:])
+            self._append(req, res.token_ids[0], res.logprobs[0], top[0])
+
+    def _num_samples(self, req: Request) -> int:
+        return req.params.n if req.index == 0 and req.num_output_tokens == 0 else 1
+
+    def _fork(self, parent: Request, tokens, logprobs, tops) -> None:
+        """Children share the parent's blocks; the partly filled last block is copied on write."""
+        for i, (tok, lp, top) in enumerate(zip(tokens, logprobs, tops), start=1):
+            child = Request(f"{parent.request_id}#{i}", parent.prompt_token_ids, parent.params,
+                            prompt=parent.prompt, group_id=parent.group_id, index=i,
+                            generator=self._generator(parent.params.seed, i), arrival_time=parent.arrival_time)
+            child.num_computed_tokens = parent.num_computed_tokens
+            child.num_cached_tokens = parent.num_cached_tokens
+            child.status = RequestStatus.RUNNING
+            child.metrics.first_scheduled_time = parent.metrics.first_scheduled_time
+            if self.kv is not None:
+                self.kv.fork(parent.request_id, child.request_id)
+            self.scheduler.running.append(child)
+            self.groups[parent.group_id].append(child)
+            self.detoks[child.request_id] = IncrementalDetokenizer(self.tokenizer, parent.params.skip_special_tokens)
+            self._append(child, tok, lp, top)
+
+    def _append(self, req: Request, token: int, logprob: float, top) -> None:
+        req.append_token(token, logprob, top)
+        self.stats.generation_tokens += 1
+        p = req.params
+        delta = self.detoks[req.request_id].add(token)
+        req.text += delta
+        stop = find_stop(req.text, len(delta), p.stop, p.include_stop_str_in_output)
+        n_out = req.num_output_tokens
+        if stop is not None:
+            req.text, req.stop_reason = stop
+            self._finish(req, RequestStatus.FINISHED_STOPPED)
+        elif n_out >= p.min_tokens and ((token in self.sampler.eos_token_ids and not p.ignore_eos)
+                                        or token in p.stop_token_ids):
+            req.stop_reason = token if token in p.stop_token_ids else None
+            self._finish(req, RequestStatus.FINISHED_STOPPED)
+        elif n_out >= p.max_tokens or req.num_tokens >= self.max_model_len:
+            self._finish(req, RequestStatus.FINISHED_LENGTH)
+
+    def _finish(self, req: Request, status: RequestStatus) -> None:
+        self.scheduler.finish(req, status)
+        m = req.metrics
+        n = req.num_output_tokens
+        tpot = None
+        if n > 1 and m.first_token_time is not None:
+            tpot = (m.last_token_time - m.first_token_time) / (n - 1)
+        self.stats.record_finished(status.value, m.ttft, tpot, m.finished_time - m.arrival_time, m.queue_time)
+
+    def _collect_prompt_logprobs(self, prompt_logits: dict, reqs: list[Request]) -> None:
+        for req in reqs:
+            rows = prompt_logits.get(req.request_id)
+            if rows is None:
+                continue
+            req._prompt_rows = getattr(req, "_prompt_rows", []) + [rows]
+            if req.num_computed_tokens >= req.num_prompt_tokens:
+                allrows = torch.cat(req._prompt_rows) if req._prompt_rows else rows
+                req.prompt_logprobs = self.sampler.prompt_logprobs(
+                    allrows, req.prompt_token_ids, req.params.prompt_logprobs)
+                del req._prompt_rows
+
+    # ---- outputs -------------------------------------------------------------------
+    def _output(self, group_id: str) -> RequestOutput:
+        members = self.groups[group_id]
+        head = members[0]
+        outs = [CompletionOutput(r.index, r.text, list(r.output_token_ids), r.cumulative_logprob,
+                                 r.logprobs, r.finish_reason(), r.stop_reason) for r in members]
+        finished = all(r.is_finished for r in members) and (
+            len(members) == head.params.n or head.status == RequestStatus.FINISHED_ABORTED)
+        out = RequestOutput(group_id, head.prompt, head.prompt_token_ids, outs, finished,
+                            head.num_cached_tokens, head.prompt_logprobs, head.metrics)
+        if finished:
+            self._drop(group_id)
+        return out
+
+    def _drop(self, group_id: str) -> None:
+        for r in self.groups.pop(group_id, []):
+            self.detoks.pop(r.request_id, None)
+
+    def get_metrics(self) -> dict:
+        """Blocks, KV usage, prefix cache, preemptions, tokens and latencies."""
+        from kvserve.engine.metrics import percentile
+        s = self.stats
+        m = {
+            "num_requests_running": len(self.scheduler.running),
+            "num_requests_waiting": len(self.scheduler.waiting),
+            "num_preemptions": self.scheduler.num_preemptions,
+            "prompt_tokens": s.prompt_tokens,
+            "generation_tokens": s.generation_tokens,
+            "num_steps": s.num_steps,
+            "request_success": dict(s.request_success),
+            "kv_projection_rows": self.model.kv_rows,
+            "kv_bytes_per_token": self.kv_bytes_per_token,
+        }
+        for name, values in (("ttft", s.ttft), ("tpot", s.tpot), ("e2e", s.e2e), ("queue_time", s.queue_time)):
+            m[f"{name}_mean"] = sum(values) / len(values) if values else None
+            m[f"{name}_p50"] = percentile(values, 50)
+            m[f"{name}_p99"] = percentile(values, 99)
+        m.update(self._kv_metrics())
+        return m
+
+    def _kv_metrics(self) -> dict:
+        if self.kv is None:
+            return {"num_blocks_total": 0, "num_blocks_free": 0, "num_blocks_used": 0, "num_blocks_cached": 0,
+                    "kv_cache_usage": 0.0, "kv_cache_bytes": 0, "prefix_cache_queries": 0, "prefix_cache_hits": 0}
+        pool = self.kv.pool
+        return {
+            "num_blocks_total": pool.num_blocks,
+            "num_blocks_free": pool.num_free,
+            "num_blocks_used": pool.num_blocks - pool.num_free,
+            "num_blocks_cached": pool.num_cached,
+            "num_blocks_cached_free": pool.num_cached_free,
+            "kv_cache_usage": self.kv.usage(),
+            "kv_cache_bytes": self.storage.nbytes,
+            "block_size": self.kv.block_size,
+            "prefix_cache_queries": self.kv.stats.queries,
+            "prefix_cache_hits": self.kv.stats.hits,
+        }
+
+    def reset_prefix_cache(self) -> int:
+        """Forget all cached free blocks; returns how many."""
+        return self.kv.reset_prefix_cache() if self.kv is not None else 0
+
+
+def _replace(params: SamplingParams, **changes) -> SamplingParams:
+    import dataclasses
+    return dataclasses.replace(params, **changes)

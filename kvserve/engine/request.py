@@ -1,0 +1,93 @@
+"""Request: one sequence moving through the engine."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from kvserve.engine.sampler import Logprob
+from kvserve.outputs import RequestMetrics
+from kvserve.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    """Where a request is in its life."""
+
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+
+    @property
+    def finished(self) -> bool:
+        """True for the three finished states."""
+        return self.value in ("stop", "length", "abort")
+
+
+@dataclass
+class Request:
+    """Token ids, progress through the cache, and sampling state of one sequence."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    prompt: str | None = None
+    group_id: str | None = None           # the user-visible request id (forks share it)
+    index: int = 0                        # which of the group's `n` completions
+    generator: torch.Generator | None = None
+    arrival_time: float = field(default_factory=time.monotonic)
+
+    def __post_init__(self):
+        self.token_ids = list(self.prompt_token_ids)   # prompt + output
+        self.num_prompt_tokens = len(self.prompt_token_ids)
+        self.num_computed_tokens = 0                   # tokens whose K/V are in the cache
+        self.num_cached_tokens = 0                     # prompt tokens served from the prefix cache
+        self.status = RequestStatus.WAITING
+        self.stop_reason: int | str | None = None
+        self.cumulative_logprob = 0.0
+        self.logprobs: list[dict[int, Logprob]] | None = [] if self.params.logprobs is not None else None
+        self.prompt_logprobs: list | None = None
+        self.text = ""
+        self.metrics = RequestMetrics(self.arrival_time)
+        if self.group_id is None:
+            self.group_id = self.request_id
+
+    @property
+    def num_tokens(self) -> int:
+        """Prompt plus generated tokens."""
+        return len(self.token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        """Generated tokens."""
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def num_output_tokens(self) -> int:
+        """How many tokens were generated."""
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        """True once stopped, out of length, or aborted."""
+        return self.status.finished
+
+    def append_token(self, token_id: int, logprob: float, top: dict[int, Logprob] | None) -> None:
+        """Record one sampled token."""
+        self.token_ids.append(token_id)
+        self.cumulative_logprob += logprob
+        if self.logprobs is not None and top is not None:
+            self.logprobs.append(top)
+        now = time.monotonic()
+        if self.metrics.first_token_time is None:
+            self.metrics.first_token_time = now
+        self.metrics.last_token_time = now
+
+    def finish_reason(self) -> str | None:
+        """OpenAI-style finish reason, None while running."""
+        return self.status.value if self.is_finished else None

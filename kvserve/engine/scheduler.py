@@ -1,0 +1,123 @@
+"""Iteration-level scheduling: one token budget per step, chunked prefill, preemption."""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from kvserve.engine.request import Request, RequestStatus
+from kvserve.kv.manager import KVCacheManager
+
+
+@dataclass
+class SchedulerOutput:
+    """The requests to run this step and how many new tokens each."""
+
+    scheduled: list[tuple[Request, int]] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens in the batch."""
+        return sum(n for _, n in self.scheduled)
+
+
+class Scheduler:
+    """FCFS continuous batching over a KVCacheManager (or none, for recompute mode)."""
+
+    def __init__(self, kv: KVCacheManager | None, max_num_seqs: int, max_num_batched_tokens: int):
+        self.kv = kv
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.num_preemptions = 0
+
+    def add(self, req: Request) -> None:
+        """Queue a new request."""
+        self.waiting.append(req)
+
+    def has_unfinished(self) -> bool:
+        """True while any request waits or runs."""
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> SchedulerOutput:
+        """Pick this step's batch: running requests first, then waiting ones (FCFS)."""
+        if self.kv is None:
+            return self._schedule_recompute()
+        out = SchedulerOutput()
+        budget = self._schedule_running(out, self.max_num_batched_tokens)
+        if not out.preempted:
+            self._schedule_waiting(out, budget)
+        return out
+
+    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            while not self.kv.allocate_slots(req.request_id, req.num_computed_tokens, n):
+                victim = self.running.pop()
+                self._preempt(victim)
+                out.preempted.append(victim)
+                if victim is req:
+                    return budget
+            out.scheduled.append((req, n))
+            budget -= n
+            i += 1
+        return budget
+
+    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            req = self.waiting[0]
+            hits, num_hit = self._prefix_hits(req)
+            n = min(req.num_tokens - num_hit, budget)
+            if not self.kv.allocate_slots(req.request_id, num_hit, n, hits):
+                break
+            self.waiting.popleft()
+            if req.status == RequestStatus.WAITING:  # first admission, not a resume
+                req.num_cached_tokens = num_hit
+                self.kv.record_prefix_query(req.num_tokens, num_hit)
+                req.metrics.first_scheduled_time = time.monotonic()
+            req.num_computed_tokens = num_hit
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            out.scheduled.append((req, n))
+            budget -= n
+
+    def _prefix_hits(self, req: Request) -> tuple[list[int], int]:
+        if req.params.prompt_logprobs is not None:  # every prompt position must produce logits
+            self.kv.get_computed_blocks(req.request_id, [])
+            return [], 0
+        return self.kv.get_computed_blocks(req.request_id, req.token_ids)
+
+    def _preempt(self, req: Request) -> None:
+        self.kv.free(req.request_id)
+        req.num_computed_tokens = 0
+        req.status = RequestStatus.PREEMPTED
+        self.num_preemptions += 1
+        self.waiting.appendleft(req)
+
+    def _schedule_recompute(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        while self.waiting and len(self.running) < self.max_num_seqs:
+            req = self.waiting.popleft()
+            req.status = RequestStatus.RUNNING
+            req.metrics.first_scheduled_time = time.monotonic()
+            self.running.append(req)
+        for req in self.running:
+            req.num_computed_tokens = 0  # nothing is cached: the whole sequence runs again
+            out.scheduled.append((req, req.num_tokens))
+        return out
+
+    def finish(self, req: Request, status: RequestStatus) -> None:
+        """Mark a request finished and release its blocks."""
+        req.status = status
+        req.metrics.finished_time = time.monotonic()
+        if req in self.running:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        if self.kv is not None:
+            self.kv.free(req.request_id)

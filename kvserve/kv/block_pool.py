@@ -1,0 +1,115 @@
+"""Block ids, reference counts, an LRU queue of free blocks, and the hash -> block map."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+from kvserve.kv.hashing import BlockHash
+
+
+@dataclass
+class Block:
+    """One physical block of `block_size` token slots."""
+
+    block_id: int
+    ref_cnt: int = 0
+    block_hash: BlockHash | None = None
+    token_ids: tuple[int, ...] | None = None  # kept with the hash to guard against collisions
+
+
+class BlockPool:
+    """Hands out blocks; freed blocks keep their hash until reallocated (LRU order)."""
+
+    def __init__(self, num_blocks: int):
+        if num_blocks < 1:
+            raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
+        self.num_blocks = num_blocks
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        # Front of the queue is reused first: blocks without a hash go to the front,
+        # freed cached blocks to the back (least recently used are reused first).
+        self.free_queue: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        self.cached: dict[BlockHash, int] = {}
+        self.num_evicted = 0
+
+    @property
+    def num_free(self) -> int:
+        """Blocks with no owner (cached ones included)."""
+        return len(self.free_queue)
+
+    @property
+    def num_cached_free(self) -> int:
+        """Free blocks that still hold a reusable hash."""
+        return sum(1 for b in self.free_queue if self.blocks[b].block_hash is not None)
+
+    @property
+    def num_cached(self) -> int:
+        """Blocks registered in the hash map (owned or free)."""
+        return len(self.cached)
+
+    def allocate(self, n: int) -> list[Block]:
+        """Take `n` blocks from the front of the free queue (evicting their hashes)."""
+        if n > self.num_free:
+            raise RuntimeError(f"asked for {n} blocks, only {self.num_free} free")
+        out = []
+        for _ in range(n):
+            block_id, _ = self.free_queue.popitem(last=False)
+            block = self.blocks[block_id]
+            self._forget_hash(block)
+            block.ref_cnt = 1
+            out.append(block)
+        return out
+
+    def touch(self, block_ids: list[int]) -> None:
+        """Take a reference on blocks (reviving free cached blocks from the queue)."""
+        for block_id in block_ids:
+            block = self.blocks[block_id]
+            if block.ref_cnt == 0:
+                del self.free_queue[block_id]
+            block.ref_cnt += 1
+
+    def free(self, block_ids: list[int]) -> None:
+        """Drop a reference on each block; give the order tail-first for LRU eviction."""
+        for block_id in block_ids:
+            block = self.blocks[block_id]
+            if block.ref_cnt <= 0:
+                raise RuntimeError(f"block {block_id} freed with ref_cnt {block.ref_cnt}")
+            block.ref_cnt -= 1
+            if block.ref_cnt == 0:
+                self.free_queue[block_id] = None
+                if block.block_hash is None:
+                    self.free_queue.move_to_end(block_id, last=False)
+
+    def lookup(self, block_hash: BlockHash, token_ids: tuple[int, ...]) -> int | None:
+        """Block id holding exactly these tokens under this hash, or None."""
+        block_id = self.cached.get(block_hash)
+        if block_id is None or self.blocks[block_id].token_ids != token_ids:
+            return None
+        return block_id
+
+    def register(self, block_id: int, block_hash: BlockHash, token_ids: tuple[int, ...]) -> None:
+        """Mark a full block as cached under `block_hash` (first writer wins)."""
+        block = self.blocks[block_id]
+        if block.block_hash is not None or block_hash in self.cached:
+            return
+        block.block_hash = block_hash
+        block.token_ids = token_ids
+        self.cached[block_hash] = block_id
+
+    def reset_cache(self) -> int:
+        """Forget every hash of free blocks; returns how many were dropped."""
+        dropped = 0
+        for block_id in self.free_queue:
+            block = self.blocks[block_id]
+            if block.block_hash is not None:
+                self._forget_hash(block)
+                dropped += 1
+        return dropped
+
+    def _forget_hash(self, block: Block) -> None:
+        if block.block_hash is not None:
+            if self.cached.get(block.block_hash) == block.block_id:
+                del self.cached[block.block_hash]
+            self.num_evicted += 1
+        block.block_hash = None
+        block.token_ids = None

@@ -1,0 +1,123 @@
+"""LLM: the offline API, shaped like vLLM's."""
+
+from __future__ import annotations
+
+import time
+from typing import Sequence
+
+from tqdm.auto import tqdm
+
+from kvserve.config import EngineConfig
+from kvserve.engine.engine import LLMEngine, PromptType
+from kvserve.outputs import RequestOutput
+from kvserve.sampling_params import BeamSearchParams, SamplingParams
+
+
+class LLM:
+    """Generate text with the paged, prefix-cached KV cache."""
+
+    def __init__(self, model: str | None = None, *, dtype: str = "auto", device: str = "auto",
+                 max_model_len: int | None = None, block_size: int = 16,
+                 kv_cache_memory: int | str | None = None, gpu_memory_utilization: float | None = None,
+                 enable_prefix_caching: bool = True, max_num_seqs: int = 256,
+                 max_num_batched_tokens: int = 2048, seed: int | None = 0, kv_cache_mode: str = "paged"):
+        config = EngineConfig(model=model, dtype=dtype, device=device, max_model_len=max_model_len,
+                              block_size=block_size, kv_cache_memory=kv_cache_memory,
+                              gpu_memory_utilization=gpu_memory_utilization,
+                              enable_prefix_caching=enable_prefix_caching, max_num_seqs=max_num_seqs,
+                              max_num_batched_tokens=max_num_batched_tokens, seed=seed,
+                              kv_cache_mode=kv_cache_mode)
+        self.engine = LLMEngine(config)
+
+    @property
+    def model_config(self):
+        """The loaded model's shape."""
+        return self.engine.model_config
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """Bytes the KV pool holds per token."""
+        return self.engine.kv_bytes_per_token
+
+    def get_tokenizer(self):
+        """The model's tokenizer."""
+        return self.engine.tokenizer
+
+    def generate(self, prompts: PromptType | Sequence[PromptType],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """Run prompts to completion; outputs come back in prompt order."""
+        prompts = _as_list(prompts)
+        params = _params_list(sampling_params, len(prompts))
+        reqs = [self.engine.make_request(p, sp) for p, sp in zip(prompts, params)]  # validate all first
+        ids = [self.engine.add_request(p, sp) for p, sp in zip(prompts, params)]
+        del reqs
+        return self._run(ids, use_tqdm)
+
+    def chat(self, messages: list[dict] | list[list[dict]],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+             use_tqdm: bool = True, add_generation_prompt: bool = True) -> list[RequestOutput]:
+        """Apply the chat template to one or many conversations, then generate."""
+        convs = [messages] if messages and isinstance(messages[0], dict) else messages
+        tok = self.engine.tokenizer
+        prompts = [{"prompt_token_ids": tok.apply_chat_template(c, add_generation_prompt)} for c in convs]
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def beam_search(self, prompts: PromptType | Sequence[PromptType], params: BeamSearchParams):
+        """Beam search; beams share KV blocks copy-on-write."""
+        from kvserve.engine.beam_search import run_beam_search
+        return [run_beam_search(self.engine, p, params) for p in _as_list(prompts)]
+
+    def get_metrics(self) -> dict:
+        """Blocks, KV usage, prefix-cache queries/hits, preemptions, tokens, TTFT/TPOT."""
+        return self.engine.get_metrics()
+
+    def reset_prefix_cache(self) -> int:
+        """Forget cached blocks that no request holds."""
+        return self.engine.reset_prefix_cache()
+
+    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        done: dict[str, RequestOutput] = {}
+        bar = tqdm(total=len(ids), desc="Processed prompts", disable=not use_tqdm, dynamic_ncols=True)
+        start = time.perf_counter()
+        stats = self.engine.stats
+        p0, g0 = stats.prompt_tokens, stats.generation_tokens
+        try:
+            while len(done) < len(ids):
+                for out in self.engine.step():
+                    if out.finished:
+                        done[out.request_id] = out
+                        bar.update(1)
+                if use_tqdm:
+                    dt = max(time.perf_counter() - start, 1e-9)
+                    bar.set_postfix_str(f"input: {(stats.prompt_tokens - p0) / dt:.1f} toks/s, "
+                                        f"output: {(stats.generation_tokens - g0) / dt:.1f} toks/s")
+                if not self.engine.has_unfinished_requests() and len(done) < len(ids):
+                    raise RuntimeError("engine stopped with unfinished requests")
+        except BaseException:
+            for rid in ids:
+                if rid not in done:
+                    self.engine.abort_request(rid)
+                    self.engine._drop(rid)
+            raise
+        finally:
+            bar.close()
+        return [done[i] for i in ids]
+
+
+def _as_list(prompts) -> list:
+    if isinstance(prompts, (str, dict)):
+        return [prompts]
+    if isinstance(prompts, (list, tuple)) and prompts and all(isinstance(t, int) for t in prompts):
+        return [list(prompts)]
+    return list(prompts)
+
+
+def _params_list(sp, n: int) -> list[SamplingParams]:
+    if sp is None:
+        return [SamplingParams() for _ in range(n)]
+    if isinstance(sp, SamplingParams):
+        return [sp] * n
+    if len(sp) != n:
+        raise ValueError(f"got {len(sp)} sampling_params for {n} prompts; give one or one per prompt")
+    return list(sp)

@@ -1,0 +1,96 @@
+"""Llama-family decoder (RMSNorm, RoPE, GQA, SwiGLU) running over the paged KV cache."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from kvserve.kv.storage import KVStorage
+from kvserve.model.attention import AttentionMetadata, attend
+from kvserve.model.config import ModelConfig
+from kvserve.model.layers import GatedMLP, RMSNorm, RotaryEmbedding
+
+
+class LlamaAttention(nn.Module):
+    """Self-attention with grouped K/V heads."""
+
+    def __init__(self, cfg: ModelConfig, layer: int, rope: RotaryEmbedding):
+        super().__init__()
+        self.layer = layer
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        bias = cfg.attention_bias
+        self.q_proj = nn.Linear(cfg.hidden_size, cfg.num_heads * cfg.head_dim, bias=bias)
+        self.k_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=bias)
+        self.v_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=bias)
+        self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=bias)
+        self.rope = rope
+        self.kv_rows = 0  # token rows pushed through k_proj/v_proj (instrumented, for `analyze`)
+
+    def forward(self, x, positions, storage: KVStorage | None, meta: AttentionMetadata):
+        n = x.shape[0]
+        q = self.q_proj(x).view(n, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(n, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(n, self.num_kv_heads, self.head_dim)
+        self.kv_rows += n
+        q, k = self.rope(positions, q, k)
+        o = attend(q, k, v, self.layer, storage, meta, self.head_dim ** -0.5)
+        return self.o_proj(o.reshape(n, -1))
+
+
+class LlamaDecoderLayer(nn.Module):
+    """Pre-norm attention + MLP block."""
+
+    def __init__(self, cfg: ModelConfig, layer: int, rope: RotaryEmbedding):
+        super().__init__()
+        self.self_attn = LlamaAttention(cfg, layer, rope)
+        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, x, positions, storage, meta):
+        x = x + self.self_attn(self.input_layernorm(x), positions, storage, meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaModel(nn.Module):
+    """The decoder stack."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        rope = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i, rope) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, input_ids, positions, storage, meta):
+        x = self.embed_tokens(input_ids)
+        for layer in self.layers:
+            x = layer(x, positions, storage, meta)
+        return self.norm(x)
+
+
+class LlamaForCausalLM(nn.Module):
+    """Decoder + LM head; logits only for the rows asked for."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.config = cfg
+        self.model = LlamaModel(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, storage: KVStorage | None,
+                meta: AttentionMetadata) -> torch.Tensor:
+        """Hidden states [num_tokens, hidden] after the final norm."""
+        return self.model(input_ids, positions, storage, meta)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits [rows, vocab] in float32."""
+        return self.lm_head(hidden).float()
+
+    @property
+    def kv_rows(self) -> int:
+        """Token rows whose K/V were projected, per layer (summed over layers / num_layers)."""
+        layers = self.model.layers
+        return sum(layer.self_attn.kv_rows for layer in layers) // len(layers)

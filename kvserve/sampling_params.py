@@ -1,0 +1,138 @@
+"""Sampling and beam-search parameters, with vLLM's fields, defaults and ranges."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+_SAMPLING_EPS = 1e-5
+MAX_LOGPROBS = 20
+
+
+def _check(name: str, value: object, ok: bool, allowed: str) -> None:
+    """Raise ValueError naming the field, its value and the allowed range unless ok."""
+    if not ok:
+        raise ValueError(f"{name} must be {allowed}, got {value!r}")
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _check_int(name: str, value: object, lo: int, hi: int | None = None) -> None:
+    allowed = f"an integer >= {lo}" if hi is None else f"an integer in [{lo}, {hi}]"
+    ok = _is_int(value) and value >= lo and (hi is None or value <= hi)
+    _check(name, value, ok, allowed)
+
+
+def _check_float(name: str, value: object, ok_range, allowed: str) -> None:
+    _check(name, value, _is_number(value) and ok_range(value), allowed)
+
+
+@dataclass
+class SamplingParams:
+    """How to pick tokens for one request; fields, defaults and meaning follow vLLM."""
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+
+    def __post_init__(self) -> None:
+        self.stop = _normalise_stop(self.stop)
+        self.stop_token_ids = _normalise_stop_token_ids(self.stop_token_ids)
+        self._validate_sampling()
+        self._validate_lengths()
+        self._validate_penalties()
+        self._validate_logprobs()
+
+    def _validate_sampling(self) -> None:
+        _check_int("n", self.n, 1)
+        _check_float("temperature", self.temperature, lambda t: t >= 0 and t != math.inf,
+                     "a finite number >= 0")
+        _check_float("top_p", self.top_p, lambda p: 0 < p <= 1, "in (0, 1]")
+        _check("top_k", self.top_k, _is_int(self.top_k) and self.top_k >= -1,
+               "-1 or 0 (disabled) or an integer >= 1")
+        _check_float("min_p", self.min_p, lambda p: 0 <= p <= 1, "in [0, 1]")
+        _check("seed", self.seed, self.seed is None or _is_int(self.seed), "None or an integer")
+
+    def _validate_lengths(self) -> None:
+        if self.max_tokens is not None:
+            _check_int("max_tokens", self.max_tokens, 1)
+        hi = self.max_tokens
+        allowed = "an integer >= 0" if hi is None else f"an integer in [0, max_tokens={hi}]"
+        ok = _is_int(self.min_tokens) and self.min_tokens >= 0 and (hi is None or self.min_tokens <= hi)
+        _check("min_tokens", self.min_tokens, ok, allowed)
+
+    def _validate_penalties(self) -> None:
+        for name in ("presence_penalty", "frequency_penalty"):
+            _check_float(name, getattr(self, name), lambda v: -2 <= v <= 2, "in [-2, 2]")
+        _check_float("repetition_penalty", self.repetition_penalty,
+                     lambda v: 0 < v < math.inf, "a finite number > 0")
+
+    def _validate_logprobs(self) -> None:
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None:
+                _check_int(name, value, 0, MAX_LOGPROBS)
+
+    @property
+    def greedy(self) -> bool:
+        """True when temperature is (near) zero: always take the argmax."""
+        return self.temperature < _SAMPLING_EPS
+
+
+def _normalise_stop(stop: str | list[str] | None) -> list[str]:
+    """Turn None / one string / a list into a list of non-empty stop strings."""
+    if stop is None:
+        return []
+    stops = [stop] if isinstance(stop, str) else list(stop)
+    for s in stops:
+        _check("stop", s, isinstance(s, str) and len(s) > 0, "a non-empty string")
+    return stops
+
+
+def _normalise_stop_token_ids(ids: list[int] | None) -> list[int]:
+    """Turn None / a list into a list of non-negative token ids."""
+    if ids is None:
+        return []
+    ids = list(ids)
+    for t in ids:
+        _check("stop_token_ids", t, _is_int(t) and t >= 0, "a list of integers >= 0")
+    return ids
+
+
+@dataclass
+class BeamSearchParams:
+    """Parameters of beam search (vLLM's LLM.beam_search)."""
+
+    beam_width: int
+    max_tokens: int
+    ignore_eos: bool = False
+    temperature: float = 0.0
+    length_penalty: float = 1.0
+
+    def __post_init__(self) -> None:
+        _check_int("beam_width", self.beam_width, 1)
+        _check_int("max_tokens", self.max_tokens, 1)
+        _check_float("temperature", self.temperature, lambda t: t >= 0 and t != math.inf,
+                     "a finite number >= 0")
+        _check_float("length_penalty", self.length_penalty, math.isfinite, "a finite number")
