@@ -61,3 +61,23 @@ class RequestOutput:
     num_cached_tokens: int = 0
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     metrics: RequestMetrics | None = None
+
+
+@dataclass
+class BeamSearchSequence:
+    """One finished beam."""
+
+    tokens: list[int]            # generated tokens only
+    text: str
+    cum_logprob: float
+    score: float                 # cum_logprob / len(prompt + tokens) ** length_penalty
+    finish_reason: str           # "stop" (EOS) or "length"
+
+
+@dataclass
+class BeamSearchOutput:
+    """The best `beam_width` beams of one prompt, best first."""
+
+    prompt: str | None
+    prompt_token_ids: list[int]
+    sequences: list[BeamSearchSequence]

@@ -8,13 +8,10 @@ import torch
 
 @pytest.fixture(scope="session")
 def bundled_model_path() -> str:
-    """Absolute path of the bundled SmolLM2-135M-Instruct GGUF (skips when not installed)."""
+    """Absolute path of the bundled SmolLM2-135M-Instruct GGUF (`make test` installs it)."""
     from kvserve.model.loader import resolve_model_path
 
-    try:
-        return resolve_model_path(None)
-    except (ModuleNotFoundError, FileNotFoundError) as exc:
-        pytest.skip(str(exc))
+    return resolve_model_path(None)
 
 
 @pytest.fixture(scope="session")
@@ -34,3 +31,19 @@ def hf_tokenizer(bundled_model_path):
 
     folder, name = os.path.split(bundled_model_path)
     return AutoTokenizer.from_pretrained(folder, gguf_file=name)
+
+
+@pytest.fixture(scope="session")
+def llm():
+    """kvserve on the bundled model with a small paged pool (shared by tests; leaves it idle)."""
+    from kvserve import LLM
+
+    return LLM(kv_cache_memory="128MiB", max_model_len=2048)
+
+
+@pytest.fixture(scope="session")
+def llm_nocache():
+    """The oracle: the same model recomputing the whole sequence at every step."""
+    from kvserve import LLM
+
+    return LLM(kv_cache_mode="none", max_model_len=2048)

@@ -14,7 +14,7 @@ from kvserve.engine.memory import PoolPlan, check_fits, gib, measure_activation_
 from kvserve.engine.metrics import EngineStats
 from kvserve.engine.model_runner import ModelRunner
 from kvserve.engine.request import Request, RequestStatus
-from kvserve.engine.sampler import Sampler, SamplingInput
+from kvserve.engine.sampler import Sampler, SamplingInput, prompt_logprobs
 from kvserve.engine.scheduler import Scheduler
 from kvserve.kv.hashing import namespace_hash
 from kvserve.kv.manager import KVCacheManager
@@ -288,7 +288,7 @@ class LLMEngine:
             req._prompt_rows = getattr(req, "_prompt_rows", []) + [rows]
             if req.num_computed_tokens >= req.num_prompt_tokens:
                 allrows = torch.cat(req._prompt_rows) if req._prompt_rows else rows
-                req.prompt_logprobs = self.sampler.prompt_logprobs(
+                req.prompt_logprobs = prompt_logprobs(
                     allrows, req.prompt_token_ids, req.params.prompt_logprobs)
                 del req._prompt_rows
 

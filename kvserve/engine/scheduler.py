@@ -57,6 +57,9 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             n = min(req.num_tokens - req.num_computed_tokens, budget)
+            if n == 0:  # nothing new to run (a beam waiting for its siblings)
+                i += 1
+                continue
             while not self.kv.allocate_slots(req.request_id, req.num_computed_tokens, n):
                 victim = self.running.pop()
                 self._preempt(victim)

@@ -35,6 +35,7 @@ class KVCacheManager:
         self.reqs: dict[str, _ReqState] = {}
         self.pending_copies: list[tuple[int, int]] = []  # (src, dst) block copies to run before the next forward
         self.stats = PrefixCacheStats()
+        self.num_cow_copies = 0
 
     # ---- queries -------------------------------------------------------------------
     @property
@@ -154,5 +155,6 @@ class KVCacheManager:
         old = state.block_ids[index]
         new = self.pool.allocate(1)[0].block_id
         self.pending_copies.append((old, new))
+        self.num_cow_copies += 1
         self.pool.free([old])
         state.block_ids[index] = new

@@ -64,14 +64,14 @@ class Plan:
 
 
 def plan(model: ModelShape, context: int = DEFAULT_CONTEXT, batch: int = 1, kv_dtype: str = "bf16",
-         hardware: Hardware | str = DEFAULT_GPU, num_gpus: int = 1,
+         gpu: Hardware | str = DEFAULT_GPU, num_gpus: int = 1,
          gpu_memory_utilization: float = 0.9, reserved_fraction: float = 0.0,
          weight_dtype: str | None = None) -> Plan:
-    """Size the KV cache and the decode-step reads for `model` on `num_gpus` x `hardware`."""
+    """Size the KV cache and the decode-step reads for `model` on `num_gpus` x `gpu`."""
     sizing.check_context(context)
     if batch <= 0:
         raise ValueError(f"batch must be a positive number of sequences, got {batch}")
-    hw = presets.get_hardware(hardware) if isinstance(hardware, str) else hardware
+    hw = presets.get_hardware(gpu) if isinstance(gpu, str) else gpu
     fmt = sizing.get_kv_format(kv_dtype)
     layout = model.kv_layout()
     sizing.check_layout(layout)
@@ -448,7 +448,7 @@ def _run(args: argparse.Namespace) -> int:
     model = model_from_args(args)
     plan_args = dict(
         context=parse_tokens(args.context), batch=args.batch, kv_dtype=args.kv_dtype,
-        hardware=presets.get_hardware(args.gpu, args.memory_gib, args.bandwidth_gbs),
+        gpu=presets.get_hardware(args.gpu, args.memory_gib, args.bandwidth_gbs),
         num_gpus=args.num_gpus, gpu_memory_utilization=args.gpu_memory_utilization,
         reserved_fraction=args.reserved_fraction, weight_dtype=args.weight_dtype,
     )

@@ -255,7 +255,7 @@ def estimate_params(shape: ModelShape, cfg: dict) -> tuple[float, float]:
     attn = _mla_params(shape, cfg) if shape.kv_lora_rank else _attn_params(shape)
     mlp_mats = 3 if shape.gated_mlp else 2
     dense_mlp = mlp_mats * h * shape.intermediate_size
-    embed = shape.vocab_size * h * (1 if cfg.get("tie_word_embeddings", False) else 2)
+    embed = shape.vocab_size * h * (1 if cfg.get("tie_word_embeddings", False) else 2) + h  # + final norm
     if not shape.num_experts:
         return float(embed + layers * (attn + dense_mlp + 2 * h)), 0.0
     expert = mlp_mats * h * int(cfg.get("moe_intermediate_size") or shape.intermediate_size)

@@ -1,0 +1,355 @@
+"""AsyncEngine: one background thread steps an LLMEngine; asyncio code adds, streams and aborts.
+
+The LLMEngine is not thread-safe, so only the engine thread ever touches it. Everything else
+(adding a request, aborting one, reading metrics) is a command the engine thread runs between
+two steps; results come back through futures, and each request's outputs come back through an
+asyncio.Queue on the caller's event loop. A stream that is closed before its request finished
+(the client went away) aborts the request, which frees its KV blocks before the next step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvserve.engine.engine import LLMEngine, PromptType
+from kvserve.outputs import RequestOutput
+from kvserve.sampling_params import SamplingParams
+
+log = logging.getLogger("kvserve")
+
+
+class EngineDeadError(RuntimeError):
+    """The engine thread stopped (an internal error or shutdown); no request can run."""
+
+
+class EngineDrainingError(RuntimeError):
+    """The server is shutting down and takes no new requests."""
+
+
+class QueueFullError(RuntimeError):
+    """Too many requests are already waiting; retry later."""
+
+    def __init__(self, message: str, retry_after: int = 1):
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
+@dataclass
+class ChatPrompt:
+    """A conversation; the engine thread formats it with the model's chat template."""
+
+    messages: list[dict]
+    add_generation_prompt: bool = True
+
+
+@dataclass
+class FinishedRequest:
+    """What the per-request histograms need about one finished request."""
+
+    request_id: str
+    finish_reasons: list[str | None]
+    num_prompt_tokens: int
+    num_generation_tokens: int
+    num_cached_tokens: int
+    ttft: float | None
+    queue_time: float | None
+    e2e: float | None
+    inter_token_latencies: list[float] = field(default_factory=list)
+
+
+class RequestStream:
+    """The outputs of one request, as an async iterator; closing it early aborts the request."""
+
+    def __init__(self, owner: AsyncEngine, request_id: str):
+        self.request_id = request_id
+        self.finished = False
+        self._owner = owner
+        self._queue: asyncio.Queue = asyncio.Queue()
+
+    def _put(self, item: RequestOutput | BaseException) -> None:
+        self._queue.put_nowait(item)
+
+    async def next(self) -> RequestOutput:
+        """The newest output (older queued ones are skipped: text and token ids are cumulative)."""
+        item = await self._queue.get()
+        while not self._queue.empty() and not _is_final(item):
+            item = self._queue.get_nowait()
+        if isinstance(item, BaseException):
+            self.finished = True
+            raise item
+        self.finished = item.finished
+        return item
+
+    def __aiter__(self) -> AsyncIterator[RequestOutput]:
+        return self._iterate()
+
+    async def _iterate(self) -> AsyncIterator[RequestOutput]:
+        try:
+            while not self.finished:
+                yield await self.next()
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        """Stop listening; aborts the request unless it already finished."""
+        if not self.finished:
+            self.finished = True
+            self._owner.abort(self.request_id)
+        self._owner._streams.pop(self.request_id, None)
+
+
+def _is_final(item) -> bool:
+    return isinstance(item, BaseException) or item.finished
+
+
+class AsyncEngine:
+    """Runs an LLMEngine on a background thread for asyncio callers (the HTTP server)."""
+
+    def __init__(self, engine: LLMEngine, max_queue: int | None = None,
+                 on_finished: Callable[[FinishedRequest], None] | None = None):
+        self.engine = engine
+        self.max_queue = max_queue
+        self.on_finished = on_finished
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._streams: dict[str, RequestStream] = {}
+        self._token_times: dict[str, dict[int, tuple[int, float, list[float]]]] = {}
+        self._thread: threading.Thread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stopping = False
+        self.draining = False
+        self.error: BaseException | None = None
+
+    # ---- life cycle ----------------------------------------------------------------
+    def start(self) -> None:
+        """Start the engine thread; call from the event loop that will consume outputs."""
+        if self._thread is not None:
+            return
+        self._loop = asyncio.get_running_loop()
+        self._thread = threading.Thread(target=self._run, name="kvserve-engine", daemon=True)
+        self._thread.start()
+
+    @property
+    def is_running(self) -> bool:
+        """True while the engine thread is alive and healthy."""
+        return self._thread is not None and self._thread.is_alive() and self.error is None
+
+    def begin_drain(self, grace_seconds: float | None = None) -> None:
+        """Refuse new requests; after `grace_seconds` abort those still running. Thread-safe."""
+        self.draining = True
+        if grace_seconds is not None and self._loop is not None:
+            self._loop.call_soon_threadsafe(self._loop.call_later, grace_seconds, self.abort_all)
+
+    def abort_all(self) -> None:
+        """Abort every unfinished request; their streams end with finish_reason 'abort'."""
+        self._send(self._abort_all_now)
+
+    async def shutdown(self) -> None:
+        """Abort what is left, stop the engine thread and wait for it."""
+        self.draining = True
+        if self._thread is None:
+            return
+        self._stopping = True
+        self._send(None)
+        await asyncio.to_thread(self._thread.join, 30)
+
+    # ---- requests ------------------------------------------------------------------
+    async def add(self, prompt: PromptType | ChatPrompt, params: SamplingParams,
+                  request_id: str) -> RequestStream:
+        """Queue one request; raises ValueError for bad input, QueueFullError when full."""
+        return (await self.add_batch([prompt], params, [request_id]))[0]
+
+    async def add_batch(self, prompts: list[PromptType | ChatPrompt], params: SamplingParams,
+                        request_ids: list[str]) -> list[RequestStream]:
+        """Queue several requests at once: all are accepted or none is."""
+        self._check_accepting()
+        streams = [RequestStream(self, rid) for rid in request_ids]
+        for s in streams:
+            self._streams[s.request_id] = s
+        try:
+            await self._call(lambda: self._add_now(prompts, params, request_ids))
+        except BaseException:
+            for s in streams:
+                s.finished = True
+                self._streams.pop(s.request_id, None)
+            raise
+        return streams
+
+    async def generate(self, prompt: PromptType | ChatPrompt, params: SamplingParams,
+                       request_id: str) -> AsyncIterator[RequestOutput]:
+        """Add a request and yield its outputs until it finishes."""
+        stream = await self.add(prompt, params, request_id)
+        async for out in stream:
+            yield out
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request (no-op when it already finished). Thread-safe, does not wait."""
+        self._send(lambda: self._abort_now(request_id, notify=False))
+
+    async def get_metrics(self) -> dict:
+        """LLMEngine.get_metrics(), read on the engine thread."""
+        return await self._call(self.engine.get_metrics)
+
+    async def call(self, fn: Callable[[LLMEngine], Any]) -> Any:
+        """Run fn(engine) on the engine thread between steps and return its result."""
+        return await self._call(lambda: fn(self.engine))
+
+    # ---- hand-off to the engine thread ---------------------------------------------
+    def _check_accepting(self) -> None:
+        if self.error is not None or self._stopping:
+            raise EngineDeadError(f"the engine is not running: {self.error or 'shut down'}")
+        if self.draining:
+            raise EngineDrainingError("the server is shutting down and takes no new requests")
+        if self._thread is None:
+            raise EngineDeadError("the engine thread was not started: call AsyncEngine.start()")
+
+    def _send(self, fn: Callable[[], Any] | None,
+              future: concurrent.futures.Future | None = None) -> None:
+        self._commands.put((fn, future))
+
+    async def _call(self, fn: Callable[[], Any]) -> Any:
+        if self.error is not None or self._thread is None or not self._thread.is_alive():
+            raise EngineDeadError(f"the engine is not running: {self.error or 'not started'}")
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self._send(fn, future)
+        return await asyncio.wrap_future(future)
+
+    # ---- engine thread ---------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            while not self._stopping:
+                self._run_commands(block=not self.engine.has_unfinished_requests())
+                if self._stopping:
+                    break
+                if self.engine.has_unfinished_requests():
+                    self._dispatch(self.engine.step(), time.monotonic())
+        except BaseException as exc:  # an engine bug: fail every request, report unhealthy
+            log.exception("engine step failed; the server stops serving")
+            self.error = exc
+            self._fail_all(EngineDeadError(f"engine step failed: {exc!r}"))
+        finally:
+            self._abort_all_now()
+            self._fail_commands()
+
+    def _run_commands(self, block: bool) -> None:
+        try:
+            item = self._commands.get() if block else self._commands.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            fn, future = item
+            if fn is None:
+                self._stopping = True
+            elif future is None:
+                fn()
+            elif future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(fn())
+                except BaseException as exc:
+                    future.set_exception(exc)
+            try:
+                item = self._commands.get_nowait()
+            except queue.Empty:
+                return
+
+    def _fail_commands(self) -> None:
+        while True:
+            try:
+                _, future = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if future is not None and future.set_running_or_notify_cancel():
+                future.set_exception(EngineDeadError("the engine stopped"))
+
+    def _add_now(self, prompts: list, params: SamplingParams, request_ids: list[str]) -> None:
+        """Validate every prompt, then add them all (engine thread)."""
+        waiting = len(self.engine.scheduler.waiting)
+        if self.max_queue is not None and waiting + len(prompts) > self.max_queue:
+            raise QueueFullError(f"{waiting} requests are already waiting (--max-queue "
+                                 f"{self.max_queue}); retry later", retry_after=1)
+        resolved = [self._resolve_prompt(p) for p in prompts]
+        for p, rid in zip(resolved, request_ids):
+            self.engine.make_request(p, params, rid)
+        for p, rid in zip(resolved, request_ids):
+            self.engine.add_request(p, params, rid)
+            self._token_times[rid] = {}
+
+    def _resolve_prompt(self, prompt: PromptType | ChatPrompt) -> PromptType:
+        if not isinstance(prompt, ChatPrompt):
+            return prompt
+        try:
+            ids = self.engine.tokenizer.apply_chat_template(prompt.messages, prompt.add_generation_prompt)
+        except ValueError:
+            raise
+        except Exception as exc:  # template errors (jinja) are the caller's messages' fault
+            raise ValueError(f"cannot apply the chat template to these messages: {exc}") from exc
+        return {"prompt_token_ids": ids}
+
+    def _abort_now(self, request_id: str, notify: bool) -> None:
+        if request_id not in self.engine.groups:
+            return
+        self.engine.abort_request(request_id)
+        out = self.engine._output(request_id)  # the final 'abort' output; drops the group
+        self._dispatch([out], time.monotonic(), notify=notify)
+
+    def _abort_all_now(self) -> None:
+        for rid in list(self.engine.groups):
+            try:
+                self._abort_now(rid, notify=True)
+            except Exception:  # keep aborting the others
+                log.exception("aborting request %s failed", rid)
+
+    def _dispatch(self, outputs: list[RequestOutput], now: float, notify: bool = True) -> None:
+        for out in outputs:
+            gaps = self._record_token_times(out, now)
+            if notify:
+                self._deliver(out.request_id, out)
+            if out.finished:
+                self._token_times.pop(out.request_id, None)
+                self._report_finished(out, gaps)
+
+    def _record_token_times(self, out: RequestOutput, now: float) -> list[float]:
+        """Inter-token gaps per completion, as seen by the engine thread."""
+        per_index = self._token_times.setdefault(out.request_id, {})
+        for c in out.outputs:
+            count, last, gaps = per_index.get(c.index, (0, now, []))
+            n = len(c.token_ids)
+            if n > count:
+                if count > 0:
+                    gaps.extend([(now - last) / (n - count)] * (n - count))
+                per_index[c.index] = (n, now, gaps)
+        return [g for _, _, gaps in per_index.values() for g in gaps]
+
+    def _report_finished(self, out: RequestOutput, gaps: list[float]) -> None:
+        if self.on_finished is None:
+            return
+        m = out.metrics
+        ttft = m.ttft if m is not None else None
+        queue_time = m.queue_time if m is not None else None
+        e2e = (m.finished_time or time.monotonic()) - m.arrival_time if m is not None else None
+        rec = FinishedRequest(out.request_id, [c.finish_reason for c in out.outputs],
+                              len(out.prompt_token_ids), sum(len(c.token_ids) for c in out.outputs),
+                              out.num_cached_tokens, ttft, queue_time, e2e, gaps)
+        try:
+            self.on_finished(rec)
+        except Exception:
+            log.exception("on_finished callback failed")
+
+    def _deliver(self, request_id: str, item: RequestOutput | BaseException) -> None:
+        stream = self._streams.get(request_id)
+        if stream is not None and self._loop is not None and not self._loop.is_closed():
+            try:
+                self._loop.call_soon_threadsafe(stream._put, item)
+            except RuntimeError:  # the loop closed meanwhile
+                pass
+
+    def _fail_all(self, exc: BaseException) -> None:
+        for rid in list(self._streams):
+            self._deliver(rid, exc)

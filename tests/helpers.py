@@ -1,0 +1,24 @@
+"""Comparison helpers shared by the engine tests."""
+
+TOL = 1e-4  # float32 log-prob tolerance between cached and recomputed paths
+
+
+def assert_same_completions(a, b, tol=TOL):
+    """Same tokens and (when present) log-probs within `tol`, for lists of RequestOutput."""
+    assert len(a) == len(b)
+    for ra, rb in zip(a, b):
+        assert len(ra.outputs) == len(rb.outputs)
+        for ca, cb in zip(ra.outputs, rb.outputs):
+            assert ca.token_ids == cb.token_ids, (ca.text, cb.text)
+            assert ca.text == cb.text
+            if ca.logprobs is not None:
+                for step, (la, lb) in enumerate(zip(ca.logprobs, cb.logprobs)):
+                    assert la.keys() == lb.keys(), step
+                    for tok in la:
+                        assert abs(la[tok].logprob - lb[tok].logprob) < tol, (step, tok)
+
+
+def all_blocks_free(llm) -> bool:
+    """True when no request holds a block."""
+    m = llm.get_metrics()
+    return m["num_blocks_free"] == m["num_blocks_total"] and m["num_requests_running"] == 0

@@ -1,0 +1,61 @@
+"""Bad input gets a clear error and the engine keeps serving."""
+
+import pytest
+
+from helpers import all_blocks_free
+from kvserve import LLM, SamplingParams
+
+OK = SamplingParams(temperature=0, max_tokens=4)
+
+
+@pytest.mark.parametrize("prompt, params, message", [
+    ("", OK, "prompt is empty"),
+    ([], OK, "prompt is empty"),
+    ("hello " * 3000, OK, "max_model_len"),
+    ("hello", SamplingParams(max_tokens=4000), "max_tokens"),
+    ([10 ** 9], OK, "outside the vocabulary"),
+    (3.5, OK, "a prompt must be"),
+])
+def test_bad_prompt_is_refused_and_engine_keeps_working(llm, prompt, params, message):
+    with pytest.raises(ValueError, match=message):
+        llm.generate([prompt], params, use_tqdm=False)
+    assert all_blocks_free(llm)
+    out = llm.generate(["The capital of France is"], OK, use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 4
+
+
+def test_one_bad_prompt_in_a_batch_adds_nothing(llm):
+    with pytest.raises(ValueError):
+        llm.generate(["fine", ""], OK, use_tqdm=False)
+    assert llm.get_metrics()["num_requests_waiting"] == 0
+    assert all_blocks_free(llm)
+
+
+@pytest.mark.parametrize("field, value", [("max_tokens", -1), ("top_p", 1.5), ("temperature", -0.1)])
+def test_bad_sampling_params_name_the_field(field, value):
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**{field: value})
+
+
+def test_unknown_model_path():
+    with pytest.raises(FileNotFoundError, match="no/such/model"):
+        LLM("/no/such/model.gguf")
+
+
+def test_pool_smaller_than_one_sequence_is_refused():
+    with pytest.raises(ValueError, match="cannot hold one sequence"):
+        LLM(kv_cache_memory="1MiB", max_model_len=2048)
+
+
+def test_request_larger_than_pool_is_refused_not_hung():
+    small = LLM(kv_cache_memory=8 * 16 * 46080, max_model_len=128)  # 8 blocks = 128 tokens
+    with pytest.raises(ValueError, match="max_model_len|KV blocks"):
+        small.generate(["hi"], SamplingParams(max_tokens=200), use_tqdm=False)
+    assert small.generate(["hi"], SamplingParams(max_tokens=3), use_tqdm=False)[0].outputs[0].token_ids
+
+
+def test_bad_engine_options():
+    with pytest.raises(ValueError, match="kv_cache_mode"):
+        LLM(kv_cache_mode="weird")
+    with pytest.raises(ValueError, match="kv_cache_memory|byte size"):
+        LLM(kv_cache_memory="lots")
