@@ -215,11 +215,11 @@ def plot_analysis(path: str, shape: ModelShape, num_tokens: int) -> None:
 # --- measured on the engine -------------------------------------------------------------------
 
 
-def measure_mode(model: str | None, mode: str, tokens: int, prompt: str) -> dict:
+def measure_mode(model: str | None, mode: str, tokens: int, prompt: str, **llm_args) -> dict:
     """Generate `tokens` greedy tokens in one kv_cache_mode; counted K/V rows, tokens, wall time."""
     from kvserve import LLM, SamplingParams
 
-    llm = LLM(model=model, kv_cache_mode=mode, enable_prefix_caching=False)
+    llm = LLM(model=model, kv_cache_mode=mode, enable_prefix_caching=False, **llm_args)
     llm.generate([prompt], SamplingParams(temperature=0, max_tokens=2, ignore_eos=True), use_tqdm=False)
     before = llm.get_metrics()
     params = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
@@ -237,10 +237,14 @@ def measure_mode(model: str | None, mode: str, tokens: int, prompt: str) -> dict
     }
 
 
-def measure(model: str | None = None, tokens: int = DEFAULT_TOKENS, prompt: str = DEFAULT_PROMPT) -> dict:
-    """Run the engine with the paged cache and with none; measured vs formula saving, speed-up."""
-    cached = measure_mode(model, "paged", tokens, prompt)
-    plain = measure_mode(model, "none", tokens, prompt)
+def measure(model: str | None = None, tokens: int = DEFAULT_TOKENS, prompt: str = DEFAULT_PROMPT,
+            **llm_args) -> dict:
+    """Run the engine with the paged cache and with none; measured vs formula saving, speed-up.
+
+    Prefix caching is off so the paged run counts the cache's own saving; `llm_args` go to LLM.
+    """
+    cached = measure_mode(model, "paged", tokens, prompt, **llm_args)
+    plain = measure_mode(model, "none", tokens, prompt, **llm_args)
     p, n = cached["prompt_tokens"], cached["generation_tokens"]
     formula_cached = sizing.kv_projection_rows(p, n, cached=True)
     formula_plain = sizing.kv_projection_rows(p, n, cached=False)

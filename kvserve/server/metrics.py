@@ -1,0 +1,122 @@
+"""Prometheus metrics under vLLM's names with the `kvserve:` prefix and a model_name label.
+
+Gauges and counters are read from LLMEngine.get_metrics() at scrape time (the same numbers
+LLM.get_metrics() gives); histograms are observed once per finished request by the engine
+thread (AsyncEngine's on_finished hook). Each app has its own CollectorRegistry.
+"""
+
+from __future__ import annotations
+
+import threading
+
+from prometheus_client import CollectorRegistry, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from kvserve.engine.async_engine import FinishedRequest
+
+PREFIX = "kvserve:"
+
+# (name, help, key in get_metrics()) — gauges read at scrape time
+GAUGES = [
+    ("num_requests_running", "Requests in the running batch.", "num_requests_running"),
+    ("num_requests_waiting", "Requests waiting to be scheduled (new or preempted).", "num_requests_waiting"),
+    ("kv_cache_usage_perc", "Fraction of KV blocks owned by a request (0-1).", "kv_cache_usage"),
+    ("num_blocks_total", "KV blocks in the pool.", "num_blocks_total"),
+    ("num_blocks_free", "KV blocks no request owns (cached ones included).", "num_blocks_free"),
+    ("num_blocks_cached", "KV blocks registered in the prefix cache (owned or free).", "num_blocks_cached"),
+    ("swap_usage_bytes", "Bytes of KV held in the CPU swap tier.", "swap_usage_bytes"),
+]
+# counters; exposed with a _total suffix
+COUNTERS = [
+    ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", "prefix_cache_queries"),
+    ("prefix_cache_hits", "Prompt tokens served from the prefix cache.", "prefix_cache_hits"),
+    ("num_preemptions", "Requests preempted to free KV blocks.", "num_preemptions"),
+    ("prompt_tokens", "Prompt tokens received.", "prompt_tokens"),
+    ("generation_tokens", "Tokens generated.", "generation_tokens"),
+]
+
+TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
+                7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0]
+ITL_BUCKETS = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+               10.0, 20.0, 40.0, 80.0]
+REQUEST_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
+                   120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0]
+
+
+def token_buckets(max_model_len: int) -> list[float]:
+    """1, 2, 5, 10, 20, 50, ... below max_model_len, then max_model_len."""
+    out, scale = [], 1
+    while True:
+        for m in (1, 2, 5):
+            if m * scale >= max_model_len:
+                return out + [float(max_model_len)]
+            out.append(float(m * scale))
+        scale *= 10
+
+
+class _EngineCollector(Collector):
+    """Gauges and counters from the latest engine metrics snapshot."""
+
+    def __init__(self, model_name: str):
+        self.model_name = model_name
+        self.snapshot: dict = {}
+        self.lock = threading.Lock()
+
+    def collect(self):
+        with self.lock:
+            snap = dict(self.snapshot)
+        label = [self.model_name]
+        for name, doc, key in GAUGES:
+            if key in snap and snap[key] is not None:
+                g = GaugeMetricFamily(PREFIX + name, doc, labels=["model_name"])
+                g.add_metric(label, float(snap[key]))
+                yield g
+        for name, doc, key in COUNTERS:
+            if key in snap:
+                c = CounterMetricFamily(PREFIX + name, doc, labels=["model_name"])
+                c.add_metric(label, float(snap[key]))
+                yield c
+        success = CounterMetricFamily(PREFIX + "request_success", "Finished sequences by finish reason.",
+                                      labels=["model_name", "finished_reason"])
+        for reason, count in sorted(snap.get("request_success", {}).items()):
+            success.add_metric([self.model_name, reason], float(count))
+        yield success
+
+
+class ServerMetrics:
+    """The app's registry: engine gauges/counters plus per-request histograms."""
+
+    def __init__(self, model_name: str, max_model_len: int):
+        self.model_name = model_name
+        self.registry = CollectorRegistry()
+        self.engine = _EngineCollector(model_name)
+        self.registry.register(self.engine)
+
+        def hist(name: str, doc: str, buckets: list[float]):
+            return Histogram(PREFIX + name, doc, ["model_name"], registry=self.registry,
+                             buckets=buckets).labels(model_name)
+
+        tokens = token_buckets(max_model_len)
+        self.ttft = hist("time_to_first_token_seconds", "Time to first token.", TTFT_BUCKETS)
+        self.itl = hist("inter_token_latency_seconds", "Time between two generated tokens.", ITL_BUCKETS)
+        self.e2e = hist("e2e_request_latency_seconds", "Arrival to finish.", REQUEST_BUCKETS)
+        self.queue = hist("request_queue_time_seconds", "Arrival to first scheduled.", REQUEST_BUCKETS)
+        self.prompt_tokens = hist("request_prompt_tokens", "Prompt tokens per request.", tokens)
+        self.generation_tokens = hist("request_generation_tokens", "Generated tokens per request.", tokens)
+
+    def observe_finished(self, r: FinishedRequest) -> None:
+        """Observe one finished request (called on the engine thread)."""
+        for h, x in ((self.ttft, r.ttft), (self.queue, r.queue_time), (self.e2e, r.e2e)):
+            if x is not None:
+                h.observe(x)
+        for gap in r.inter_token_latencies:
+            self.itl.observe(gap)
+        self.prompt_tokens.observe(r.num_prompt_tokens)
+        self.generation_tokens.observe(r.num_generation_tokens)
+
+    def render(self, snapshot: dict) -> bytes:
+        """The exposition text for one scrape, given a fresh engine metrics snapshot."""
+        with self.engine.lock:
+            self.engine.snapshot = snapshot
+        return generate_latest(self.registry)
