@@ -96,7 +96,7 @@ def test_cli_text_json_plot(tmp_path, capsys):
 
 
 def test_measured_rows_equal_formula(bundled_model_path):
-    m = analyze.measure(tokens=6, prompt="Hello there")
+    m = analyze.measure(tokens=6, prompt="Hello there", kv_cache_memory="64MiB", max_model_len=1024)
     c, u = m["with_cache"], m["without_cache"]
     p, n = c["prompt_tokens"], c["generation_tokens"]
     assert n == 6 and u["generation_tokens"] == 6 and u["prompt_tokens"] == p

@@ -122,7 +122,7 @@ class KVManagerMachine(RuleBasedStateMachine):
         m = self.m
         hits, num_hit = m.get_computed_blocks(rid, prompt)
         self._check_hits(prompt, hits, num_hit)
-        before, refs0 = snapshot(m), self._refs()
+        before, refs0, queue0 = snapshot(m), self._refs(), list(m.pool.free_queue)
         if not m.allocate_slots(rid, num_hit, len(prompt) - num_hit, hits):
             assert snapshot(m) == before, "failed allocate_slots changed state"
             m.free(rid)
@@ -135,6 +135,10 @@ class KVManagerMachine(RuleBasedStateMachine):
             assert m.pool.blocks[b].ref_cnt == refs0[b] + 1
         for b in table[len(hits):]:
             assert refs0[b] == 0, f"block {b} handed out while owned"
+        rest = [b for b in queue0 if b not in hits]  # hits leave the queue; new blocks come off its front
+        fresh = len(table) - len(hits)
+        assert table[len(hits):] == rest[:fresh], "new blocks not taken from the front of the LRU queue"
+        assert list(m.pool.free_queue) == rest[fresh:]
         assert m.take_pending_copies() == []
         self.tokens[rid] = list(prompt)
         self._write(rid, num_hit)
@@ -149,6 +153,7 @@ class KVManagerMachine(RuleBasedStateMachine):
         for rid, extra in batch:
             n0 = len(self.tokens[rid])
             table0, refs0, before = list(m.block_ids(rid)), self._refs(), snapshot(m)
+            queue0 = list(m.pool.free_queue)
             if not m.allocate_slots(rid, n0, len(extra)):
                 assert snapshot(m) == before, "failed allocate_slots changed state"
                 continue
@@ -167,6 +172,9 @@ class KVManagerMachine(RuleBasedStateMachine):
                 assert table[:len(table0)] == table0
             for b in table[len(table0):]:
                 assert refs0[b] == 0, f"block {b} handed out while owned"
+            fresh = [dst for _, dst in copies] + table[len(table0):]  # copy target first, then growth
+            assert fresh == queue0[:len(fresh)], "new blocks not taken from the front of the LRU queue"
+            assert list(m.pool.free_queue) == queue0[len(fresh):]
             copies_all += copies
             scheduled.append((rid, n0, extra))
         self._apply_copies(copies_all)
@@ -176,6 +184,22 @@ class KVManagerMachine(RuleBasedStateMachine):
         for rid, _, _ in scheduled:
             m.cache_blocks(rid, self.tokens[rid], len(self.tokens[rid]))
             self._remember(self.tokens[rid])
+
+    def _free(self, rid: str) -> list[int]:
+        """Free `rid`, checking ref counts and where its blocks land in the LRU queue."""
+        pool = self.m.pool
+        refs0, queue0, table = self._refs(), list(pool.free_queue), list(self.m.block_ids(rid))
+        self.m.free(rid)
+        for b in table:
+            assert pool.blocks[b].ref_cnt == refs0[b] - 1
+        released = [b for b in reversed(table) if refs0[b] == 1]  # tail first
+        front = [b for b in reversed(released) if pool.blocks[b].block_hash is None]
+        back = [b for b in released if pool.blocks[b].block_hash is not None]
+        assert list(pool.free_queue) == front + queue0 + back, (table, released)
+        before = snapshot(self.m)
+        self.m.free(rid)  # freeing again is a no-op
+        assert snapshot(self.m) == before
+        return table
 
     def _pick(self, data) -> str:
         return data.draw(st.sampled_from(sorted(self.tokens)), label="req")
@@ -236,14 +260,8 @@ class KVManagerMachine(RuleBasedStateMachine):
     @rule(data=st.data())
     def free(self, data):
         rid = self._pick(data)
-        refs0, table = self._refs(), self.m.block_ids(rid)
-        self.m.free(rid)
+        self._free(rid)
         del self.tokens[rid]
-        for b in set(table):
-            assert self.m.pool.blocks[b].ref_cnt == refs0[b] - table.count(b)
-        before = snapshot(self.m)
-        self.m.free(rid)  # freeing again is a no-op
-        assert snapshot(self.m) == before
 
     @precondition(lambda self: self.tokens)
     @rule(data=st.data())
@@ -251,9 +269,8 @@ class KVManagerMachine(RuleBasedStateMachine):
         """Free a request (recompute preemption), then re-admit it with all its tokens."""
         rid = self._pick(data)
         toks = self.tokens.pop(rid)
-        table0 = list(self.m.block_ids(rid))
-        own = [self.m.pool.blocks[b].block_hash is not None for b in table0]
-        self.m.free(rid)
+        own = [self.m.pool.blocks[b].block_hash is not None for b in self.m.block_ids(rid)]
+        table0 = self._free(rid)
         hits = self._admit(rid, toks)
         if hits is not None and self.m.enable_prefix_caching:
             # Its own cached blocks are still findable right after the free.

@@ -1,0 +1,126 @@
+"""Helpers shared by the benchmark scripts: workloads from real text, machine facts, BENCHMARKS.md."""
+
+from __future__ import annotations
+
+import os
+import platform
+import random
+import re
+import shlex
+import sys
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+BENCHMARKS_MD = REPO_ROOT / "BENCHMARKS.md"
+
+
+def prose_corpus(max_chars: int = 400_000) -> str:
+    """English prose from the Python docs shipped with CPython (`pydoc_data.topics`)."""
+    from pydoc_data.topics import topics
+    text = "\n\n".join(topics[k] for k in sorted(topics))
+    return text[:max_chars]
+
+
+def make_prompts(tokenizer, num: int, min_len: int, max_len: int, seed: int = 0) -> list[list[int]]:
+    """`num` token-id prompts of seeded random lengths in [min_len, max_len], cut from real text."""
+    if not 1 <= min_len <= max_len:
+        raise ValueError(f"need 1 <= min_len <= max_len, got {min_len}, {max_len}")
+    ids = tokenizer.encode(prose_corpus())
+    if len(ids) <= max_len:
+        raise ValueError(f"the corpus has only {len(ids)} tokens; max_len={max_len} is too long")
+    rng = random.Random(seed)
+    prompts = []
+    for _ in range(num):
+        n = rng.randint(min_len, max_len)
+        start = rng.randrange(len(ids) - n)
+        prompts.append(ids[start:start + n])
+    return prompts
+
+
+def percentile(values, q: float) -> float | None:
+    """The q-th percentile (0-100) by linear interpolation, None when empty."""
+    xs = sorted(v for v in values if v is not None)
+    if not xs:
+        return None
+    k = (len(xs) - 1) * q / 100
+    lo = int(k)
+    hi = min(lo + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
+
+
+def cpu_model() -> str:
+    """The CPU's model name from /proc/cpuinfo (or platform.processor())."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def load_average() -> str:
+    """1/5/15-minute load averages as a string."""
+    try:
+        return " / ".join(f"{x:.2f}" for x in os.getloadavg())
+    except OSError:
+        return "n/a"
+
+
+def machine_facts() -> dict[str, str]:
+    """Cores, torch threads and versions: what a reader needs to compare numbers."""
+    import torch
+    facts = {
+        "CPU": cpu_model(),
+        "cores (os.cpu_count / usable)": f"{os.cpu_count()} / {len(os.sched_getaffinity(0))}",
+        "torch threads": str(torch.get_num_threads()),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "device": "cuda: " + torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
+    }
+    try:
+        import transformers
+        facts["transformers"] = transformers.__version__
+    except ImportError:
+        pass
+    try:
+        import llama_cpp
+        facts["llama-cpp-python"] = llama_cpp.__version__
+    except ImportError:
+        pass
+    return facts
+
+
+def command_line() -> str:
+    """The command that ran this script, as a reader would type it from the repo root."""
+    script = Path(sys.argv[0]).resolve()
+    try:
+        script = script.relative_to(REPO_ROOT)
+    except ValueError:
+        pass
+    return shlex.join(["python", str(script), *sys.argv[1:]])
+
+
+def md_table(header: list[str], rows: list[list[str]]) -> str:
+    """A GitHub-flavoured markdown table."""
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    lines += ["| " + " | ".join(r) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def replace_section(title: str, body: str, path: Path = BENCHMARKS_MD) -> None:
+    """Replace (or append) the `## title` section of BENCHMARKS.md, leaving other sections alone."""
+    text = path.read_text() if path.exists() else "# Benchmarks\n"
+    section = f"## {title}\n\n{body.strip()}\n"
+    pattern = re.compile(rf"^## {re.escape(title)}[ \t]*\n.*?(?=^## |\Z)", re.M | re.S)
+    if pattern.search(text):
+        text = pattern.sub(lambda _: section + "\n", text, count=1).rstrip() + "\n"
+    else:
+        text = text.rstrip() + "\n\n" + section
+    path.write_text(text)
+
+
+def fmt(x: float | None, scale: float = 1.0, digits: int = 2) -> str:
+    """A number for a table, or an em dash when not measured."""
+    return "—" if x is None else f"{x * scale:.{digits}f}"

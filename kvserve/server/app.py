@@ -1,0 +1,538 @@
+"""The OpenAI-compatible HTTP app: routes, server-sent events, errors, limits, metrics.
+
+`build_app(engine)` wraps an LLMEngine in an AsyncEngine (one background thread steps it) and
+returns a FastAPI app. Bodies are read and validated here, by hand, so every bad input gets a
+400 in OpenAI's error shape ({"error": {"message", "type", "param", "code"}}), never a 500.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import re
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
+from pydantic import BaseModel, ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+import kvserve
+from kvserve.engine.async_engine import (
+    AsyncEngine,
+    ChatPrompt,
+    EngineDeadError,
+    EngineDrainingError,
+    QueueFullError,
+    RequestStream,
+)
+from kvserve.engine.engine import LLMEngine
+from kvserve.outputs import CompletionOutput, RequestOutput
+from kvserve.sampling_params import SamplingParams
+from kvserve.server import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_QUEUE
+from kvserve.server import protocol as P
+from kvserve.server.metrics import ServerMetrics
+
+log = logging.getLogger("kvserve.server")
+
+DISCONNECT_POLL_SECONDS = 0.25
+
+
+class APIError(Exception):
+    """An error answered in OpenAI's shape."""
+
+    def __init__(self, status: int, message: str, type: str = "invalid_request_error",
+                 param: str | None = None, code: str | int | None = None,
+                 headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type = status, message, type
+        self.param, self.code, self.headers = param, code, headers
+
+    def response(self) -> JSONResponse:
+        """The JSON error response."""
+        body = P.ErrorResponse(error=P.ErrorInfo(message=self.message, type=self.type,
+                                                 param=self.param, code=self.code))
+        return JSONResponse(body.model_dump(), status_code=self.status, headers=self.headers)
+
+
+_PARAMS = set(P.CompletionRequest.model_fields) | set(P.ChatCompletionRequest.model_fields)
+
+
+def bad_request(exc: ValueError) -> APIError:
+    """A 400 for a ValueError from validation; names the parameter when the message starts with it."""
+    msg = str(exc)
+    code = "context_length_exceeded" if "max_model_len" in msg else None
+    first = re.match(r"^(\w+)", msg)
+    param = first.group(1) if first and first.group(1) in _PARAMS else None
+    return APIError(400, msg, param=param, code=code)
+
+
+@dataclass
+class ServerState:
+    """What the routes share."""
+
+    engine: LLMEngine
+    async_engine: AsyncEngine
+    metrics: ServerMetrics
+    model_name: str
+    max_body_bytes: int
+    created: int = field(default_factory=lambda: int(time.time()))
+    token_text: dict[int, str] = field(default_factory=dict)
+
+    def decode_token(self, token_id: int) -> str:
+        """The text of one token (cached)."""
+        text = self.token_text.get(token_id)
+        if text is None:
+            text = self.engine.tokenizer.decode([token_id], skip_special_tokens=False)
+            self.token_text[token_id] = text
+        return text
+
+
+class ApiKeyMiddleware:
+    """Answer 401 on every route but /health without `Authorization: Bearer <key>`."""
+
+    def __init__(self, app, api_key: str | None):
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode() if api_key else None
+
+    async def __call__(self, scope, receive, send):
+        if self.expected is None or scope["type"] != "http" or scope["path"] == "/health":
+            return await self.app(scope, receive, send)
+        given = dict(scope["headers"]).get(b"authorization", b"")
+        if hmac.compare_digest(given, self.expected):
+            return await self.app(scope, receive, send)
+        err = APIError(401, "invalid or missing API key: send 'Authorization: Bearer <key>'",
+                       type="authentication_error", code="invalid_api_key",
+                       headers={"WWW-Authenticate": "Bearer"})
+        await err.response()(scope, receive, send)
+
+
+def build_app(engine: LLMEngine, *, served_model_name: str | None = None,
+              api_key: str | None = None, max_queue: int | None = DEFAULT_MAX_QUEUE,
+              max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
+    """A FastAPI app serving `engine`; the engine thread starts and stops with the app."""
+    name = served_model_name or engine.model_config.name
+    metrics = ServerMetrics(name, engine.max_model_len)
+    aengine = AsyncEngine(engine, max_queue=max_queue, on_finished=metrics.observe_finished)
+    state = ServerState(engine, aengine, metrics, name, max_body_bytes)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        aengine.start()
+        yield
+        await aengine.shutdown()
+
+    app = FastAPI(title="kvserve", version=kvserve.__version__, lifespan=lifespan,
+                  docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.kvserve = state
+    app.add_middleware(ApiKeyMiddleware, api_key=api_key)
+    _add_error_handlers(app)
+    _add_routes(app, state)
+    return app
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, exc: APIError):
+        return exc.response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException):
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        return APIError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}", type=kind,
+                        headers=getattr(exc, "headers", None)).response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(request: Request, exc: RequestValidationError):
+        return APIError(400, str(exc)).response()
+
+    @app.exception_handler(Exception)
+    async def _server_error(request: Request, exc: Exception):
+        log.exception("internal error on %s", request.url.path)
+        return APIError(500, f"internal server error: {exc!r}", type="server_error").response()
+
+
+# ---- request parsing ------------------------------------------------------------------
+
+
+def _reject_constant(name: str):
+    raise ValueError(f"{name} is not valid JSON")
+
+
+async def read_json(request: Request, max_bytes: int):
+    """The request body as JSON, refusing bodies over `max_bytes` (413) and bad JSON (400)."""
+    length = request.headers.get("content-length")
+    if length is not None and length.isdigit() and int(length) > max_bytes:
+        raise APIError(413, f"request body is {length} bytes; the limit is {max_bytes} (--max-body-bytes)",
+                       code="request_too_large")
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > max_bytes:
+            raise APIError(413, f"request body exceeds {max_bytes} bytes (--max-body-bytes)",
+                           code="request_too_large")
+    try:
+        return json.loads(body, parse_constant=_reject_constant)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise APIError(400, f"request body is not valid JSON: {exc}", code="invalid_json") from exc
+
+
+def parse_model(cls: type[BaseModel], data) -> BaseModel:
+    """Validate a JSON value into a request model; a 400 naming the first bad field."""
+    try:
+        return cls.model_validate(data)
+    except ValidationError as exc:
+        errors = exc.errors()
+        parts = []
+        for e in errors[:3]:
+            where = ".".join(str(x) for x in e["loc"]) or "body"
+            parts.append(f"{where}: {e['msg']}")
+        param = str(errors[0]["loc"][0]) if errors and errors[0]["loc"] else None
+        more = f" (and {len(errors) - 3} more)" if len(errors) > 3 else ""
+        raise APIError(400, "invalid request: " + "; ".join(parts) + more, param=param) from None
+
+
+def check_model(state: ServerState, model: str | None) -> None:
+    """400 unless `model` is absent or names the served model."""
+    if model is not None and model != state.model_name:
+        raise APIError(400, f"model {model!r} does not exist; this server serves {state.model_name!r}",
+                       param="model", code="model_not_found")
+
+
+async def add_requests(state: ServerState, prompts: list, params: SamplingParams,
+                       request_ids: list[str]) -> list[RequestStream]:
+    """Queue requests on the engine, turning its refusals into HTTP errors."""
+    try:
+        return await state.async_engine.add_batch(prompts, params, request_ids)
+    except ValueError as exc:
+        raise bad_request(exc) from None
+    except QueueFullError as exc:
+        raise APIError(429, str(exc), type="rate_limit_error", code="queue_full",
+                       headers={"Retry-After": str(exc.retry_after)}) from None
+    except (EngineDrainingError, EngineDeadError) as exc:
+        raise APIError(503, str(exc), type="service_unavailable", code="unavailable") from None
+
+
+# ---- routes ---------------------------------------------------------------------------
+
+
+def _add_routes(app: FastAPI, state: ServerState) -> None:
+    aengine = state.async_engine
+
+    @app.get("/health")
+    async def health():
+        if not aengine.is_running:
+            return APIError(503, f"engine is not running: {aengine.error}", type="service_unavailable").response()
+        if aengine.draining:
+            return APIError(503, "shutting down", type="service_unavailable").response()
+        return {"status": "ok"}
+
+    @app.get("/version")
+    async def version():
+        return {"version": kvserve.__version__}
+
+    @app.get("/v1/models")
+    async def models():
+        card = P.ModelCard(id=state.model_name, created=state.created, root=state.engine.model_path,
+                           max_model_len=state.engine.max_model_len)
+        return P.ModelList(data=[card]).model_dump()
+
+    @app.get("/metrics")
+    async def prometheus_metrics():
+        try:
+            snapshot = await aengine.get_metrics()
+        except EngineDeadError:
+            snapshot = {}
+        return Response(state.metrics.render(snapshot), media_type=CONTENT_TYPE_LATEST)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        req = parse_model(P.CompletionRequest, await read_json(request, state.max_body_bytes))
+        check_model(state, req.model)
+        try:
+            prompts, params = req.prompts(), req.sampling_params()
+        except ValueError as exc:
+            raise bad_request(exc) from None
+        rid = P.random_id("cmpl")
+        streams = await add_requests(state, prompts, params, [f"{rid}-{i}" for i in range(len(prompts))])
+        if req.stream:
+            return EventStreamResponse(_completion_events(state, req, params, rid, streams), streams)
+        finals = await _collect(request, streams)
+        return _completion_response(state, params, rid, finals).model_dump()
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        req = parse_model(P.ChatCompletionRequest, await read_json(request, state.max_body_bytes))
+        check_model(state, req.model)
+        try:
+            conversation, params = req.conversation(), req.sampling_params()
+        except ValueError as exc:
+            raise bad_request(exc) from None
+        rid = P.random_id("chatcmpl")
+        prompt = ChatPrompt(conversation, req.add_generation_prompt)
+        streams = await add_requests(state, [prompt], params, [rid])
+        if req.stream:
+            return EventStreamResponse(_chat_events(state, req, params, rid, streams[0]), streams)
+        final = (await _collect(request, streams))[0]
+        return _chat_response(state, params, rid, final).model_dump()
+
+
+# ---- non-streamed responses -----------------------------------------------------------
+
+
+async def _collect(request: Request, streams: list[RequestStream]) -> list[RequestOutput]:
+    """Wait for every stream's final output; abort them all if the client goes away."""
+    async def last(stream: RequestStream) -> RequestOutput:
+        out = None
+        async for out in stream:
+            pass
+        return out
+
+    task = asyncio.ensure_future(asyncio.gather(*(last(s) for s in streams)))
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_SECONDS)
+            if done:
+                return task.result()
+            if await request.is_disconnected():
+                raise APIError(499, "client disconnected", code="client_closed_request")
+    finally:
+        if not task.done():
+            task.cancel()
+        for s in streams:
+            s.close()
+
+
+def _usage(outputs: list[RequestOutput]) -> P.UsageInfo:
+    prompt = sum(len(o.prompt_token_ids) for o in outputs)
+    completion = sum(len(c.token_ids) for o in outputs for c in o.outputs)
+    cached = sum(o.num_cached_tokens for o in outputs)
+    return P.UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
+                       prompt_tokens_details=P.PromptTokensDetails(cached_tokens=cached))
+
+
+def _completion_response(state: ServerState, params: SamplingParams, rid: str,
+                         finals: list[RequestOutput]) -> P.CompletionResponse:
+    choices = []
+    for i, out in enumerate(finals):
+        for c in out.outputs:
+            logprobs = None
+            if params.logprobs is not None:
+                logprobs = _completion_logprobs(state, c, 0, len(c.token_ids), params.logprobs, 0)
+            choices.append(P.CompletionChoice(index=i * params.n + c.index, text=c.text, logprobs=logprobs,
+                                              finish_reason=c.finish_reason, stop_reason=c.stop_reason))
+    choices.sort(key=lambda ch: ch.index)
+    return P.CompletionResponse(id=rid, model=state.model_name, choices=choices, usage=_usage(finals))
+
+
+def _chat_response(state: ServerState, params: SamplingParams, rid: str,
+                   final: RequestOutput) -> P.ChatCompletionResponse:
+    choices = []
+    for c in sorted(final.outputs, key=lambda c: c.index):
+        logprobs = None
+        if params.logprobs is not None:
+            logprobs = _chat_logprobs(state, c, 0, len(c.token_ids), params.logprobs)
+        choices.append(P.ChatChoice(index=c.index, message=P.ChatResponseMessage(content=c.text),
+                                    logprobs=logprobs, finish_reason=c.finish_reason,
+                                    stop_reason=c.stop_reason))
+    return P.ChatCompletionResponse(id=rid, model=state.model_name, choices=choices, usage=_usage([final]))
+
+
+def _top(entry: dict, k: int) -> list[tuple[int, float]]:
+    ranked = sorted(((lp.rank or 0, tok, lp.logprob) for tok, lp in entry.items()), key=lambda x: x[0])
+    return [(tok, lp) for rank, tok, lp in ranked if 1 <= rank <= k]
+
+
+def _completion_logprobs(state: ServerState, c: CompletionOutput, start: int, end: int, k: int,
+                         offset: int) -> P.CompletionLogprobs:
+    out = P.CompletionLogprobs()
+    entries = c.logprobs or []
+    for i in range(start, min(end, len(entries))):
+        tok = c.token_ids[i]
+        text = state.decode_token(tok)
+        out.tokens.append(text)
+        out.token_logprobs.append(entries[i][tok].logprob if tok in entries[i] else None)
+        out.top_logprobs.append({state.decode_token(t): lp for t, lp in _top(entries[i], k)})
+        out.text_offset.append(offset)
+        offset += len(text)
+    return out
+
+
+def _chat_logprobs(state: ServerState, c: CompletionOutput, start: int, end: int, k: int) -> P.ChatLogprobs:
+    content = []
+    entries = c.logprobs or []
+    for i in range(start, min(end, len(entries))):
+        tok = c.token_ids[i]
+        text = state.decode_token(tok)
+        lp = entries[i][tok].logprob if tok in entries[i] else float("-inf")
+        tops = [P.TopLogprob(token=state.decode_token(t), logprob=v, bytes=list(state.decode_token(t).encode()))
+                for t, v in _top(entries[i], k)]
+        content.append(P.TokenLogprob(token=text, logprob=lp, bytes=list(text.encode()), top_logprobs=tops))
+    return P.ChatLogprobs(content=content)
+
+
+# ---- streamed responses ---------------------------------------------------------------
+
+
+class TextDelta:
+    """Turns one completion's cumulative text into stream deltas.
+
+    While the completion runs, the last (longest stop string - 1) characters are held back: they
+    could be the start of a stop string that the non-streamed text will not contain. Once it
+    finishes, the rest of the final (stop-truncated) text is sent, so the concatenated deltas
+    equal the non-streamed text exactly.
+    """
+
+    def __init__(self, params: SamplingParams):
+        stops = params.stop or []
+        self.holdback = 0 if params.include_stop_str_in_output else max((len(s) for s in stops), default=1) - 1
+        self.sent = ""
+        self.num_tokens = 0
+        self.offset = 0
+        self.done = False
+
+    def step(self, c: CompletionOutput) -> tuple[str, int, int]:
+        """(new text, first new token index, end token index) for the latest output."""
+        text = c.text
+        if c.finish_reason is None and self.holdback:
+            text = text[:max(len(text) - self.holdback, len(self.sent))]
+        if not text.startswith(self.sent):  # cannot happen with append-only text; never resend
+            log.warning("stream text diverged for choice %d", c.index)
+            text = self.sent
+        delta = text[len(self.sent):]
+        self.sent = text
+        start, self.num_tokens = self.num_tokens, len(c.token_ids)
+        return delta, start, self.num_tokens
+
+
+class EventStreamResponse(StreamingResponse):
+    """Server-sent events; however the response ends (done, client gone), its requests end too."""
+
+    def __init__(self, events: AsyncIterator[str], streams: list[RequestStream]):
+        super().__init__(events, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self.streams = streams
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            for s in self.streams:
+                s.close()  # aborts requests still running: the client disconnected
+
+
+def _event(model: BaseModel | dict) -> str:
+    data = model.model_dump_json() if isinstance(model, BaseModel) else json.dumps(model)
+    return f"data: {data}\n\n"
+
+
+def _error_event(exc: BaseException) -> str:
+    err = P.ErrorResponse(error=P.ErrorInfo(message=str(exc), type="server_error"))
+    return _event(err)
+
+
+async def _merge(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Outputs of several streams as they come, tagged with the stream's position."""
+    if len(streams) == 1:
+        async for out in streams[0]:
+            yield 0, out
+        return
+    pending = {asyncio.ensure_future(s.next()): i for i, s in enumerate(streams)}
+    try:
+        while pending:
+            done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for task in done:
+                i = pending.pop(task)
+                out = task.result()
+                if not out.finished:
+                    pending[asyncio.ensure_future(streams[i].next())] = i
+                yield i, out
+    finally:
+        for task in pending:
+            task.cancel()
+        for s in streams:
+            s.close()
+
+
+async def _completion_events(state: ServerState, req: P.CompletionRequest, params: SamplingParams,
+                             rid: str, streams: list[RequestStream]) -> AsyncIterator[str]:
+    created = int(time.time())
+    deltas: dict[int, TextDelta] = {}
+    finals: dict[int, RequestOutput] = {}
+    try:
+        async for i, out in _merge(streams):
+            choices = []
+            for c in out.outputs:
+                index = i * params.n + c.index
+                d = deltas.setdefault(index, TextDelta(params))
+                if d.done:
+                    continue
+                text, start, end = d.step(c)
+                d.done = c.finish_reason is not None
+                logprobs = None
+                if params.logprobs is not None:
+                    logprobs = _completion_logprobs(state, c, start, end, params.logprobs, d.offset)
+                    d.offset += sum(len(t) for t in logprobs.tokens)
+                if text or d.done or (logprobs is not None and logprobs.tokens):
+                    choices.append(P.CompletionChoice(index=index, text=text, logprobs=logprobs,
+                                                      finish_reason=c.finish_reason, stop_reason=c.stop_reason))
+            if out.finished:
+                finals[i] = out
+            if choices:
+                yield _event(P.CompletionResponse(id=rid, created=created, model=state.model_name,
+                                                  choices=choices))
+        if req.include_usage:
+            usage = _usage([finals[i] for i in sorted(finals)])
+            yield _event(P.CompletionResponse(id=rid, created=created, model=state.model_name,
+                                              choices=[], usage=usage))
+    except EngineDeadError as exc:
+        yield _error_event(exc)
+    yield "data: [DONE]\n\n"
+
+
+async def _chat_events(state: ServerState, req: P.ChatCompletionRequest, params: SamplingParams,
+                       rid: str, stream: RequestStream) -> AsyncIterator[str]:
+    created = int(time.time())
+
+    def chunk(choices: list[P.ChatStreamChoice], usage: P.UsageInfo | None = None) -> str:
+        return _event(P.ChatCompletionChunk(id=rid, created=created, model=state.model_name,
+                                            choices=choices, usage=usage))
+
+    deltas = {i: TextDelta(params) for i in range(params.n)}
+    final = None
+    try:
+        yield chunk([P.ChatStreamChoice(index=i, delta=P.DeltaMessage(role="assistant", content=""))
+                     for i in range(params.n)])
+        async for out in stream:
+            choices = []
+            for c in out.outputs:
+                d = deltas[c.index]
+                if d.done:
+                    continue
+                text, start, end = d.step(c)
+                d.done = c.finish_reason is not None
+                logprobs = None
+                if params.logprobs is not None:
+                    logprobs = _chat_logprobs(state, c, start, end, params.logprobs)
+                if text or d.done or (logprobs is not None and logprobs.content):
+                    delta = P.DeltaMessage(content=text) if text or not d.done else P.DeltaMessage()
+                    choices.append(P.ChatStreamChoice(index=c.index, delta=delta, logprobs=logprobs,
+                                                      finish_reason=c.finish_reason, stop_reason=c.stop_reason))
+            if out.finished:
+                final = out
+            if choices:
+                yield chunk(choices)
+        if req.include_usage and final is not None:
+            yield chunk([], _usage([final]))
+    except EngineDeadError as exc:
+        yield _error_event(exc)
+    finally:
+        stream.close()
+    yield "data: [DONE]\n\n"

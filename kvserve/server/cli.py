@@ -1,0 +1,117 @@
+"""`kvserve serve`: the OpenAI-compatible HTTP server (FastAPI + uvicorn).
+
+Registered on the main CLI by kvserve.cli._register_tools; also runnable on its own as
+`python -m kvserve.server.cli serve ...`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import logging
+import os
+import signal
+import sys
+
+from kvserve.config import parse_bytes
+from kvserve.server import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_QUEUE
+
+log = logging.getLogger("kvserve.server")
+
+HANDLED_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+def register(subparsers) -> None:
+    """Add the `serve` subcommand."""
+    from kvserve.cli import _engine_args
+
+    p = subparsers.add_parser("serve", help="OpenAI-compatible HTTP server with Prometheus metrics",
+                              description="Serve the model over an OpenAI-compatible HTTP API.")
+    _engine_args(p)
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' on every route but /health "
+                        "(default: $KVSERVE_API_KEY, else no key)")
+    p.add_argument("--served-model-name", default=None, help="model name in the API (default: the model's)")
+    p.add_argument("--max-queue", type=int, default=DEFAULT_MAX_QUEUE,
+                   help="waiting requests allowed before new ones get 429 with Retry-After")
+    p.add_argument("--max-body-bytes", type=parse_bytes, default=DEFAULT_MAX_BODY_BYTES,
+                   help="largest request body accepted (413 beyond), e.g. 2MiB")
+    p.add_argument("--shutdown-timeout", type=float, default=30.0,
+                   help="on SIGTERM, seconds running requests may take to finish before they are aborted")
+    p.add_argument("--uvicorn-log-level", default="info",
+                   choices=["critical", "error", "warning", "info", "debug", "trace"])
+    p.add_argument("--no-access-log", action="store_true", help="do not log one line per HTTP request")
+    p.set_defaults(func=cmd_serve)
+
+
+def cmd_serve(args) -> int:
+    """Load the model, then serve until SIGTERM/SIGINT; exits 0 after a graceful shutdown."""
+    import uvicorn
+
+    from kvserve.cli import make_llm
+    from kvserve.server.app import build_app
+
+    if args.max_queue < 0:
+        raise ValueError(f"--max-queue must be >= 0, got {args.max_queue}")
+    if args.max_body_bytes < 1:
+        raise ValueError(f"--max-body-bytes must be >= 1, got {args.max_body_bytes}")
+    api_key = args.api_key if args.api_key is not None else os.environ.get("KVSERVE_API_KEY") or None
+    engine = make_llm(args).engine
+    app = build_app(engine, served_model_name=args.served_model_name, api_key=api_key,
+                    max_queue=args.max_queue, max_body_bytes=args.max_body_bytes)
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
+                            access_log=not args.no_access_log,
+                            timeout_graceful_shutdown=args.shutdown_timeout + 5)
+    server = graceful_server(config, on_signal=lambda: app.state.kvserve.async_engine.begin_drain(
+        args.shutdown_timeout))
+    log.info("serving %s on http://%s:%d (api key %s)", app.state.kvserve.model_name, args.host,
+             args.port, "required" if api_key else "off")
+    server.run()
+    return 0
+
+
+def graceful_server(config, on_signal):
+    """A uvicorn.Server that calls `on_signal()` on SIGTERM/SIGINT, then exits normally (0).
+
+    uvicorn re-raises the captured signal after its own graceful shutdown, which would end the
+    process with status 143 instead of 0; this server does not.
+    """
+    import uvicorn
+
+    class GracefulServer(uvicorn.Server):
+        @contextlib.contextmanager
+        def capture_signals(self):
+            previous = {sig: signal.signal(sig, self.handle_exit) for sig in HANDLED_SIGNALS}
+            try:
+                yield
+            finally:
+                for sig, handler in previous.items():
+                    signal.signal(sig, handler)
+
+        def handle_exit(self, sig, frame):
+            if not self.should_exit:
+                log.info("received signal %d: taking no new requests, draining", sig)
+                on_signal()
+            super().handle_exit(sig, frame)
+
+    return GracefulServer(config)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m kvserve.server.cli serve ...`."""
+    parser = argparse.ArgumentParser(prog="kvserve")
+    parser.add_argument("-v", "--verbose", action="store_true")
+    register(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        return args.func(args)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
