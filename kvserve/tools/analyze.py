@@ -215,6 +215,16 @@ def plot_analysis(path: str, shape: ModelShape, num_tokens: int) -> None:
 # --- measured on the engine -------------------------------------------------------------------
 
 
+def engine_model(model: str | None) -> str | None:
+    """What to hand LLM(model=...): a file or folder as is, None for the bundled model."""
+    if model is None or os.path.exists(model):
+        return model
+    if presets.get_model_preset(model).name == "SmolLM2-135M":
+        return None
+    raise ValueError("--measure runs the engine: give a GGUF file or a HF model folder, "
+                     "or leave --model out for the bundled SmolLM2-135M")
+
+
 def measure_mode(model: str | None, mode: str, tokens: int, prompt: str, **llm_args) -> dict:
     """Generate `tokens` greedy tokens in one kv_cache_mode; counted K/V rows, tokens, wall time."""
     from kvserve import LLM, SamplingParams
@@ -307,7 +317,7 @@ def run(args: argparse.Namespace) -> int:
         shape = load_shape(args.model)
         result = analysis(shape, args.tokens)
         if args.measure:
-            result["measured"] = measure(args.model, args.tokens, args.prompt)
+            result["measured"] = measure(engine_model(args.model), args.tokens, args.prompt)
     except ValueError as e:
         print(f"kvserve analyze: error: {e}", file=sys.stderr)
         return 2

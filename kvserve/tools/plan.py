@@ -71,6 +71,8 @@ def plan(model: ModelShape, context: int = DEFAULT_CONTEXT, batch: int = 1, kv_d
     sizing.check_context(context)
     if batch <= 0:
         raise ValueError(f"batch must be a positive number of sequences, got {batch}")
+    if num_gpus <= 0:
+        raise ValueError(f"num_gpus must be positive, got {num_gpus}")
     hw = presets.get_hardware(gpu) if isinstance(gpu, str) else gpu
     fmt = sizing.get_kv_format(kv_dtype)
     layout = model.kv_layout()
@@ -452,8 +454,6 @@ def _run(args: argparse.Namespace) -> int:
         num_gpus=args.num_gpus, gpu_memory_utilization=args.gpu_memory_utilization,
         reserved_fraction=args.reserved_fraction, weight_dtype=args.weight_dtype,
     )
-    if args.num_gpus <= 0:
-        raise ValueError(f"--num-gpus must be positive, got {args.num_gpus}")
     if args.compare or args.attention:
         kinds = [k for k in (args.attention or ",".join(ATTENTION_KINDS)).split(",") if k.strip()]
         variants = [attention_variant(model, k) for k in kinds]
