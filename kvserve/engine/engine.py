@@ -18,7 +18,7 @@ from kvserve.engine.sampler import Sampler, SamplingInput, prompt_logprobs
 from kvserve.engine.scheduler import Scheduler
 from kvserve.kv.hashing import namespace_hash
 from kvserve.kv.manager import KVCacheManager
-from kvserve.kv.sizing import kv_bytes_per_token
+from kvserve.kv.spec import group_layers
 from kvserve.kv.storage import KVStorage
 from kvserve.model.loader import load_weights, resolve_model_path
 from kvserve.model.registry import build_model
@@ -76,17 +76,22 @@ class LLMEngine:
         return ids
 
     def _init_cache(self) -> None:
-        cfg, mc = self.config, self.model_config
+        cfg = self.config
         elem = torch.tensor([], dtype=self.dtype).element_size()
-        self.kv_bytes_per_token = kv_bytes_per_token(mc.num_layers, mc.num_kv_heads, mc.head_dim, elem)
+        specs = self.model.kv_specs()
+        self.kv_groups = group_layers(specs)
+        self.kv_bytes_per_token = sum(s.bytes_per_token(elem) for s in specs)
+        group = self.kv_groups[0]  # every group holds the same number of same-shaped layers
+        self.page_bytes_per_token = len(group.layers) * group.spec.bytes_per_token(elem)
         self.kv, self.storage, self.pool_plan = None, None, None
         if cfg.kv_cache_mode != "none":
             self.pool_plan = self._plan_pool()
             self.kv = KVCacheManager(
                 self.pool_plan.num_blocks, self.pool_plan.block_size, self._namespace(),
-                enable_prefix_caching=cfg.enable_prefix_caching and cfg.kv_cache_mode == "paged")
-            self.storage = KVStorage(mc.num_layers, self.pool_plan.num_blocks, self.pool_plan.block_size,
-                                     mc.num_kv_heads, mc.head_dim, self.dtype, self.device)
+                enable_prefix_caching=cfg.enable_prefix_caching and cfg.kv_cache_mode == "paged",
+                groups=self.kv_groups)
+            self.storage = KVStorage(self.kv_groups, self.pool_plan.num_blocks, self.pool_plan.block_size,
+                                     self.dtype, self.device)
         self.runner = ModelRunner(self.model, self.kv, self.storage, self.device)
         max_batch = cfg.max_num_batched_tokens if self.kv is not None else self.max_model_len
         self.scheduler = Scheduler(self.kv, cfg.max_num_seqs, max_batch)
@@ -101,9 +106,19 @@ class LLMEngine:
         if cfg.kv_cache_memory is None:
             activation = measure_activation_peak(self.device, self._warmup)
         plan = plan_pool(cfg.kv_cache_memory, cfg.gpu_memory_utilization, self.device,
-                         weight_bytes, activation, block_size, self.kv_bytes_per_token)
-        check_fits(plan, self.max_model_len)
+                         weight_bytes, activation, block_size, self.page_bytes_per_token)
+        check_fits(plan, self._blocks_per_sequence(block_size), self.max_model_len)
         return plan
+
+    def _blocks_per_sequence(self, block_size: int) -> int:
+        """Blocks one max_model_len sequence holds at most, over all KV groups."""
+        total = 0
+        for g in self.kv_groups:
+            n = -(-self.max_model_len // block_size)
+            if g.spec.kind == "sliding":
+                n = min(n, -(-g.spec.window // block_size) + 1)
+            total += n
+        return total + (1 if any(g.spec.kind == "sliding" for g in self.kv_groups) else 0)
 
     @torch.inference_mode()
     def _warmup(self) -> None:
@@ -111,7 +126,7 @@ class LLMEngine:
         from kvserve.model.attention import AttentionMetadata, PrefillSpan
         n = min(self.config.max_num_batched_tokens, self.max_model_len)
         ids = torch.zeros(n, dtype=torch.long, device=self.device)
-        meta = AttentionMetadata(slot_mapping=None, prefills=[PrefillSpan(0, n, n)])
+        meta = AttentionMetadata(prefills=[PrefillSpan(0, n, n)])
         hidden = self.model(ids, torch.arange(n, device=self.device), None, meta)
         self.model.compute_logits(hidden[-256:])
         for layer in self.model.model.layers:
@@ -127,10 +142,11 @@ class LLMEngine:
             log.info("KV cache: none (every step recomputes the whole sequence)")
             return
         p = self.pool_plan
-        log.info("KV cache (%s): %d blocks x %d tokens = %d tokens (%s, %d B/token) from %s; "
+        per_seq = self._blocks_per_sequence(p.block_size)
+        log.info("KV cache (%s): %d blocks x %d tokens = %d tokens (%s, %d B/token, %d KV group(s)) from %s; "
                  "max concurrency at max_model_len=%d: %.1fx", self.config.kv_cache_mode, p.num_blocks,
-                 p.block_size, p.num_tokens, gib(p.nbytes), p.bytes_per_token, p.source,
-                 self.max_model_len, p.num_tokens / self.max_model_len)
+                 p.block_size, p.num_tokens // len(self.kv_groups), gib(p.nbytes), self.kv_bytes_per_token,
+                 len(self.kv_groups), p.source, self.max_model_len, p.num_blocks / per_seq)
 
     # ---- requests ------------------------------------------------------------------
     def make_request(self, prompt: PromptType, params: SamplingParams | None = None,
@@ -190,7 +206,7 @@ class LLMEngine:
             raise ValueError(f"prompt ({prompt_len} tokens) + max_tokens ({params.max_tokens}) exceeds "
                              f"max_model_len={self.max_model_len}: lower max_tokens to at most {room}")
         if self.kv is not None:
-            need = self.kv.blocks_for_tokens(prompt_len + params.max_tokens)
+            need = self.kv.max_blocks_for_tokens(prompt_len + params.max_tokens)
             if need > self.kv.num_blocks:
                 raise ValueError(f"request needs {need} KV blocks but the whole pool has {self.kv.num_blocks}: "
                                  "lower max_tokens or raise kv_cache_memory")
@@ -338,9 +354,9 @@ class LLMEngine:
                     "kv_cache_usage": 0.0, "kv_cache_bytes": 0, "prefix_cache_queries": 0, "prefix_cache_hits": 0}
         pool = self.kv.pool
         return {
-            "num_blocks_total": pool.num_blocks,
+            "num_blocks_total": pool.num_usable,
             "num_blocks_free": pool.num_free,
-            "num_blocks_used": pool.num_blocks - pool.num_free,
+            "num_blocks_used": pool.num_usable - pool.num_free,
             "num_blocks_cached": pool.num_cached,
             "num_blocks_cached_free": pool.num_cached_free,
             "kv_cache_usage": self.kv.usage(),

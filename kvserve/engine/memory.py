@@ -19,7 +19,7 @@ class PoolPlan:
 
     num_blocks: int
     block_size: int
-    bytes_per_token: int
+    bytes_per_token: int   # bytes of one token slot of one block (one KV group's layers)
     budget_bytes: int
     source: str
 
@@ -92,12 +92,12 @@ def plan_pool(kv_cache_memory: int | None, utilization: float | None, device: to
     return PoolPlan(num_blocks, block_size, bytes_per_token, budget, source)
 
 
-def check_fits(plan: PoolPlan, max_model_len: int) -> None:
+def check_fits(plan: PoolPlan, blocks_per_sequence: int, max_model_len: int) -> None:
     """Refuse a pool that cannot hold one max_model_len sequence."""
-    need = math.ceil(max_model_len / plan.block_size)
-    if plan.num_blocks < need:
+    if plan.num_blocks < blocks_per_sequence:
+        need_bytes = blocks_per_sequence * plan.block_size * plan.bytes_per_token
         raise ValueError(
             f"KV cache too small: {plan.num_blocks} blocks x {plan.block_size} tokens "
             f"({gib(plan.nbytes)} from {plan.source}) cannot hold one sequence of "
-            f"max_model_len={max_model_len} ({need} blocks, {gib(need * plan.block_size * plan.bytes_per_token)}). "
+            f"max_model_len={max_model_len} ({blocks_per_sequence} blocks, {gib(need_bytes)}). "
             "Raise kv_cache_memory / gpu_memory_utilization or lower max_model_len.")

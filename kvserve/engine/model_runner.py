@@ -8,20 +8,21 @@ import torch
 
 from kvserve.engine.request import Request
 from kvserve.kv.manager import KVCacheManager
+from kvserve.kv.spec import KVSpec
 from kvserve.kv.storage import KVStorage
-from kvserve.model.attention import AttentionMetadata, PrefillSpan
+from kvserve.model.attention import AttentionMetadata, GroupView, PrefillSpan, window_mask
 
 
 @dataclass
 class ModelInput:
     """Flat batch: decodes first, then prefill chunks."""
 
-    input_ids: torch.Tensor        # [num_tokens]
-    positions: torch.Tensor        # [num_tokens]
+    input_ids: torch.Tensor            # [num_tokens]
+    positions: torch.Tensor            # [num_tokens]
     meta: AttentionMetadata
     order: list[tuple[Request, int]]   # requests in batch order with their new-token counts
-    logits_rows: list[int]         # row of the last token of each request that samples this step
-    sampling_reqs: list[Request]   # requests owning those rows
+    logits_rows: list[int]             # row of the last token of each request that samples
+    sampling_reqs: list[Request]       # requests owning those rows
 
 
 class ModelRunner:
@@ -36,68 +37,81 @@ class ModelRunner:
         self.block_size = kv.block_size if kv is not None else 1
 
     @torch.inference_mode()
-    def execute(self, scheduled: list[tuple[Request, int]], prompt_logprob_reqs=()) -> tuple[ModelInput, torch.Tensor, dict]:
-        """Run one step; returns the input, logits [len(sampling_reqs), vocab], prompt logits per request."""
+    def execute(self, scheduled: list[tuple[Request, int]], prompt_logprob_reqs=()):
+        """Run one step; returns (input, logits [len(sampling_reqs), vocab], prompt logits per request)."""
         if self.kv is not None:
             self.storage.copy_blocks(self.kv.take_pending_copies())
         inp = self.prepare(scheduled)
         hidden = self.model(inp.input_ids, inp.positions, self.storage, inp.meta)
         logits = self.model.compute_logits(hidden[inp.logits_rows])
-        prompt_logits = self._prompt_logits(inp, hidden, prompt_logprob_reqs)
-        return inp, logits, prompt_logits
+        return inp, logits, self._prompt_logits(inp, hidden, prompt_logprob_reqs)
 
     def prepare(self, scheduled: list[tuple[Request, int]]) -> ModelInput:
-        """Build input ids, positions, slot mapping and attention metadata."""
+        """Build input ids, positions and attention metadata."""
         cached = self.kv is not None
         decodes = [(r, n) for r, n in scheduled if n == 1 and cached]
         prefills = [(r, n) for r, n in scheduled if not (n == 1 and cached)]
         order = decodes + prefills
-        ids, pos, slots, spans, logits_rows, sampling = [], [], [], [], [], []
-        row = 0
+        ids, pos, logits_rows, sampling = [], [], [], []
         for req, n in order:
             start = req.num_computed_tokens
             ids.extend(req.token_ids[start:start + n])
             pos.extend(range(start, start + n))
-            if cached:
-                slots.extend(self._slots(req, start, start + n))
             if start + n == req.num_tokens:
-                logits_rows.append(row + n - 1)
+                logits_rows.append(len(ids) - 1)
                 sampling.append(req)
-            row += n
-        meta = AttentionMetadata(slot_mapping=self._tensor(slots) if cached else None)
-        if decodes:
-            self._decode_meta(meta, [r for r, _ in decodes])
+        meta = AttentionMetadata(num_decodes=len(decodes))
         row = len(decodes)
         for req, n in prefills:
-            meta.prefills.append(self._prefill_span(req, n, row, cached))
+            meta.prefills.append(PrefillSpan(row, n, req.num_computed_tokens + n))
             row += n
+        if cached:
+            meta.groups = [self._group_view(g, order, decodes, prefills) for g in range(len(self.kv.groups))]
         return ModelInput(self._tensor(ids), self._tensor(pos), meta, order, logits_rows, sampling)
 
-    def _slots(self, req: Request, start: int, end: int) -> list[int]:
-        table = self.kv.block_ids(req.request_id)
-        bs = self.block_size
-        return [table[p // bs] * bs + p % bs for p in range(start, end)]
+    def _group_view(self, g: int, order, decodes, prefills) -> GroupView:
+        spec = self.kv.groups[g].spec
+        tables = {r.request_id: self._tensor(self.kv.block_ids(r.request_id, g)) for r, _ in order}
+        slots = [self._slots(tables[r.request_id], r.num_computed_tokens, r.num_computed_tokens + n)
+                 for r, n in order]
+        view = GroupView(slot_mapping=torch.cat(slots))
+        if decodes:
+            view.decode_idx, view.decode_mask = self._decode_view([r for r, _ in decodes], tables, spec)
+        for req, n in prefills:
+            idx, mask = self._prefill_view(req, n, tables[req.request_id], spec)
+            view.prefill_idx.append(idx)
+            view.prefill_mask.append(mask)
+        return view
 
-    def _decode_meta(self, meta: AttentionMetadata, reqs: list[Request]) -> None:
+    def _slots(self, table: torch.Tensor, start: int, end: int) -> torch.Tensor:
+        p = torch.arange(start, end, device=self.device)
+        return table[p // self.block_size] * self.block_size + p % self.block_size
+
+    def _decode_view(self, reqs: list[Request], tables: dict, spec: KVSpec):
+        """Each decode attends over [start, ctx): all of it, or the last `window` tokens."""
         ctx = torch.tensor([r.num_computed_tokens + 1 for r in reqs], device=self.device)
-        tables = [self.kv.block_ids(r.request_id) for r in reqs]
-        width = max(len(t) for t in tables)
-        table = torch.tensor([t + [0] * (width - len(t)) for t in tables], device=self.device)
-        max_len = int(ctx.max())
-        p = torch.arange(max_len, device=self.device)
-        meta.num_decodes = len(reqs)
-        meta.decode_slot_idx = table[:, p // self.block_size] * self.block_size + p % self.block_size
-        meta.decode_mask = (p[None, :] < ctx[:, None])[:, None, None, :]
+        start = (ctx - spec.window).clamp(min=0) if spec.kind == "sliding" else torch.zeros_like(ctx)
+        width = max(len(tables[r.request_id]) for r in reqs)
+        table = torch.stack([torch.nn.functional.pad(tables[r.request_id], (0, width - len(tables[r.request_id])))
+                             for r in reqs])
+        length = int((ctx - start).max())
+        p = start[:, None] + torch.arange(length, device=self.device)[None, :]  # [B, L] positions
+        p = torch.minimum(p, ctx[:, None] - 1)
+        idx = table.gather(1, p // self.block_size) * self.block_size + p % self.block_size
+        mask = (start[:, None] + torch.arange(length, device=self.device)[None, :]) < ctx[:, None]
+        return idx, mask[:, None, None, :]
 
-    def _prefill_span(self, req: Request, n: int, row: int, cached: bool) -> PrefillSpan:
+    def _prefill_view(self, req: Request, n: int, table: torch.Tensor, spec: KVSpec):
+        """A chunk attends over its cached prefix (trimmed to the window) plus itself."""
         ctx = req.num_computed_tokens + n
-        span = PrefillSpan(start=row, num_tokens=n, context_len=ctx)
-        if cached:
-            span.slot_idx = self._tensor(self._slots(req, 0, ctx))
-            if ctx > n:  # a cached prefix: new token i sits at position ctx - n + i
-                q_pos = torch.arange(ctx - n, ctx, device=self.device)
-                span.mask = torch.arange(ctx, device=self.device)[None, :] <= q_pos[:, None]
-        return span
+        q0 = ctx - n
+        window = spec.window if spec.kind == "sliding" else None
+        k0 = max(0, q0 - window + 1) if window else 0
+        idx = self._slots(table, k0, ctx)
+        if k0 == 0 and q0 == 0 and (window is None or n <= window):
+            return idx, None
+        q_pos = torch.arange(q0, ctx, device=self.device)
+        return idx, window_mask(q_pos, torch.arange(k0, ctx, device=self.device), window)
 
     def _prompt_logits(self, inp: ModelInput, hidden: torch.Tensor, reqs) -> dict:
         """Logits of rows predicting prompt tokens 1..P-1 (position p predicts token p+1)."""

@@ -21,16 +21,22 @@ class Block:
 class BlockPool:
     """Hands out blocks; freed blocks keep their hash until reallocated (LRU order)."""
 
-    def __init__(self, num_blocks: int):
-        if num_blocks < 1:
-            raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
+    def __init__(self, num_blocks: int, reserved: int = 0):
+        if num_blocks - reserved < 1:
+            raise ValueError(f"num_blocks must leave >= 1 usable block, got {num_blocks} ({reserved} reserved)")
         self.num_blocks = num_blocks
+        self.reserved = reserved  # leading block ids never handed out (e.g. the null block)
         self.blocks = [Block(i) for i in range(num_blocks)]
         # Front of the queue is reused first: blocks without a hash go to the front,
         # freed cached blocks to the back (least recently used are reused first).
-        self.free_queue: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        self.free_queue: OrderedDict[int, None] = OrderedDict((i, None) for i in range(reserved, num_blocks))
         self.cached: dict[BlockHash, int] = {}
         self.num_evicted = 0
+
+    @property
+    def num_usable(self) -> int:
+        """Blocks that can be handed out."""
+        return self.num_blocks - self.reserved
 
     @property
     def num_free(self) -> int:

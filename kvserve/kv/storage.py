@@ -1,47 +1,51 @@
-"""Physical KV tensors: one K and one V tensor per layer, sized once, written by slot."""
+"""Physical KV tensors, sized once. Layer j of every KV group shares storage slot j:
+block ids never overlap across groups, so one tensor per slot serves them all."""
 
 from __future__ import annotations
 
 import torch
 
+from kvserve.kv.spec import KVGroup
+
 
 class KVStorage:
-    """Per-layer K/V caches shaped [num_blocks, block_size, num_kv_heads, head_dim]."""
+    """Per-slot cache tensors [num_blocks, block_size, *entry_shape] (K and V, or one MLA latent)."""
 
-    def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
-                 head_dim: int, dtype: torch.dtype, device: torch.device | str = "cpu"):
-        shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    def __init__(self, groups: list[KVGroup], num_blocks: int, block_size: int,
+                 dtype: torch.dtype, device: torch.device | str = "cpu"):
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        shapes = groups[0].spec.entry_shapes
+        num_slots = len(groups[0].layers)
+        self.slots = [[torch.zeros((num_blocks, block_size, *s), dtype=dtype, device=device) for s in shapes]
+                      for _ in range(num_slots)]
+        self.layer_slot = {layer: j for g in groups for j, layer in enumerate(g.layers)}
+        self.layer_group = {layer: gi for gi, g in enumerate(groups) for layer in g.layers}
 
     @property
     def nbytes(self) -> int:
         """Bytes the cache tensors hold."""
-        return sum(t.numel() * t.element_size() for t in self.k + self.v)
+        return sum(t.numel() * t.element_size() for slot in self.slots for t in slot)
 
-    def slots(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Flat views [num_slots, num_kv_heads, head_dim] of one layer's K and V."""
-        k, v = self.k[layer], self.v[layer]
-        return k.view(-1, *k.shape[2:]), v.view(-1, *v.shape[2:])
+    def _flat(self, layer: int) -> list[torch.Tensor]:
+        return [t.view(-1, *t.shape[2:]) for t in self.slots[self.layer_slot[layer]]]
 
-    def write(self, layer: int, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Store new K/V rows [num_tokens, num_kv_heads, head_dim] at their slots."""
-        k_slots, v_slots = self.slots(layer)
-        k_slots.index_copy_(0, slot_mapping, k.to(k_slots.dtype))
-        v_slots.index_copy_(0, slot_mapping, v.to(v_slots.dtype))
+    def write(self, layer: int, slot_mapping: torch.Tensor, *entries: torch.Tensor) -> None:
+        """Store new per-token entries [num_tokens, ...] (K, V or the latent) at their slots."""
+        for flat, x in zip(self._flat(layer), entries):
+            flat.index_copy_(0, slot_mapping, x.to(flat.dtype))
 
-    def read(self, layer: int, slot_idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Gather K/V at slot indices of any shape -> [*slot_idx.shape, heads, head_dim]."""
-        k_slots, v_slots = self.slots(layer)
-        return k_slots[slot_idx], v_slots[slot_idx]
+    def read(self, layer: int, slot_idx: torch.Tensor) -> list[torch.Tensor]:
+        """Gather entries at slot indices of any shape -> [*slot_idx.shape, ...] each."""
+        return [flat[slot_idx] for flat in self._flat(layer)]
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
-        """Copy whole blocks src -> dst in every layer (copy-on-write)."""
+        """Copy whole blocks src -> dst in every slot (copy-on-write)."""
         if not pairs:
             return
-        src = torch.tensor([p[0] for p in pairs], device=self.k[0].device)
-        dst = torch.tensor([p[1] for p in pairs], device=self.k[0].device)
-        for cache in self.k + self.v:
-            cache[dst] = cache[src]
+        device = self.slots[0][0].device
+        src = torch.tensor([p[0] for p in pairs], device=device)
+        dst = torch.tensor([p[1] for p in pairs], device=device)
+        for slot in self.slots:
+            for t in slot:
+                t[dst] = t[src]

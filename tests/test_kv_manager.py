@@ -1,0 +1,483 @@
+"""Unit tests of the KV block pool, manager and storage, with hand-computed expectations."""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+
+import pytest
+import torch
+
+from kvserve.kv.block_pool import BlockPool
+from kvserve.kv.hashing import hash_block, hash_full_blocks, namespace_hash
+from kvserve.kv.manager import KVCacheManager
+from kvserve.kv.storage import KVStorage
+
+NS = namespace_hash("unit-model", "float16", "kv-manager")
+
+
+def make(num_blocks: int = 16, block_size: int = 4, **kw) -> KVCacheManager:
+    return KVCacheManager(num_blocks, block_size, NS, **kw)
+
+
+def admit(m: KVCacheManager, rid: str, tokens: list[int]) -> list[int]:
+    """Admit a request as the scheduler does (prefix hits + the rest); returns its hits."""
+    hits, num_hit = m.get_computed_blocks(rid, tokens)
+    assert m.allocate_slots(rid, num_hit, len(tokens) - num_hit, hits)
+    m.cache_blocks(rid, tokens, len(tokens))
+    return hits
+
+
+def append(m: KVCacheManager, rid: str, tokens: list[int], extra: list[int]) -> list[int]:
+    """Grow a request by `extra` tokens (allocate, then register newly full blocks)."""
+    assert m.allocate_slots(rid, len(tokens), len(extra))
+    tokens = tokens + extra
+    m.cache_blocks(rid, tokens, len(tokens))
+    return tokens
+
+
+def probe(m: KVCacheManager, tokens: list[int]) -> list[int]:
+    """Prefix hits a new request with these tokens would get (leaves no state behind)."""
+    hits, _ = m.get_computed_blocks("__probe__", tokens)
+    m.free("__probe__")
+    return hits
+
+
+def snapshot(m: KVCacheManager):
+    pool = m.pool
+    return (
+        [(b.block_id, b.ref_cnt, b.block_hash, b.token_ids) for b in pool.blocks],
+        list(pool.free_queue), dict(pool.cached), pool.num_evicted,
+        {rid: (list(s.block_ids), list(s.block_hashes), s.num_registered) for rid, s in m.reqs.items()},
+        list(m.pending_copies),
+    )
+
+
+# ---- prefix hits -------------------------------------------------------------------------
+def test_prefix_hit_leaves_last_prompt_token_for_recompute():
+    m = make(16, 4)
+    prompt = [1, 2, 3, 4, 5, 6, 7, 8]
+    assert admit(m, "a", prompt) == []
+    a = m.block_ids("a")
+    assert m.get_computed_blocks("b", prompt) == ([a[0]], 4)  # 8 tokens: hit 4, not 8
+    assert m.get_computed_blocks("c", prompt + [9]) == (a, 8)
+    assert m.get_computed_blocks("d", prompt[:5]) == ([a[0]], 4)
+    assert m.get_computed_blocks("e", prompt[:4]) == ([], 0)  # one full block, all of the prompt
+    assert m.get_computed_blocks("f", [1]) == ([], 0)
+    m.free("a")  # freed blocks stay findable
+    assert m.get_computed_blocks("g", prompt) == ([a[0]], 4)
+
+
+def test_prefix_hit_stops_at_first_miss_and_never_hits_partial_blocks():
+    m = make(16, 4)
+    admit(m, "a", [1, 2, 3, 4, 5, 6, 7, 8, 9, 10])  # blocks: [1-4] [5-8] [9,10]
+    a = m.block_ids("a")
+    assert probe(m, [1, 2, 3, 4, 5, 6, 7, 0, 9, 10, 11]) == [a[0]]
+    assert probe(m, [0, 2, 3, 4, 5, 6, 7, 8, 9]) == []
+    assert probe(m, [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13]) == a[:2]  # [9,10] was partial
+
+
+def test_admit_with_hits_shares_blocks_and_counts_refs():
+    m = make(16, 4)
+    admit(m, "a", [1, 2, 3, 4, 5, 6, 7, 8, 9])
+    a = m.block_ids("a")
+    hits = admit(m, "b", [1, 2, 3, 4, 5, 6, 7, 8, 0, 0])
+    assert hits == a[:2]
+    b = m.block_ids("b")
+    assert b[:2] == a[:2] and b[2] not in a
+    assert [m.pool.blocks[x].ref_cnt for x in a] == [2, 2, 1]
+    assert m.pool.num_free == 16 - 4
+
+
+def test_prefix_caching_disabled_never_hits_or_hashes():
+    m = make(16, 4, enable_prefix_caching=False)
+    admit(m, "a", list(range(1, 10)))
+    assert m.get_computed_blocks("b", list(range(1, 10))) == ([], 0)
+    assert m.pool.cached == {}
+    assert all(b.block_hash is None for b in m.pool.blocks)
+
+
+def test_cache_blocks_registers_only_full_computed_blocks():
+    m = make(16, 2)
+    hits, n = m.get_computed_blocks("a", [1, 2, 3, 4, 5])
+    assert m.allocate_slots("a", n, 5)
+    m.cache_blocks("a", [1, 2, 3, 4, 5], 3)  # only 3 tokens computed so far: one full block
+    a = m.block_ids("a")
+    assert [m.pool.blocks[b].token_ids for b in a] == [(1, 2), None, None]
+    m.cache_blocks("a", [1, 2, 3, 4, 5], 5)
+    assert [m.pool.blocks[b].token_ids for b in a] == [(1, 2), (3, 4), None]
+    assert m.pool.num_cached == 2
+
+
+def test_duplicate_full_block_first_writer_wins():
+    m = make(16, 2)
+    for rid in ("a", "b"):  # both computed before either cached: two copies of the same block
+        hits, n = m.get_computed_blocks(rid, [1, 2, 3])
+        assert m.allocate_slots(rid, n, 3, hits)
+    m.cache_blocks("a", [1, 2, 3], 3)
+    m.cache_blocks("b", [1, 2, 3], 3)
+    a0, b0 = m.block_ids("a")[0], m.block_ids("b")[0]
+    assert m.pool.blocks[a0].block_hash is not None and m.pool.blocks[b0].block_hash is None
+    assert probe(m, [1, 2, 3]) == [a0]
+
+
+# ---- LRU order ---------------------------------------------------------------------------
+def test_lru_reuses_least_recently_freed_first_and_tails_before_heads():
+    m = make(8, 2)
+    admit(m, "a", [1, 2, 3, 4])
+    admit(m, "b", [5, 6, 7, 8])
+    assert m.block_ids("a") == [0, 1] and m.block_ids("b") == [2, 3]
+    m.free("a")
+    m.free("b")
+    # never-used blocks first, then A (tail before head), then B (tail before head)
+    assert list(m.pool.free_queue) == [4, 5, 6, 7, 1, 0, 3, 2]
+    assert m.pool.num_free == 8 and m.pool.num_cached_free == 4
+    admit(m, "c", [11, 12, 13, 14])
+    admit(m, "d", [15, 16, 17, 18])
+    assert m.block_ids("c") == [4, 5] and m.block_ids("d") == [6, 7]  # no cached block evicted yet
+    assert m.pool.num_evicted == 0
+    admit(m, "e", [21, 22])
+    assert m.block_ids("e") == [1]  # A's tail goes first...
+    assert probe(m, [1, 2, 3, 4, 99]) == [0]  # ...so A's head still hits
+    assert m.pool.num_evicted == 1
+    admit(m, "f", [23, 24])
+    assert m.block_ids("f") == [0]
+    assert probe(m, [1, 2, 3, 4, 99]) == []
+    assert probe(m, [5, 6, 7, 8, 99]) == [2, 3]  # B, freed later, survives A
+    admit(m, "g", [25, 26])
+    assert m.block_ids("g") == [3]
+
+
+def test_lru_hit_then_free_makes_blocks_most_recently_used():
+    m = make(8, 2)
+    admit(m, "a", [1, 2, 3, 4])
+    admit(m, "b", [5, 6, 7, 8])
+    m.free("a")
+    m.free("b")
+    assert admit(m, "c", [1, 2, 3, 4, 9]) == [0, 1]  # A's blocks revived, one new block
+    assert m.block_ids("c") == [0, 1, 4]
+    m.free("c")
+    # C's partial tail (no hash) to the front; A's blocks now behind B's
+    assert list(m.pool.free_queue) == [4, 5, 6, 7, 3, 2, 1, 0]
+
+
+def test_blocks_without_hash_are_reused_before_cached_ones():
+    m = make(8, 2)
+    admit(m, "a", [1, 2, 3])  # block 0 full (cached), block 1 partial (no hash)
+    assert m.block_ids("a") == [0, 1]
+    m.free("a")
+    assert list(m.pool.free_queue) == [1, 2, 3, 4, 5, 6, 7, 0]
+    admit(m, "b", [9] * 13)  # 7 blocks: every block but the cached one
+    assert m.block_ids("b") == [1, 2, 3, 4, 5, 6, 7]
+    assert probe(m, [1, 2, 3]) == [0]
+
+
+def test_hit_revives_free_cached_block():
+    m = make(8, 2)
+    admit(m, "a", [1, 2, 3, 4, 5])
+    assert m.block_ids("a") == [0, 1, 2]
+    m.free("a")
+    assert list(m.pool.free_queue) == [2, 3, 4, 5, 6, 7, 1, 0]
+    hits, num_hit = m.get_computed_blocks("b", [1, 2, 3, 4, 5, 6])
+    assert (hits, num_hit) == ([0, 1], 4)
+    assert m.allocate_slots("b", 4, 2, hits)
+    assert m.block_ids("b") == [0, 1, 2]
+    assert [m.pool.blocks[b].ref_cnt for b in (0, 1, 2)] == [1, 1, 1]
+    assert list(m.pool.free_queue) == [3, 4, 5, 6, 7]
+    assert m.pool.num_free == 5 and m.pool.num_cached_free == 0
+    assert m.pool.blocks[0].block_hash is not None  # revived, not evicted
+    assert m.pool.num_evicted == 0
+
+
+def test_reset_prefix_cache_forgets_free_blocks_only():
+    m = make(8, 2)
+    admit(m, "a", [1, 2, 3, 4, 5])
+    admit(m, "b", [7, 8, 9])
+    m.free("a")
+    assert m.reset_prefix_cache() == 2
+    assert probe(m, [1, 2, 3, 4, 5]) == []
+    assert probe(m, [7, 8, 9]) == m.block_ids("b")[:1]  # owned blocks keep their hash
+    assert m.reset_prefix_cache() == 0
+
+
+# ---- hash chain --------------------------------------------------------------------------
+def test_block_hash_is_blake2b_of_parent_and_tokens():
+    want0 = hashlib.blake2b(NS, digest_size=16)
+    want0.update(struct.pack("<2q", 1, 2))
+    want1 = hashlib.blake2b(want0.digest(), digest_size=16)
+    want1.update(struct.pack("<2q", 3, 4))
+    assert hash_block(NS, [1, 2]) == want0.digest()
+    assert hash_full_blocks(NS, [1, 2, 3, 4, 5], 2) == [want0.digest(), want1.digest()]  # partial dropped
+    assert namespace_hash("m", "fp16", 16) == hashlib.blake2b(b"m|fp16|16", digest_size=16).digest()
+
+
+def test_same_tokens_after_different_prefix_hash_differently():
+    a = hash_full_blocks(NS, [1, 2, 3, 4], 2)
+    b = hash_full_blocks(NS, [9, 9, 3, 4], 2)
+    assert a[1] != b[1]
+    assert hash_full_blocks(NS, [1, 2, 3, 4], 2) == a  # deterministic
+    assert hash_block(NS, [1, 2]) != hash_block(NS, [2, 1])
+    assert hash_full_blocks(NS, [1, 2, 3, 4], 2) != hash_full_blocks(NS, [1, 2, 3, 4], 4)
+
+
+def test_namespace_changes_every_hash():
+    tokens = list(range(12))
+    other = namespace_hash("unit-model", "fp8", "kv-manager")
+    assert other != NS
+    assert not set(hash_full_blocks(NS, tokens, 4)) & set(hash_full_blocks(other, tokens, 4))
+    parts = ("m", "fp16", 16, "full")
+    variants = [namespace_hash(*parts)] + [
+        namespace_hash(*parts[:i], "x", *parts[i + 1:]) for i in range(len(parts))]
+    assert len(set(variants)) == len(variants)
+
+
+def test_hash_chain_continues_from_parent():
+    tokens = list(range(10))
+    full = hash_full_blocks(NS, tokens, 2)
+    assert hash_full_blocks(NS, tokens, 2, start_block=2, parent=full[1]) == full[2:]
+
+
+def test_manager_hits_need_the_whole_prefix_and_the_namespace():
+    m = make(16, 2)
+    admit(m, "a", [9, 9, 3, 4, 5])
+    a = m.block_ids("a")
+    assert probe(m, [1, 1, 3, 4, 5]) == []  # block [3,4] equal, but after a different prefix
+    assert probe(m, [9, 9, 3, 4, 5]) == a[:2]
+    other = KVCacheManager(16, 2, namespace_hash("another-model"))
+    admit(other, "a", [9, 9, 3, 4, 5])
+    assert not set(m.pool.cached) & set(other.pool.cached)
+
+
+def test_pool_lookup_checks_tokens_not_just_hash():
+    pool = BlockPool(4)
+    h = hash_block(NS, [1, 2])
+    pool.allocate(1)
+    pool.register(0, h, (1, 2))
+    assert pool.lookup(h, (1, 2)) == 0
+    assert pool.lookup(h, (1, 3)) is None
+    assert pool.lookup(hash_block(NS, [1, 3]), (1, 3)) is None
+
+
+# ---- allocation failure leaves no trace ---------------------------------------------------
+def test_allocate_slots_short_pool_for_new_request_changes_nothing():
+    m = make(4, 2)
+    admit(m, "a", [1, 2, 3, 4, 5, 6])  # 3 of 4 blocks
+    hits, n = m.get_computed_blocks("b", [7, 8, 9, 10])
+    before = snapshot(m)
+    assert not m.allocate_slots("b", n, 4, hits)
+    assert snapshot(m) == before
+
+
+def test_allocate_slots_counts_revived_hits_against_the_free_pool():
+    m = make(4, 2)
+    admit(m, "a", [1, 2, 3, 4])
+    m.free("a")
+    admit(m, "c", [7, 8, 9, 10])
+    assert m.block_ids("c") == [2, 3] and list(m.pool.free_queue) == [1, 0]
+    hits, n = m.get_computed_blocks("b", [1, 2, 3, 4, 5])
+    assert (hits, n) == ([0, 1], 4)
+    before = snapshot(m)
+    assert not m.allocate_slots("b", n, 1, hits)  # 2 revived + 1 new > 2 free
+    assert snapshot(m) == before
+    assert probe(m, [1, 2, 3, 4, 5]) == [0, 1]  # A's cached blocks untouched
+    m.free("b")
+    hits, n = m.get_computed_blocks("d", [1, 2, 3, 4])  # 1 revived + 1 new == 2 free: fits
+    assert (hits, n) == ([0], 2)
+    assert m.allocate_slots("d", n, 2, hits)
+    assert m.block_ids("d") == [0, 1] and m.pool.num_free == 0
+
+
+def test_allocate_slots_short_pool_for_append_and_copy_on_write_changes_nothing():
+    m = make(4, 2)
+    admit(m, "a", [1, 2, 3])  # [full, partial]
+    m.fork("a", "b")
+    admit(m, "c", [5, 6, 7, 8])  # pool now full
+    assert m.pool.num_free == 0
+    for rid, n0 in (("b", 3), ("a", 3)):  # the copy on write needs a block
+        before = snapshot(m)
+        assert not m.allocate_slots(rid, n0, 1)
+        assert snapshot(m) == before
+    before = snapshot(m)
+    assert not m.allocate_slots("c", 4, 1)  # growth needs a block
+    assert snapshot(m) == before
+    m.free("c")
+    assert m.allocate_slots("b", 3, 1)
+    assert m.take_pending_copies() == [(1, m.block_ids("b")[1])]
+
+
+# ---- fork and copy on write ----------------------------------------------------------------
+def test_fork_append_copies_partial_last_block_once():
+    m = make(16, 4)
+    admit(m, "a", [1, 2, 3, 4, 5, 6])
+    assert m.block_ids("a") == [0, 1]
+    m.fork("a", "b")
+    assert m.block_ids("b") == [0, 1]
+    assert [m.pool.blocks[b].ref_cnt for b in (0, 1)] == [2, 2]
+    assert m.take_pending_copies() == []
+    assert m.allocate_slots("b", 6, 1)
+    assert m.take_pending_copies() == [(1, 2)]  # (shared old block, fresh new block)
+    assert m.block_ids("b") == [0, 2] and m.block_ids("a") == [0, 1]
+    assert [m.pool.blocks[b].ref_cnt for b in (0, 1, 2)] == [2, 1, 1]
+    assert m.allocate_slots("a", 6, 1)  # the other sibling now owns block 1 alone: in place
+    assert m.take_pending_copies() == []
+    assert m.block_ids("a") == [0, 1]
+    assert m.allocate_slots("b", 7, 1)  # and the copy is B's own
+    assert m.take_pending_copies() == []
+    assert m.block_ids("b") == [0, 2]
+
+
+def test_fork_with_full_last_block_needs_no_copy():
+    m = make(16, 4)
+    admit(m, "a", [1, 2, 3, 4, 5, 6, 7, 8])
+    m.fork("a", "b")
+    assert m.allocate_slots("a", 8, 1) and m.allocate_slots("b", 8, 1)
+    assert m.take_pending_copies() == []
+    assert m.block_ids("a")[:2] == m.block_ids("b")[:2] == [0, 1]
+    assert m.block_ids("a")[2] != m.block_ids("b")[2]
+
+
+def test_three_way_fork_copies_for_each_writer_but_the_last():
+    m = make(16, 4)
+    admit(m, "a", [1, 2, 3, 4, 5, 6])
+    m.fork("a", "b")
+    m.fork("a", "c")
+    assert m.pool.blocks[1].ref_cnt == 3
+    assert m.allocate_slots("b", 6, 1) and m.allocate_slots("c", 6, 1)
+    assert m.allocate_slots("a", 6, 1)
+    assert m.take_pending_copies() == [(1, 2), (1, 3)]
+    assert (m.block_ids("a"), m.block_ids("b"), m.block_ids("c")) == ([0, 1], [0, 2], [0, 3])
+    assert [m.pool.blocks[b].ref_cnt for b in range(4)] == [3, 1, 1, 1]
+
+
+def test_copy_on_write_append_spanning_blocks():
+    m = make(16, 4)
+    admit(m, "a", [1, 2, 3, 4, 5, 6])
+    m.fork("a", "b")
+    assert m.allocate_slots("b", 6, 5)  # finishes the copied block and opens another
+    assert m.take_pending_copies() == [(1, 2)]
+    assert m.block_ids("b") == [0, 2, 3]
+
+
+def test_fork_then_divergent_appends_read_back_own_tokens():
+    """End to end with KVStorage: copies before writes, each sibling reads its own tokens."""
+    m, bs = make(8, 4), 4
+    store = KVStorage(2, 8, bs, 1, 1, torch.int64)
+    toks = {"a": [1, 2, 3, 4, 5, 6]}
+
+    def write(rid, start):
+        table = m.block_ids(rid)
+        slots = torch.tensor([table[p // bs] * bs + p % bs for p in range(start, len(toks[rid]))])
+        rows = torch.tensor(toks[rid][start:]).view(-1, 1, 1)
+        for layer in range(2):
+            store.write(layer, slots, rows, -rows)
+
+    def read(rid):
+        table = m.block_ids(rid)
+        slots = torch.tensor([table[p // bs] * bs + p % bs for p in range(len(toks[rid]))])
+        k, v = store.read(1, slots)
+        assert (k == -v).all()
+        return k.flatten().tolist()
+
+    admit(m, "a", toks["a"])
+    write("a", 0)
+    m.fork("a", "b")
+    toks["b"] = list(toks["a"])
+    # one step: both siblings grow, copies run, then the forward writes
+    assert m.allocate_slots("a", 6, 3) and m.allocate_slots("b", 6, 1)
+    store.copy_blocks(m.take_pending_copies())
+    toks["a"] += [7, 7, 7]
+    toks["b"] += [8]
+    write("a", 6)
+    write("b", 6)
+    assert read("a") == [1, 2, 3, 4, 5, 6, 7, 7, 7]
+    assert read("b") == [1, 2, 3, 4, 5, 6, 8]
+
+
+def test_fork_into_existing_request_raises_and_changes_nothing():
+    m = make(16, 4)
+    admit(m, "a", [1, 2, 3])
+    admit(m, "b", [4, 5, 6])
+    before = snapshot(m)
+    with pytest.raises(ValueError, match="already holds blocks"):
+        m.fork("a", "b")
+    assert snapshot(m) == before
+
+
+def test_free_unknown_request_is_a_noop_and_double_free_is_caught_by_pool():
+    m = make(4, 2)
+    before = snapshot(m)
+    m.free("nobody")
+    assert snapshot(m) == before
+    with pytest.raises(RuntimeError, match="ref_cnt 0"):
+        m.pool.free([0])
+
+
+def test_every_block_free_after_all_requests_end():
+    m = make(12, 2)
+    t = [1, 2, 3, 4, 5]
+    admit(m, "a", t)
+    m.fork("a", "b")
+    tb = append(m, "b", t, [6, 7])
+    m.take_pending_copies()
+    admit(m, "c", [1, 2, 3, 4, 5, 6, 7, 8])
+    append(m, "a", t, [9])
+    for rid in ("a", "b", "c"):
+        m.free(rid)
+    assert tb == [1, 2, 3, 4, 5, 6, 7]
+    pool = m.pool
+    assert m.reqs == {}
+    assert all(b.ref_cnt == 0 for b in pool.blocks)
+    assert pool.num_free == pool.num_blocks and m.usage() == 0.0
+    uncached = sum(1 for b in pool.free_queue if pool.blocks[b].block_hash is None)
+    assert uncached + pool.num_cached_free == pool.num_blocks
+    assert pool.num_cached_free == pool.num_cached
+
+
+# ---- storage -------------------------------------------------------------------------------
+def test_storage_write_read_roundtrip_at_slots():
+    torch.manual_seed(0)
+    s = KVStorage(2, 4, 4, 2, 8, torch.float32)
+    slots = torch.tensor([0, 5, 6, 15])
+    k, v = torch.randn(4, 2, 8), torch.randn(4, 2, 8)  # [num_tokens, num_kv_heads, head_dim]
+    s.write(1, slots, k, v)
+    rk, rv = s.read(1, slots)
+    assert torch.equal(rk, k) and torch.equal(rv, v)
+    assert torch.equal(s.k[1][1, 1], k[1]) and torch.equal(s.v[1][3, 3], v[3])  # slot = block*bs + offset
+    assert not s.k[0].any() and not s.v[0].any()  # other layer untouched
+    mask = torch.ones(16, dtype=torch.bool)
+    mask[slots] = False
+    assert not s.slots(1)[0][mask].any()  # other slots untouched
+    rk2, _ = s.read(1, torch.tensor([[5, 6], [0, 15]]))
+    assert rk2.shape == (2, 2, 2, 8)
+    assert torch.equal(rk2[1, 1], k[3])
+
+
+def test_storage_write_converts_to_cache_dtype():
+    s = KVStorage(1, 2, 4, 1, 4, torch.float16)
+    k = torch.randn(3, 1, 4)
+    s.write(0, torch.tensor([1, 2, 7]), k, k * 2)
+    rk, rv = s.read(0, torch.tensor([1, 2, 7]))
+    assert rk.dtype == torch.float16
+    assert torch.equal(rk, k.half()) and torch.equal(rv, (k * 2).half())
+
+
+def test_storage_copy_blocks_copies_every_layer_k_and_v():
+    s = KVStorage(3, 4, 2, 1, 2, torch.float32)
+    for i, t in enumerate(s.k + s.v):
+        t.copy_(torch.arange(16, dtype=torch.float32).view(4, 2, 1, 2) + 100 * i)
+    orig = [t.clone() for t in s.k + s.v]
+    s.copy_blocks([(0, 2), (1, 3)])
+    for t, o in zip(s.k + s.v, orig):
+        assert torch.equal(t[2], o[0]) and torch.equal(t[3], o[1])
+        assert torch.equal(t[:2], o[:2])  # sources unchanged
+    s.copy_blocks([])  # no-op
+    for t, o in zip(s.k + s.v, orig):
+        assert torch.equal(t[2], o[0])
+
+
+@pytest.mark.parametrize("dtype, itemsize", [(torch.float32, 4), (torch.float16, 2), (torch.int8, 1)])
+def test_storage_nbytes_equals_tensor_bytes(dtype, itemsize):
+    s = KVStorage(2, 4, 4, 2, 8, dtype)
+    # 2 layers x (K, V) x 4 blocks x 4 slots x 2 heads x 8 dims x itemsize
+    assert s.nbytes == 2 * 2 * 4 * 4 * 2 * 8 * itemsize
+    assert s.nbytes == sum(t.untyped_storage().nbytes() for t in s.k + s.v)

@@ -1,0 +1,526 @@
+"""`kvserve serve` as a real subprocess on a free loopback port, driven by the `openai` client and httpx.
+
+One server per purpose, started once per module (model load takes seconds): the main one, one
+with an API key and a tiny queue (401/429), and one per graceful-shutdown test.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+openai = pytest.importorskip("openai")
+
+ENGINE_ARGS = ["--kv-cache-memory", "256MiB", "--max-model-len", "2048"]
+STARTUP_TIMEOUT = 180.0
+LONG_PROMPT = ("The key-value cache stores the attention keys and values of every token seen so far, "
+               "so each new token attends to them without recomputing the whole prefix. ") * 6
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _serve_module() -> str:
+    """`kvserve.cli` once it registers `serve`, else the server's own entry point."""
+    import argparse
+
+    from kvserve.cli import build_parser
+    for action in build_parser()._actions:
+        if isinstance(action, argparse._SubParsersAction) and "serve" in action.choices:
+            return "kvserve.cli"
+    return "kvserve.server.cli"
+
+
+class Server:
+    """A `kvserve serve` subprocess; output goes to a temp file (a full pipe would block it)."""
+
+    def __init__(self, *extra: str, api_key: str | None = None, env: dict | None = None):
+        from kvserve.model.loader import resolve_model_path
+        try:
+            resolve_model_path(None)
+        except (ModuleNotFoundError, FileNotFoundError) as exc:
+            pytest.skip(str(exc))
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = tempfile.NamedTemporaryFile("w+", prefix="kvserve-serve-", suffix=".log", delete=False)
+        cmd = [sys.executable, "-m", _serve_module(), "serve", "--port", str(self.port),
+               "--uvicorn-log-level", "warning", *ENGINE_ARGS, *extra]
+        self.api_key = api_key
+        full_env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        full_env.pop("KVSERVE_API_KEY", None)
+        full_env.update(env or {})
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=full_env)
+        self._wait_ready()
+        self.model = httpx.get(f"{self.url}/v1/models", headers=self.headers()).json()["data"][0]["id"]
+
+    def headers(self) -> dict:
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+
+    def _wait_ready(self) -> None:
+        deadline = time.monotonic() + STARTUP_TIMEOUT
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.output()}")
+            try:
+                if httpx.get(f"{self.url}/health", timeout=1).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        self.stop()
+        raise RuntimeError(f"server did not become healthy in {STARTUP_TIMEOUT} s:\n{self.output()}")
+
+    def output(self) -> str:
+        self.log.flush()
+        with open(self.log.name) as f:
+            return f.read()[-5000:]
+
+    def stop(self, timeout: float = 30) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        return self.proc.returncode
+
+    def client(self, api_key: str = "none") -> openai.OpenAI:
+        return openai.OpenAI(base_url=f"{self.url}/v1", api_key=api_key, max_retries=0, timeout=120)
+
+    def metrics(self, headers: dict | None = None) -> dict:
+        """{sample name + sorted labels except model_name: value} from /metrics."""
+        r = httpx.get(f"{self.url}/metrics", headers=headers or self.headers(), timeout=10)
+        assert r.status_code == 200
+        out = {}
+        for family in text_string_to_metric_families(r.text):
+            for s in family.samples:
+                labels = {k: v for k, v in s.labels.items() if k != "model_name"}
+                key = s.name + "".join(f"[{k}={v}]" for k, v in sorted(labels.items()))
+                out[key] = s.value
+        return out
+
+
+@pytest.fixture(scope="module")
+def server():
+    srv = Server("--max-body-bytes", "65536")
+    yield srv
+    code = srv.stop()
+    assert code == 0, srv.output()
+
+
+@pytest.fixture(scope="module")
+def limited():
+    """An API key, one running sequence at a time and room for one waiting request."""
+    srv = Server("--api-key", "sekrit", "--max-num-seqs", "1", "--max-queue", "1", api_key="sekrit")
+    yield srv
+    srv.stop()
+
+
+def _post(srv: Server, path: str, body, headers: dict | None = None, timeout: float = 60) -> httpx.Response:
+    content = body if isinstance(body, (bytes, str)) else json.dumps(body)
+    return httpx.post(f"{srv.url}{path}", content=content, timeout=timeout,
+                      headers={"Content-Type": "application/json", **(headers or {})})
+
+
+def _assert_error_shape(r: httpx.Response, status: int) -> dict:
+    assert r.status_code == status, r.text
+    body = r.json()
+    assert set(body) == {"error"}, body
+    err = body["error"]
+    assert set(err) == {"message", "type", "param", "code"}, err
+    assert isinstance(err["message"], str) and err["message"]
+    assert isinstance(err["type"], str)
+    return err
+
+
+# ---- routes --------------------------------------------------------------------------------
+
+
+def test_models_health_version(server):
+    r = httpx.get(f"{server.url}/v1/models")
+    assert r.status_code == 200
+    data = r.json()
+    assert data["object"] == "list" and data["data"][0]["object"] == "model"
+    assert data["data"][0]["max_model_len"] == 2048
+    assert httpx.get(f"{server.url}/health").json() == {"status": "ok"}
+    import kvserve
+    assert httpx.get(f"{server.url}/version").json() == {"version": kvserve.__version__}
+    models = server.client().models.list()
+    assert [m.id for m in models.data] == [server.model]
+
+
+def _stream_completion_text(client, **kw) -> tuple[dict[int, str], dict[int, str], object]:
+    texts, reasons, usage = {}, {}, None
+    for chunk in client.completions.create(stream=True, stream_options={"include_usage": True}, **kw):
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for ch in chunk.choices:
+            texts[ch.index] = texts.get(ch.index, "") + ch.text
+            if ch.finish_reason is not None:
+                reasons[ch.index] = ch.finish_reason
+    return texts, reasons, usage
+
+
+def test_completion_streamed_equals_non_streamed(server):
+    client = server.client()
+    kw = dict(model=server.model, prompt="The capital of France is", max_tokens=24, temperature=0)
+    full = client.completions.create(**kw)
+    assert full.object == "text_completion" and len(full.choices) == 1
+    text = full.choices[0].text
+    assert text and full.choices[0].finish_reason == "length"
+    assert full.usage.completion_tokens == 24
+    assert full.usage.total_tokens == full.usage.prompt_tokens + 24
+    assert full.usage.prompt_tokens_details.cached_tokens >= 0
+    texts, reasons, usage = _stream_completion_text(client, **kw)
+    assert texts == {0: text}
+    assert reasons == {0: "length"}
+    assert usage.completion_tokens == 24 and usage.prompt_tokens == full.usage.prompt_tokens
+
+
+def test_stop_string_never_leaks_into_stream(server):
+    client = server.client()
+    kw = dict(model=server.model, prompt="Write a list of three fruits:\n1.", max_tokens=40, temperature=0)
+    text = client.completions.create(**kw).choices[0].text
+    stop = text[len(text) // 2: len(text) // 2 + 4]
+    assert len(stop) == 4 and stop.strip(), text
+    full = client.completions.create(stop=[stop], **kw).choices[0]
+    assert full.finish_reason == "stop" and stop not in full.text
+    assert text.startswith(full.text)
+    texts, reasons, _ = _stream_completion_text(client, stop=[stop], **kw)
+    assert texts == {0: full.text} and reasons == {0: "stop"}
+
+
+def test_seeded_n_and_prompt_batch_streamed_equals_non_streamed(server):
+    client = server.client()
+    kw = dict(model=server.model, prompt=["Once upon a time", "def fibonacci(n):"], max_tokens=12,
+              temperature=0.9, seed=1234, n=2)
+    full = client.completions.create(**kw)
+    assert sorted(c.index for c in full.choices) == [0, 1, 2, 3]
+    texts, reasons, usage = _stream_completion_text(client, **kw)
+    assert texts == {c.index: c.text for c in full.choices}
+    assert set(reasons) == {0, 1, 2, 3}
+    assert usage.completion_tokens == full.usage.completion_tokens
+
+
+def test_chat_streamed_equals_non_streamed(server):
+    client = server.client()
+    kw = dict(model=server.model, messages=[{"role": "system", "content": "You are brief."},
+                                            {"role": "user", "content": "Name a color."}],
+              max_tokens=20, temperature=0)
+    full = client.chat.completions.create(**kw)
+    assert full.object == "chat.completion"
+    msg = full.choices[0].message
+    assert msg.role == "assistant" and msg.content
+    text, role, usage, reason = "", None, None, None
+    for chunk in client.chat.completions.create(stream=True, stream_options={"include_usage": True}, **kw):
+        assert chunk.object == "chat.completion.chunk"
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for ch in chunk.choices:
+            role = role or ch.delta.role
+            text += ch.delta.content or ""
+            reason = ch.finish_reason or reason
+    assert role == "assistant"
+    assert text == msg.content
+    assert reason == full.choices[0].finish_reason
+    assert (usage.prompt_tokens, usage.completion_tokens, usage.total_tokens) == (
+        full.usage.prompt_tokens, full.usage.completion_tokens, full.usage.total_tokens)
+    assert usage.prompt_tokens_details.cached_tokens > 0  # the same conversation again: a prefix hit
+
+
+def test_logprobs(server):
+    client = server.client()
+    out = client.completions.create(model=server.model, prompt="Hello", max_tokens=6, temperature=0, logprobs=2)
+    lp = out.choices[0].logprobs
+    assert "".join(lp.tokens) == out.choices[0].text
+    assert len(lp.token_logprobs) == 6 and all(x <= 0 for x in lp.token_logprobs)
+    assert all(len(t) <= 2 for t in lp.top_logprobs)
+    chat = client.chat.completions.create(model=server.model, messages=[{"role": "user", "content": "Hi"}],
+                                          max_tokens=5, temperature=0, logprobs=True, top_logprobs=3)
+    content = chat.choices[0].logprobs.content
+    assert len(content) == chat.usage.completion_tokens
+    assert all(len(t.top_logprobs) == 3 and t.top_logprobs[0].logprob >= t.top_logprobs[-1].logprob for t in content)
+
+
+def test_prefix_cache_reports_cached_tokens(server):
+    client = server.client()
+    kw = dict(model=server.model, prompt=LONG_PROMPT, max_tokens=2, temperature=0)
+    client.completions.create(**kw)
+    again = client.completions.create(**kw)
+    cached = again.usage.prompt_tokens_details.cached_tokens
+    assert 0 < cached < again.usage.prompt_tokens
+
+
+# ---- bad input -----------------------------------------------------------------------------
+
+LONG = "word " * 3000
+BAD = [
+    # (id, path, body, status, param, code)
+    ("malformed-json", "/v1/completions", '{"prompt": "hi"', 400, None, "invalid_json"),
+    ("not-an-object", "/v1/completions", "[1, 2]", 400, None, None),
+    ("nan", "/v1/completions", '{"prompt": "hi", "temperature": NaN}', 400, None, "invalid_json"),
+    ("missing-prompt", "/v1/completions", {}, 400, "prompt", None),
+    ("empty-prompt", "/v1/completions", {"prompt": ""}, 400, "prompt", None),
+    ("empty-prompt-list", "/v1/completions", {"prompt": []}, 400, "prompt", None),
+    ("token-out-of-vocab", "/v1/completions", {"prompt": [10**9]}, 400, "prompt", None),
+    ("prompt-too-long", "/v1/completions", {"prompt": LONG}, 400, "prompt", "context_length_exceeded"),
+    ("max-tokens-too-long", "/v1/completions", {"prompt": "hi", "max_tokens": 5000}, 400, "prompt",
+     "context_length_exceeded"),
+    ("max-tokens-zero", "/v1/completions", {"prompt": "hi", "max_tokens": 0}, 400, "max_tokens", None),
+    ("max-tokens-negative", "/v1/completions", {"prompt": "hi", "max_tokens": -3}, 400, "max_tokens", None),
+    ("max-tokens-string", "/v1/completions", {"prompt": "hi", "max_tokens": "5"}, 400, "max_tokens", None),
+    ("temperature-string", "/v1/completions", {"prompt": "hi", "temperature": "hot"}, 400, "temperature", None),
+    ("temperature-negative", "/v1/completions", {"prompt": "hi", "temperature": -1}, 400, "temperature", None),
+    ("top-p-zero", "/v1/completions", {"prompt": "hi", "top_p": 0}, 400, "top_p", None),
+    ("n-zero", "/v1/completions", {"prompt": "hi", "n": 0}, 400, "n", None),
+    ("n-huge", "/v1/completions", {"prompt": "hi", "n": 100000}, 400, "n", None),
+    ("seed-negative", "/v1/completions", {"prompt": "hi", "seed": -1}, 400, "seed", None),
+    ("seed-huge", "/v1/completions", {"prompt": "hi", "seed": 2**70}, 400, "seed", None),
+    ("stop-empty", "/v1/completions", {"prompt": "hi", "stop": [""]}, 400, "stop", None),
+    ("stop-wrong-type", "/v1/completions", {"prompt": "hi", "stop": 3}, 400, "stop", None),
+    ("logprobs-too-many", "/v1/completions", {"prompt": "hi", "logprobs": 50}, 400, "logprobs", None),
+    ("penalty-range", "/v1/completions", {"prompt": "hi", "presence_penalty": 5}, 400, "presence_penalty", None),
+    ("stream-wrong-type", "/v1/completions", {"prompt": "hi", "stream": "yes"}, 400, "stream", None),
+    ("unknown-model", "/v1/completions", {"prompt": "hi", "model": "gpt-9"}, 400, "model", "model_not_found"),
+    ("chat-no-messages", "/v1/chat/completions", {"messages": []}, 400, "messages", None),
+    ("chat-messages-string", "/v1/chat/completions", {"messages": "hi"}, 400, "messages", None),
+    ("chat-bad-role", "/v1/chat/completions", {"messages": [{"role": "robot", "content": "x"}]}, 400,
+     "messages", None),
+    ("chat-image", "/v1/chat/completions",
+     {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, 400,
+     None, None),
+    ("chat-max-tokens-zero", "/v1/chat/completions",
+     {"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 0}, 400, "max_tokens", None),
+    ("chat-unknown-model", "/v1/chat/completions",
+     {"model": "nope", "messages": [{"role": "user", "content": "x"}]}, 400, "model", "model_not_found"),
+    ("body-too-large", "/v1/completions", {"prompt": "x" * 70000}, 413, None, "request_too_large"),
+]
+
+
+@pytest.mark.parametrize("path,body,status,param,code", [b[1:] for b in BAD], ids=[b[0] for b in BAD])
+def test_bad_input_gets_openai_error_then_server_keeps_serving(server, path, body, status, param, code):
+    err = _assert_error_shape(_post(server, path, body), status)
+    assert err["param"] == param, err
+    assert err["code"] == code, err
+    ok = _post(server, "/v1/completions", {"prompt": "hi", "max_tokens": 1})
+    assert ok.status_code == 200, ok.text
+    assert ok.json()["choices"][0]["finish_reason"] == "length"
+
+
+def test_unknown_route_and_method(server):
+    err = _assert_error_shape(httpx.get(f"{server.url}/v1/nothing"), 404)
+    assert err["type"] == "not_found_error"
+    _assert_error_shape(httpx.get(f"{server.url}/v1/completions"), 405)
+
+
+# ---- disconnects ---------------------------------------------------------------------------
+
+
+def _wait_idle(server: Server, idle_free: float, within: float) -> dict:
+    deadline = time.monotonic() + within
+    while True:
+        m = server.metrics()
+        if m["kvserve:num_blocks_free"] == idle_free and m["kvserve:num_requests_running"] == 0:
+            return m
+        if time.monotonic() > deadline:
+            return m
+        time.sleep(0.05)
+
+
+def test_streaming_disconnect_aborts_and_frees_blocks(server):
+    before = server.metrics()
+    idle_free = before["kvserve:num_blocks_free"]
+    assert idle_free == before["kvserve:num_blocks_total"]
+    body = {"model": server.model, "prompt": LONG_PROMPT + " Continue:", "max_tokens": 1500,
+            "stream": True, "ignore_eos": True}
+    with httpx.Client(timeout=60) as http:
+        with http.stream("POST", f"{server.url}/v1/completions", json=body) as r:
+            assert r.status_code == 200
+            lines = r.iter_lines()  # keep a reference: a dropped iterator closes the connection
+            events = []
+            for line in lines:
+                events += [line] if line.startswith("data: ") else []
+                if len(events) == 3:
+                    break
+            during = server.metrics()
+            assert during["kvserve:num_requests_running"] == 1, events
+            assert during["kvserve:num_blocks_free"] < idle_free
+    t0 = time.monotonic()
+    after = _wait_idle(server, idle_free, within=1.0)
+    assert after["kvserve:num_blocks_free"] == idle_free, f"not freed {time.monotonic() - t0:.2f} s after disconnect"
+    assert after["kvserve:num_requests_running"] == 0
+    key = "kvserve:request_success_total[finished_reason=abort]"
+    assert after.get(key, 0) == before.get(key, 0) + 1
+
+
+def test_non_streaming_disconnect_aborts(server):
+    before = server.metrics()
+    idle_free = before["kvserve:num_blocks_free"]
+    body = {"model": server.model, "prompt": "Tell me a long story.", "max_tokens": 1500, "ignore_eos": True}
+    with pytest.raises(httpx.TimeoutException):
+        _post(server, "/v1/completions", body, timeout=1.0)
+    after = _wait_idle(server, idle_free, within=1.5)
+    assert after["kvserve:num_blocks_free"] == idle_free
+    key = "kvserve:request_success_total[finished_reason=abort]"
+    assert after.get(key, 0) == before.get(key, 0) + 1
+
+
+# ---- metrics -------------------------------------------------------------------------------
+
+GAUGES = ["num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "num_blocks_total",
+          "num_blocks_free", "num_blocks_cached"]
+COUNTERS = ["prefix_cache_queries", "prefix_cache_hits", "num_preemptions", "prompt_tokens",
+            "generation_tokens"]
+HISTOGRAMS = ["time_to_first_token_seconds", "inter_token_latency_seconds", "e2e_request_latency_seconds",
+              "request_queue_time_seconds", "request_prompt_tokens", "request_generation_tokens"]
+
+
+def test_metrics_parse_and_move(server):
+    r = httpx.get(f"{server.url}/metrics")
+    assert r.headers["content-type"].startswith("text/plain")
+    families = {f.name: f for f in text_string_to_metric_families(r.text)}
+    for name in GAUGES:
+        assert families[f"kvserve:{name}"].type == "gauge", name
+    for name in COUNTERS + ["request_success"]:
+        assert families[f"kvserve:{name}"].type == "counter", name
+    for name in HISTOGRAMS:
+        assert families[f"kvserve:{name}"].type == "histogram", name
+    for f in families.values():
+        if f.name.startswith("kvserve:"):
+            assert all(s.labels.get("model_name") == server.model for s in f.samples), f.name
+
+    client = server.client()
+    prompt = "Metrics test. " + LONG_PROMPT
+    m0 = server.metrics()
+    first = client.completions.create(model=server.model, prompt=prompt, max_tokens=3, temperature=0)
+    m1 = server.metrics()
+    assert m1["kvserve:prompt_tokens_total"] - m0["kvserve:prompt_tokens_total"] == first.usage.prompt_tokens
+    assert m1["kvserve:generation_tokens_total"] - m0["kvserve:generation_tokens_total"] == 3
+    key = "kvserve:request_success_total[finished_reason=length]"
+    assert m1[key] == m0.get(key, 0) + 1
+    for name in HISTOGRAMS[:1] + HISTOGRAMS[2:]:
+        assert m1[f"kvserve:{name}_count"] == m0[f"kvserve:{name}_count"] + 1, name
+    assert m1["kvserve:inter_token_latency_seconds_count"] == m0["kvserve:inter_token_latency_seconds_count"] + 2
+    assert m1["kvserve:request_prompt_tokens_sum"] - m0["kvserve:request_prompt_tokens_sum"] == first.usage.prompt_tokens
+    assert m1["kvserve:prefix_cache_queries_total"] > m0["kvserve:prefix_cache_queries_total"]
+
+    second = client.completions.create(model=server.model, prompt=prompt, max_tokens=3, temperature=0)
+    m2 = server.metrics()
+    cached = second.usage.prompt_tokens_details.cached_tokens
+    assert cached > 0
+    assert m2["kvserve:prefix_cache_hits_total"] - m1["kvserve:prefix_cache_hits_total"] == cached
+    assert m2["kvserve:num_blocks_cached"] > 0
+    assert m2["kvserve:num_blocks_free"] == m2["kvserve:num_blocks_total"]
+    assert m2["kvserve:kv_cache_usage_perc"] == 0.0
+
+
+# ---- API key and queue limit ---------------------------------------------------------------
+
+
+def test_api_key_required(limited):
+    assert httpx.get(f"{limited.url}/health").status_code == 200
+    for method, path in [("GET", "/v1/models"), ("GET", "/metrics"), ("GET", "/version"),
+                         ("POST", "/v1/completions"), ("POST", "/v1/chat/completions")]:
+        r = httpx.request(method, f"{limited.url}{path}", json={"prompt": "hi"})
+        err = _assert_error_shape(r, 401)
+        assert err["code"] == "invalid_api_key"
+        r = httpx.request(method, f"{limited.url}{path}", headers={"Authorization": "Bearer wrong"})
+        _assert_error_shape(r, 401)
+    with pytest.raises(openai.AuthenticationError):
+        limited.client("wrong").completions.create(model=limited.model, prompt="hi", max_tokens=1)
+    out = limited.client("sekrit").completions.create(model=limited.model, prompt="hi", max_tokens=2)
+    assert out.usage.completion_tokens == 2
+
+
+def test_queue_full_gets_429_with_retry_after(limited):
+    auth = {"Authorization": "Bearer sekrit"}
+    long_body = {"model": limited.model, "prompt": "Tell me a story.", "max_tokens": 1000,
+                 "ignore_eos": True, "stream": True}
+    results = {}
+    with httpx.Client(timeout=60, headers=auth) as http:
+        with http.stream("POST", f"{limited.url}/v1/completions", json=long_body) as running:
+            assert running.status_code == 200
+            lines = running.iter_lines()  # keep a reference: a dropped iterator closes the connection
+            next(line for line in lines if line.startswith("data: "))  # it runs
+
+            def waiter():  # the one request the queue has room for
+                try:
+                    results["waiting"] = _post(limited, "/v1/completions", {**long_body, "stream": False},
+                                               headers=auth, timeout=3).status_code
+                except httpx.TimeoutException:
+                    results["waiting"] = "timeout"
+            t = threading.Thread(target=waiter)
+            t.start()
+            deadline = time.monotonic() + 10
+            while limited.metrics()["kvserve:num_requests_waiting"] < 1:
+                assert time.monotonic() < deadline, "second request never queued"
+                time.sleep(0.05)
+            r = _post(limited, "/v1/completions", {"prompt": "hi", "max_tokens": 1}, headers=auth)
+            err = _assert_error_shape(r, 429)
+            assert err["type"] == "rate_limit_error"
+            assert int(r.headers["Retry-After"]) >= 1
+            with pytest.raises(openai.RateLimitError):
+                limited.client("sekrit").completions.create(model=limited.model, prompt="hi", max_tokens=1)
+            t.join()
+    assert results["waiting"] == "timeout"  # it was queued (not refused) until the client gave up
+    m = _wait_idle(limited, limited.metrics()["kvserve:num_blocks_total"], within=2.0)
+    assert m["kvserve:num_requests_waiting"] == 0
+    ok = _post(limited, "/v1/completions", {"prompt": "hi", "max_tokens": 1}, headers=auth)
+    assert ok.status_code == 200
+
+
+# ---- graceful shutdown ---------------------------------------------------------------------
+
+
+def test_sigterm_drains_then_exits_zero():
+    """SIGTERM: no new connections, a running stream is aborted after --shutdown-timeout and ends
+    cleanly with [DONE], a short one finishes, and the process exits 0. The key comes from the env."""
+    srv = Server("--shutdown-timeout", "3", api_key="envkey", env={"KVSERVE_API_KEY": "envkey"})
+    auth = {"Authorization": "Bearer envkey"}
+    try:
+        _assert_error_shape(httpx.get(f"{srv.url}/v1/models"), 401)
+        events: dict[str, list] = {"long": [], "short": []}
+
+        def consume(name: str, max_tokens: int):
+            body = {"prompt": "Once upon a time", "max_tokens": max_tokens, "ignore_eos": True, "stream": True}
+            with httpx.stream("POST", f"{srv.url}/v1/completions", json=body, headers=auth, timeout=60) as r:
+                for line in r.iter_lines():
+                    if line.startswith("data: "):
+                        events[name].append(line[6:])
+
+        threads = [threading.Thread(target=consume, args=("long", 1500)),
+                   threading.Thread(target=consume, args=("short", 8))]
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + 30
+        while not (events["long"] and events["short"]):
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        srv.proc.send_signal(signal.SIGTERM)
+        time.sleep(0.5)
+        with pytest.raises(httpx.HTTPError):
+            httpx.get(f"{srv.url}/health", timeout=2)
+        for t in threads:
+            t.join(30)
+        assert srv.proc.wait(30) == 0, srv.output()
+    finally:
+        srv.stop()
+    for name, reason in (("long", "abort"), ("short", "length")):
+        assert events[name][-1] == "[DONE]", name
+        finals = [json.loads(e)["choices"][0]["finish_reason"] for e in events[name][:-1]]
+        assert finals[-1] == reason, (name, finals[-3:])
