@@ -1,8 +1,8 @@
 """kvserve against transformers' own Llama implementation loaded from the same GGUF."""
 
 import torch
-
 from test_engine import PROMPTS
+
 from kvserve import SamplingParams
 
 

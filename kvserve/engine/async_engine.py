@@ -284,6 +284,9 @@ class AsyncEngine:
     def _resolve_prompt(self, prompt: PromptType | ChatPrompt) -> PromptType:
         if not isinstance(prompt, ChatPrompt):
             return prompt
+        if self.engine.tokenizer is None:
+            raise ValueError("this model has no tokenizer, so no chat template: use /v1/completions "
+                             "with token id prompts")
         try:
             ids = self.engine.tokenizer.apply_chat_template(prompt.messages, prompt.add_generation_prompt)
         except ValueError:

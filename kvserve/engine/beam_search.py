@@ -102,6 +102,7 @@ def _output(engine, root, done, params) -> BeamSearchOutput:
     for req, reason in done:
         toks = req.output_token_ids
         score = beam_score(req.num_tokens, req.cumulative_logprob, params.length_penalty, reason == "stop")
-        seqs.append(BeamSearchSequence(toks, engine.tokenizer.decode(toks), req.cumulative_logprob, score, reason))
+        text = engine.tokenizer.decode(toks) if engine.tokenizer is not None else ""
+        seqs.append(BeamSearchSequence(toks, text, req.cumulative_logprob, score, reason))
     seqs.sort(key=lambda s: -s.score)
     return BeamSearchOutput(root.prompt, root.prompt_token_ids, seqs[:params.beam_width])

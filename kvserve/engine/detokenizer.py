@@ -16,6 +16,8 @@ class IncrementalDetokenizer:
     def add(self, token_id: int) -> str:
         """Append a token; return the newly completed text ('' while a character is incomplete)."""
         self.ids.append(token_id)
+        if self.tokenizer is None:
+            return ""
         prefix = self.tokenizer.decode(self.ids[self.prefix_offset:self.read_offset], self.skip)
         full = self.tokenizer.decode(self.ids[self.prefix_offset:], self.skip)
         if len(full) <= len(prefix) or full.endswith("\ufffd"):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
 import time
 
 import torch
@@ -29,6 +30,7 @@ from kvserve.sampling_params import SamplingParams
 log = logging.getLogger("kvserve")
 
 PromptType = str | list[int] | dict
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
 
 class LLMEngine:
@@ -42,7 +44,7 @@ class LLMEngine:
         t0 = time.perf_counter()
         self.model_path = resolve_model_path(config.model)
         self.model_config, weights = load_weights(self.model_path, self.dtype)
-        self.tokenizer = Tokenizer.load(self.model_path)
+        self.tokenizer = _load_tokenizer(self.model_path)
         self.model = self._build_model(weights)
         self.load_seconds = time.perf_counter() - t0
         self.max_model_len = self._max_model_len()
@@ -71,8 +73,9 @@ class LLMEngine:
 
     def _eos_ids(self) -> list[int]:
         ids = list(self.model_config.eos_token_ids)
-        if self.tokenizer.eos_token_id is not None and self.tokenizer.eos_token_id not in ids:
-            ids.append(self.tokenizer.eos_token_id)
+        tok_eos = self.tokenizer.eos_token_id if self.tokenizer is not None else None
+        if tok_eos is not None and tok_eos not in ids:
+            ids.append(tok_eos)
         return ids
 
     def _init_cache(self) -> None:
@@ -190,6 +193,8 @@ class LLMEngine:
             else:
                 raise ValueError("a dict prompt needs 'prompt' or 'prompt_token_ids'")
         if isinstance(prompt, str):
+            if self.tokenizer is None and prompt:
+                raise ValueError("this model directory has no tokenizer: pass prompts as token id lists")
             return prompt, self.tokenizer.encode(prompt) if prompt else []
         if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) for t in prompt):
             return None, list(prompt)
@@ -369,6 +374,14 @@ class LLMEngine:
     def reset_prefix_cache(self) -> int:
         """Forget all cached free blocks; returns how many."""
         return self.kv.reset_prefix_cache() if self.kv is not None else 0
+
+
+def _load_tokenizer(path: str) -> Tokenizer | None:
+    """The model's tokenizer; None for a HF directory that ships none (token-id prompts only)."""
+    if os.path.isdir(path) and not any(os.path.exists(os.path.join(path, f)) for f in TOKENIZER_FILES):
+        log.warning("no tokenizer files in %s: prompts must be token ids and outputs have no text", path)
+        return None
+    return Tokenizer.load(path)
 
 
 def _replace(params: SamplingParams, **changes) -> SamplingParams:

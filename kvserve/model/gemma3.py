@@ -1,0 +1,146 @@
+"""Gemma 3 text decoder: interleaved sliding-window (local) and full (global) layers."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from kvserve.kv.spec import KVSpec
+from kvserve.model.attention import attend
+from kvserve.model.config import ModelConfig
+from kvserve.model.layers import RotaryEmbedding
+
+
+class GemmaRMSNorm(nn.Module):
+    """RMSNorm scaled by (1 + weight), computed in float32."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        out = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (out * (1.0 + self.weight.float())).to(x.dtype)
+
+
+class GemmaMLP(nn.Module):
+    """down(gelu_tanh(gate(x)) * up(x))."""
+
+    def __init__(self, hidden: int, intermediate: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(nn.functional.gelu(self.gate_proj(x), approximate="tanh") * self.up_proj(x))
+
+
+class Gemma3Attention(nn.Module):
+    """Attention with q/k norm; local layers see a sliding window and use the local RoPE base."""
+
+    def __init__(self, cfg: ModelConfig, layer: int, rope: RotaryEmbedding, sliding: bool):
+        super().__init__()
+        self.layer = layer
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        h, d = cfg.hidden_size, cfg.head_dim
+        self.q_proj = nn.Linear(h, cfg.num_heads * d, bias=cfg.attention_bias)
+        self.k_proj = nn.Linear(h, cfg.num_kv_heads * d, bias=cfg.attention_bias)
+        self.v_proj = nn.Linear(h, cfg.num_kv_heads * d, bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(cfg.num_heads * d, h, bias=cfg.attention_bias)
+        self.q_norm = GemmaRMSNorm(d, cfg.rms_norm_eps)
+        self.k_norm = GemmaRMSNorm(d, cfg.rms_norm_eps)
+        self.rope = rope
+        self.scale = (cfg.query_pre_attn_scalar or d) ** -0.5
+        self.window = cfg.sliding_window if sliding else None
+        self.spec = (KVSpec("sliding", cfg.num_kv_heads, d, window=cfg.sliding_window) if sliding
+                     else KVSpec("full", cfg.num_kv_heads, d))
+        self.kv_rows = 0
+
+    def forward(self, x, positions, storage, meta):
+        n = x.shape[0]
+        q = self.q_norm(self.q_proj(x).view(n, self.num_heads, self.head_dim))
+        k = self.k_norm(self.k_proj(x).view(n, self.num_kv_heads, self.head_dim))
+        v = self.v_proj(x).view(n, self.num_kv_heads, self.head_dim)
+        self.kv_rows += n
+        q, k = self.rope(positions, q, k)
+        o = attend(q, k, v, self.layer, storage, meta, self.scale, self.window)
+        return self.o_proj(o.reshape(n, -1))
+
+
+class Gemma3DecoderLayer(nn.Module):
+    """Sandwich norms around attention and MLP."""
+
+    def __init__(self, cfg: ModelConfig, layer: int, rope: RotaryEmbedding, sliding: bool):
+        super().__init__()
+        eps = cfg.rms_norm_eps
+        self.self_attn = Gemma3Attention(cfg, layer, rope, sliding)
+        self.mlp = GemmaMLP(cfg.hidden_size, cfg.intermediate_size)
+        self.input_layernorm = GemmaRMSNorm(cfg.hidden_size, eps)
+        self.post_attention_layernorm = GemmaRMSNorm(cfg.hidden_size, eps)
+        self.pre_feedforward_layernorm = GemmaRMSNorm(cfg.hidden_size, eps)
+        self.post_feedforward_layernorm = GemmaRMSNorm(cfg.hidden_size, eps)
+
+    def forward(self, x, positions, storage, meta):
+        x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), positions, storage, meta))
+        return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+
+
+class Gemma3Model(nn.Module):
+    """Scaled embeddings, the layer stack, final norm."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        kinds = cfg.layer_kinds()
+        global_rope = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
+        local_rope = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings,
+                                     cfg.rope_local_theta or cfg.rope_theta, None)
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_scale = cfg.hidden_size ** 0.5
+        self.layers = nn.ModuleList(
+            Gemma3DecoderLayer(cfg, i, local_rope if kinds[i] == "sliding" else global_rope, kinds[i] == "sliding")
+            for i in range(cfg.num_layers))
+        self.norm = GemmaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, input_ids, positions, storage, meta):
+        x = self.embed_tokens(input_ids)
+        x = x * torch.tensor(self.embed_scale, dtype=x.dtype)
+        for layer in self.layers:
+            x = layer(x, positions, storage, meta)
+        return self.norm(x)
+
+
+class Gemma3ForCausalLM(nn.Module):
+    """Gemma 3 text model with tied LM head and optional final logit soft-capping."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.config = cfg
+        self.model = Gemma3Model(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.softcap = getattr(cfg, "final_logit_softcapping", None)
+
+    def forward(self, input_ids, positions, storage, meta):
+        """Hidden states [num_tokens, hidden] after the final norm."""
+        return self.model(input_ids, positions, storage, meta)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits [rows, vocab] in float32."""
+        logits = self.lm_head(hidden).float()
+        if self.softcap:
+            logits = torch.tanh(logits / self.softcap) * self.softcap
+        return logits
+
+    def kv_specs(self) -> list[KVSpec]:
+        """Sliding-window specs for local layers, full for global ones."""
+        return [layer.self_attn.spec for layer in self.model.layers]
+
+    @property
+    def kv_rows(self) -> int:
+        """Token rows whose K/V were projected, per layer."""
+        layers = self.model.layers
+        return sum(layer.self_attn.kv_rows for layer in layers) // len(layers)
