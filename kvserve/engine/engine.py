@@ -106,7 +106,7 @@ class LLMEngine:
         block_size = self.max_model_len if cfg.kv_cache_mode == "contiguous" else cfg.block_size
         weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
         activation = 0
-        if cfg.kv_cache_memory is None:
+        if cfg.kv_cache_memory is None and (cfg.gpu_memory_utilization is not None or self.device.type == "cuda"):
             activation = measure_activation_peak(self.device, self._warmup)
         plan = plan_pool(cfg.kv_cache_memory, cfg.gpu_memory_utilization, self.device,
                          weight_bytes, activation, block_size, self.page_bytes_per_token)
