@@ -115,6 +115,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _register_tools(sub) -> None:
+    from kvserve.server.cli import register as register_serve
+    register_serve(sub)
     try:
         from kvserve.tools import analyze, plan
     except ImportError:

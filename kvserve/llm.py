@@ -98,7 +98,6 @@ class LLM:
             for rid in ids:
                 if rid not in done:
                     self.engine.abort_request(rid)
-                    self.engine._drop(rid)
             raise
         finally:
             bar.close()

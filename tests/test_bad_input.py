@@ -1,8 +1,8 @@
 """Bad input gets a clear error and the engine keeps serving."""
 
 import pytest
-
 from helpers import all_blocks_free
+
 from kvserve import LLM, SamplingParams
 
 OK = SamplingParams(temperature=0, max_tokens=4)
@@ -59,3 +59,20 @@ def test_bad_engine_options():
         LLM(kv_cache_mode="weird")
     with pytest.raises(ValueError, match="kv_cache_memory|byte size"):
         LLM(kv_cache_memory="lots")
+
+
+def test_abort_frees_blocks_and_forgets_the_request(llm):
+    eng = llm.engine
+    rid = eng.add_request("The capital of France is", SamplingParams(max_tokens=50, ignore_eos=True))
+    eng.step()
+    eng.step()
+    out = eng.abort_request(rid)
+    assert out.finished and out.outputs[0].finish_reason == "abort"
+    assert rid not in eng.groups and not eng.has_unfinished_requests()
+    assert all_blocks_free(llm)
+    assert eng.abort_request(rid) is None
+
+
+def test_huge_seed_with_forks_does_not_crash(llm):
+    out = llm.generate(["hi"], SamplingParams(n=2, seed=2**64 - 2, max_tokens=3), use_tqdm=False)
+    assert len(out[0].outputs) == 2

@@ -296,11 +296,9 @@ class AsyncEngine:
         return {"prompt_token_ids": ids}
 
     def _abort_now(self, request_id: str, notify: bool) -> None:
-        if request_id not in self.engine.groups:
-            return
-        self.engine.abort_request(request_id)
-        out = self.engine._output(request_id)  # the final 'abort' output; drops the group
-        self._dispatch([out], time.monotonic(), notify=notify)
+        out = self.engine.abort_request(request_id)  # the final 'abort' output; forgets the group
+        if out is not None:
+            self._dispatch([out], time.monotonic(), notify=notify)
 
     def _abort_all_now(self) -> None:
         for rid in list(self.engine.groups):

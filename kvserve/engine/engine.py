@@ -178,11 +178,14 @@ class LLMEngine:
         self.scheduler.add(req)
         return req.request_id
 
-    def abort_request(self, request_id: str) -> None:
-        """Stop a request now and free its blocks."""
-        for req in self.groups.get(request_id, []):
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        """Stop a request now, free its blocks and forget it; returns its final output."""
+        if request_id not in self.groups:
+            return None
+        for req in self.groups[request_id]:
             if not req.is_finished:
                 self._finish(req, RequestStatus.FINISHED_ABORTED)
+        return self._output(request_id)
 
     def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         if isinstance(prompt, dict):
@@ -220,7 +223,7 @@ class LLMEngine:
     def _generator(self, seed: int | None, offset: int = 0) -> torch.Generator | None:
         if seed is None:
             return None
-        return torch.Generator(device=self.device).manual_seed(seed + offset)
+        return torch.Generator(device=self.device).manual_seed((seed + offset) % 2**63)
 
     # ---- the step ------------------------------------------------------------------
     def has_unfinished_requests(self) -> bool:

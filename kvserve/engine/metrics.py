@@ -2,21 +2,28 @@
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass, field
+
+MAX_SAMPLES = 10_000  # latency samples kept (the most recent), so a long-running server stays bounded
+
+
+def _samples() -> deque:
+    return deque(maxlen=MAX_SAMPLES)
 
 
 @dataclass
 class EngineStats:
-    """Cumulative counters and per-request latency samples (seconds)."""
+    """Cumulative counters and the most recent per-request latency samples (seconds)."""
 
     prompt_tokens: int = 0
     generation_tokens: int = 0
     num_steps: int = 0
     request_success: dict[str, int] = field(default_factory=dict)  # by finish reason
-    ttft: list[float] = field(default_factory=list)
-    tpot: list[float] = field(default_factory=list)
-    e2e: list[float] = field(default_factory=list)
-    queue_time: list[float] = field(default_factory=list)
+    ttft: deque = field(default_factory=_samples)
+    tpot: deque = field(default_factory=_samples)
+    e2e: deque = field(default_factory=_samples)
+    queue_time: deque = field(default_factory=_samples)
 
     def record_finished(self, reason: str, ttft: float | None, tpot: float | None,
                         e2e: float, queue: float | None) -> None:

@@ -90,7 +90,8 @@ class ServerState:
         """The text of one token (cached)."""
         text = self.token_text.get(token_id)
         if text is None:
-            text = self.engine.tokenizer.decode([token_id], skip_special_tokens=False)
+            tok = self.engine.tokenizer
+            text = tok.decode([token_id], skip_special_tokens=False) if tok is not None else ""
             self.token_text[token_id] = text
         return text
 

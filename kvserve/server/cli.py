@@ -13,12 +13,17 @@ import os
 import signal
 import sys
 
-from kvserve.config import parse_bytes
 from kvserve.server import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_QUEUE
 
 log = logging.getLogger("kvserve.server")
 
 HANDLED_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+def byte_size(value: str) -> int:
+    """argparse type: '2MiB', '512KiB', '1048576' -> bytes (kvserve.config.parse_bytes)."""
+    from kvserve.config import parse_bytes
+    return parse_bytes(value)
 
 
 def register(subparsers) -> None:
@@ -36,7 +41,7 @@ def register(subparsers) -> None:
     p.add_argument("--served-model-name", default=None, help="model name in the API (default: the model's)")
     p.add_argument("--max-queue", type=int, default=DEFAULT_MAX_QUEUE,
                    help="waiting requests allowed before new ones get 429 with Retry-After")
-    p.add_argument("--max-body-bytes", type=parse_bytes, default=DEFAULT_MAX_BODY_BYTES,
+    p.add_argument("--max-body-bytes", type=byte_size, default=DEFAULT_MAX_BODY_BYTES,
                    help="largest request body accepted (413 beyond), e.g. 2MiB")
     p.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="on SIGTERM, seconds running requests may take to finish before they are aborted")
