@@ -305,8 +305,8 @@ def gemma_path():
 
 
 @pytest.fixture(scope="module")
-def gemma_cache_root(tmp_path_factory):
-    return tmp_path_factory.mktemp("gemma-cache")
+def gemma_cache_root():
+    return None  # the user's cache: the first load writes it, the engine test below reuses it
 
 
 @pytest.fixture(scope="module")
@@ -398,3 +398,19 @@ def test_gemma_tokenizer_equals_transformers(gemma_path, gemma_cache_root):
         assert tokenizer.decode(ids) == ref.decode(ids, skip_special_tokens=True)
     assert (tokenizer.bos_token_id, tokenizer.eos_token_id) == (2, 1)
     assert not tokenizer.has_chat_template
+
+
+def test_gemma_greedy_matches_transformers(gemma_path, gemma_load, gemma_hf_model):
+    """Real Gemma-3-270M: hybrid sliding (window 512) and global layers, paged, vs transformers."""
+    from kvserve import LLM, SamplingParams
+
+    llm = LLM(GEMMA_ALIAS, kv_cache_memory="256MiB", max_model_len=1024)
+    assert [g.spec.kind for g in llm.engine.kv_groups].count("sliding") == 5  # 15 local layers in groups of 3
+    tok = llm.get_tokenizer()
+    long_text = " ".join(GEMMA_TEXTS) * 40
+    prompts = [tok.encode(t) for t in GEMMA_TEXTS[:2]] + [tok.encode(long_text)[:600]]  # > the window
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=16), use_tqdm=False)
+    for ids, out in zip(prompts, outs):
+        with torch.no_grad():
+            ref = gemma_hf_model.generate(torch.tensor([ids]), max_new_tokens=16, do_sample=False)
+        assert out.outputs[0].token_ids == ref[0, len(ids):].tolist()
