@@ -1,4 +1,8 @@
-"""Unit tests of the KV block pool, manager and storage, with hand-computed expectations."""
+"""Unit tests of the KV block pool, manager and storage, with hand-computed expectations.
+
+Block ids are written relative to the pool's initial free queue (`B[i]` is the i-th block handed
+out), so the expectations hold whether or not a null block is reserved.
+"""
 
 from __future__ import annotations
 
@@ -11,16 +15,26 @@ import torch
 from kvserve.kv.block_pool import BlockPool
 from kvserve.kv.hashing import hash_block, hash_full_blocks, namespace_hash
 from kvserve.kv.manager import KVCacheManager
+from kvserve.kv.spec import KVGroup, KVSpec
 from kvserve.kv.storage import KVStorage
 
 NS = namespace_hash("unit-model", "float16", "kv-manager")
 
 
-def make(num_blocks: int = 16, block_size: int = 4, **kw) -> KVCacheManager:
-    return KVCacheManager(num_blocks, block_size, NS, **kw)
+def make(num_blocks: int = 16, block_size: int = 4, **kw) -> tuple[KVCacheManager, list[int]]:
+    """A manager and its blocks in the order a fresh pool hands them out."""
+    m = KVCacheManager(num_blocks, block_size, NS, **kw)
+    return m, list(m.pool.free_queue)
 
 
-def admit(m: KVCacheManager, rid: str, tokens: list[int]) -> list[int]:
+def lookup(m: KVCacheManager, rid: str, tokens: list[int]) -> tuple[list[int], int]:
+    """get_computed_blocks for the single (full-attention) group."""
+    hits, num_hit = m.get_computed_blocks(rid, tokens)
+    assert len(hits) == 1
+    return hits[0], num_hit
+
+
+def admit(m: KVCacheManager, rid: str, tokens: list[int]) -> list[list[int]]:
     """Admit a request as the scheduler does (prefix hits + the rest); returns its hits."""
     hits, num_hit = m.get_computed_blocks(rid, tokens)
     assert m.allocate_slots(rid, num_hit, len(tokens) - num_hit, hits)
@@ -37,10 +51,14 @@ def append(m: KVCacheManager, rid: str, tokens: list[int], extra: list[int]) -> 
 
 
 def probe(m: KVCacheManager, tokens: list[int]) -> list[int]:
-    """Prefix hits a new request with these tokens would get (leaves no state behind)."""
+    """Group-0 prefix hits a new request with these tokens would get (leaves no state behind)."""
     hits, _ = m.get_computed_blocks("__probe__", tokens)
     m.free("__probe__")
-    return hits
+    return hits[0]
+
+
+def refs(m: KVCacheManager, blocks: list[int]) -> list[int]:
+    return [m.pool.blocks[b].ref_cnt for b in blocks]
 
 
 def snapshot(m: KVCacheManager):
@@ -48,69 +66,66 @@ def snapshot(m: KVCacheManager):
     return (
         [(b.block_id, b.ref_cnt, b.block_hash, b.token_ids) for b in pool.blocks],
         list(pool.free_queue), dict(pool.cached), pool.num_evicted,
-        {rid: (list(s.block_ids), list(s.block_hashes), s.num_registered) for rid, s in m.reqs.items()},
+        {rid: ([list(t) for t in s.tables], list(s.block_hashes), s.num_registered)
+         for rid, s in m.reqs.items()},
         list(m.pending_copies),
     )
 
 
 # ---- prefix hits -------------------------------------------------------------------------
 def test_prefix_hit_leaves_last_prompt_token_for_recompute():
-    m = make(16, 4)
+    m, B = make(16, 4)
     prompt = [1, 2, 3, 4, 5, 6, 7, 8]
-    assert admit(m, "a", prompt) == []
-    a = m.block_ids("a")
-    assert m.get_computed_blocks("b", prompt) == ([a[0]], 4)  # 8 tokens: hit 4, not 8
-    assert m.get_computed_blocks("c", prompt + [9]) == (a, 8)
-    assert m.get_computed_blocks("d", prompt[:5]) == ([a[0]], 4)
-    assert m.get_computed_blocks("e", prompt[:4]) == ([], 0)  # one full block, all of the prompt
-    assert m.get_computed_blocks("f", [1]) == ([], 0)
+    assert admit(m, "a", prompt) == [[]]
+    assert m.block_ids("a") == B[:2]
+    assert lookup(m, "b", prompt) == ([B[0]], 4)  # 8 tokens: hit 4, not 8
+    assert lookup(m, "c", prompt + [9]) == (B[:2], 8)
+    assert lookup(m, "d", prompt[:5]) == ([B[0]], 4)
+    assert lookup(m, "e", prompt[:4]) == ([], 0)  # one full block, all of the prompt
+    assert lookup(m, "f", [1]) == ([], 0)
     m.free("a")  # freed blocks stay findable
-    assert m.get_computed_blocks("g", prompt) == ([a[0]], 4)
+    assert lookup(m, "g", prompt) == ([B[0]], 4)
 
 
 def test_prefix_hit_stops_at_first_miss_and_never_hits_partial_blocks():
-    m = make(16, 4)
+    m, B = make(16, 4)
     admit(m, "a", [1, 2, 3, 4, 5, 6, 7, 8, 9, 10])  # blocks: [1-4] [5-8] [9,10]
-    a = m.block_ids("a")
-    assert probe(m, [1, 2, 3, 4, 5, 6, 7, 0, 9, 10, 11]) == [a[0]]
+    assert probe(m, [1, 2, 3, 4, 5, 6, 7, 0, 9, 10, 11]) == [B[0]]
     assert probe(m, [0, 2, 3, 4, 5, 6, 7, 8, 9]) == []
-    assert probe(m, [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13]) == a[:2]  # [9,10] was partial
+    assert probe(m, [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13]) == B[:2]  # [9,10] was partial
 
 
 def test_admit_with_hits_shares_blocks_and_counts_refs():
-    m = make(16, 4)
+    m, B = make(16, 4)
     admit(m, "a", [1, 2, 3, 4, 5, 6, 7, 8, 9])
-    a = m.block_ids("a")
-    hits = admit(m, "b", [1, 2, 3, 4, 5, 6, 7, 8, 0, 0])
-    assert hits == a[:2]
-    b = m.block_ids("b")
-    assert b[:2] == a[:2] and b[2] not in a
-    assert [m.pool.blocks[x].ref_cnt for x in a] == [2, 2, 1]
-    assert m.pool.num_free == 16 - 4
+    assert admit(m, "b", [1, 2, 3, 4, 5, 6, 7, 8, 0, 0]) == [B[:2]]
+    assert m.block_ids("a") == B[:3]
+    assert m.block_ids("b") == [B[0], B[1], B[3]]
+    assert refs(m, B[:4]) == [2, 2, 1, 1]
+    assert m.pool.num_free == len(B) - 4
 
 
 def test_prefix_caching_disabled_never_hits_or_hashes():
-    m = make(16, 4, enable_prefix_caching=False)
+    m, _ = make(16, 4, enable_prefix_caching=False)
     admit(m, "a", list(range(1, 10)))
-    assert m.get_computed_blocks("b", list(range(1, 10))) == ([], 0)
+    assert lookup(m, "b", list(range(1, 10))) == ([], 0)
     assert m.pool.cached == {}
     assert all(b.block_hash is None for b in m.pool.blocks)
 
 
 def test_cache_blocks_registers_only_full_computed_blocks():
-    m = make(16, 2)
+    m, B = make(16, 2)
     hits, n = m.get_computed_blocks("a", [1, 2, 3, 4, 5])
-    assert m.allocate_slots("a", n, 5)
+    assert m.allocate_slots("a", n, 5, hits)
     m.cache_blocks("a", [1, 2, 3, 4, 5], 3)  # only 3 tokens computed so far: one full block
-    a = m.block_ids("a")
-    assert [m.pool.blocks[b].token_ids for b in a] == [(1, 2), None, None]
+    assert [m.pool.blocks[b].token_ids for b in B[:3]] == [(1, 2), None, None]
     m.cache_blocks("a", [1, 2, 3, 4, 5], 5)
-    assert [m.pool.blocks[b].token_ids for b in a] == [(1, 2), (3, 4), None]
+    assert [m.pool.blocks[b].token_ids for b in B[:3]] == [(1, 2), (3, 4), None]
     assert m.pool.num_cached == 2
 
 
 def test_duplicate_full_block_first_writer_wins():
-    m = make(16, 2)
+    m, B = make(16, 2)
     for rid in ("a", "b"):  # both computed before either cached: two copies of the same block
         hits, n = m.get_computed_blocks(rid, [1, 2, 3])
         assert m.allocate_slots(rid, n, 3, hits)
@@ -123,74 +138,73 @@ def test_duplicate_full_block_first_writer_wins():
 
 # ---- LRU order ---------------------------------------------------------------------------
 def test_lru_reuses_least_recently_freed_first_and_tails_before_heads():
-    m = make(8, 2)
+    m, B = make(8, 2)
     admit(m, "a", [1, 2, 3, 4])
     admit(m, "b", [5, 6, 7, 8])
-    assert m.block_ids("a") == [0, 1] and m.block_ids("b") == [2, 3]
+    assert m.block_ids("a") == B[0:2] and m.block_ids("b") == B[2:4]
     m.free("a")
     m.free("b")
     # never-used blocks first, then A (tail before head), then B (tail before head)
-    assert list(m.pool.free_queue) == [4, 5, 6, 7, 1, 0, 3, 2]
+    assert list(m.pool.free_queue) == B[4:8] + [B[1], B[0], B[3], B[2]]
     assert m.pool.num_free == 8 and m.pool.num_cached_free == 4
     admit(m, "c", [11, 12, 13, 14])
     admit(m, "d", [15, 16, 17, 18])
-    assert m.block_ids("c") == [4, 5] and m.block_ids("d") == [6, 7]  # no cached block evicted yet
+    assert m.block_ids("c") == B[4:6] and m.block_ids("d") == B[6:8]  # no cached block evicted yet
     assert m.pool.num_evicted == 0
     admit(m, "e", [21, 22])
-    assert m.block_ids("e") == [1]  # A's tail goes first...
-    assert probe(m, [1, 2, 3, 4, 99]) == [0]  # ...so A's head still hits
+    assert m.block_ids("e") == [B[1]]  # A's tail goes first...
+    assert probe(m, [1, 2, 3, 4, 99]) == [B[0]]  # ...so A's head still hits
     assert m.pool.num_evicted == 1
     admit(m, "f", [23, 24])
-    assert m.block_ids("f") == [0]
+    assert m.block_ids("f") == [B[0]]
     assert probe(m, [1, 2, 3, 4, 99]) == []
-    assert probe(m, [5, 6, 7, 8, 99]) == [2, 3]  # B, freed later, survives A
+    assert probe(m, [5, 6, 7, 8, 99]) == B[2:4]  # B, freed later, survives A
     admit(m, "g", [25, 26])
-    assert m.block_ids("g") == [3]
+    assert m.block_ids("g") == [B[3]]
 
 
 def test_lru_hit_then_free_makes_blocks_most_recently_used():
-    m = make(8, 2)
+    m, B = make(8, 2)
     admit(m, "a", [1, 2, 3, 4])
     admit(m, "b", [5, 6, 7, 8])
     m.free("a")
     m.free("b")
-    assert admit(m, "c", [1, 2, 3, 4, 9]) == [0, 1]  # A's blocks revived, one new block
-    assert m.block_ids("c") == [0, 1, 4]
+    assert admit(m, "c", [1, 2, 3, 4, 9]) == [B[:2]]  # A's blocks revived, one new block
+    assert m.block_ids("c") == [B[0], B[1], B[4]]
     m.free("c")
     # C's partial tail (no hash) to the front; A's blocks now behind B's
-    assert list(m.pool.free_queue) == [4, 5, 6, 7, 3, 2, 1, 0]
+    assert list(m.pool.free_queue) == B[4:8] + [B[3], B[2], B[1], B[0]]
 
 
 def test_blocks_without_hash_are_reused_before_cached_ones():
-    m = make(8, 2)
-    admit(m, "a", [1, 2, 3])  # block 0 full (cached), block 1 partial (no hash)
-    assert m.block_ids("a") == [0, 1]
+    m, B = make(8, 2)
+    admit(m, "a", [1, 2, 3])  # first block full (cached), second partial (no hash)
+    assert m.block_ids("a") == B[:2]
     m.free("a")
-    assert list(m.pool.free_queue) == [1, 2, 3, 4, 5, 6, 7, 0]
+    assert list(m.pool.free_queue) == B[1:] + [B[0]]
     admit(m, "b", [9] * 13)  # 7 blocks: every block but the cached one
-    assert m.block_ids("b") == [1, 2, 3, 4, 5, 6, 7]
-    assert probe(m, [1, 2, 3]) == [0]
+    assert m.block_ids("b") == B[1:]
+    assert probe(m, [1, 2, 3]) == [B[0]]
 
 
 def test_hit_revives_free_cached_block():
-    m = make(8, 2)
+    m, B = make(8, 2)
     admit(m, "a", [1, 2, 3, 4, 5])
-    assert m.block_ids("a") == [0, 1, 2]
+    assert m.block_ids("a") == B[:3]
     m.free("a")
-    assert list(m.pool.free_queue) == [2, 3, 4, 5, 6, 7, 1, 0]
-    hits, num_hit = m.get_computed_blocks("b", [1, 2, 3, 4, 5, 6])
-    assert (hits, num_hit) == ([0, 1], 4)
-    assert m.allocate_slots("b", 4, 2, hits)
-    assert m.block_ids("b") == [0, 1, 2]
-    assert [m.pool.blocks[b].ref_cnt for b in (0, 1, 2)] == [1, 1, 1]
-    assert list(m.pool.free_queue) == [3, 4, 5, 6, 7]
+    assert list(m.pool.free_queue) == B[2:] + [B[1], B[0]]
+    assert lookup(m, "b", [1, 2, 3, 4, 5, 6]) == (B[:2], 4)
+    assert m.allocate_slots("b", 4, 2, [B[:2]])
+    assert m.block_ids("b") == B[:3]
+    assert refs(m, B[:3]) == [1, 1, 1]
+    assert list(m.pool.free_queue) == B[3:]
     assert m.pool.num_free == 5 and m.pool.num_cached_free == 0
-    assert m.pool.blocks[0].block_hash is not None  # revived, not evicted
+    assert m.pool.blocks[B[0]].block_hash is not None  # revived, not evicted
     assert m.pool.num_evicted == 0
 
 
 def test_reset_prefix_cache_forgets_free_blocks_only():
-    m = make(8, 2)
+    m, _ = make(8, 2)
     admit(m, "a", [1, 2, 3, 4, 5])
     admit(m, "b", [7, 8, 9])
     m.free("a")
@@ -238,11 +252,10 @@ def test_hash_chain_continues_from_parent():
 
 
 def test_manager_hits_need_the_whole_prefix_and_the_namespace():
-    m = make(16, 2)
+    m, B = make(16, 2)
     admit(m, "a", [9, 9, 3, 4, 5])
-    a = m.block_ids("a")
     assert probe(m, [1, 1, 3, 4, 5]) == []  # block [3,4] equal, but after a different prefix
-    assert probe(m, [9, 9, 3, 4, 5]) == a[:2]
+    assert probe(m, [9, 9, 3, 4, 5]) == B[:2]
     other = KVCacheManager(16, 2, namespace_hash("another-model"))
     admit(other, "a", [9, 9, 3, 4, 5])
     assert not set(m.pool.cached) & set(other.pool.cached)
@@ -251,16 +264,16 @@ def test_manager_hits_need_the_whole_prefix_and_the_namespace():
 def test_pool_lookup_checks_tokens_not_just_hash():
     pool = BlockPool(4)
     h = hash_block(NS, [1, 2])
-    pool.allocate(1)
-    pool.register(0, h, (1, 2))
-    assert pool.lookup(h, (1, 2)) == 0
+    (blk,) = pool.allocate(1)
+    pool.register(blk.block_id, h, (1, 2))
+    assert pool.lookup(h, (1, 2)) == blk.block_id
     assert pool.lookup(h, (1, 3)) is None
     assert pool.lookup(hash_block(NS, [1, 3]), (1, 3)) is None
 
 
 # ---- allocation failure leaves no trace ---------------------------------------------------
 def test_allocate_slots_short_pool_for_new_request_changes_nothing():
-    m = make(4, 2)
+    m, _ = make(4, 2)
     admit(m, "a", [1, 2, 3, 4, 5, 6])  # 3 of 4 blocks
     hits, n = m.get_computed_blocks("b", [7, 8, 9, 10])
     before = snapshot(m)
@@ -269,113 +282,128 @@ def test_allocate_slots_short_pool_for_new_request_changes_nothing():
 
 
 def test_allocate_slots_counts_revived_hits_against_the_free_pool():
-    m = make(4, 2)
+    m, B = make(4, 2)
     admit(m, "a", [1, 2, 3, 4])
     m.free("a")
     admit(m, "c", [7, 8, 9, 10])
-    assert m.block_ids("c") == [2, 3] and list(m.pool.free_queue) == [1, 0]
+    assert m.block_ids("c") == B[2:4] and list(m.pool.free_queue) == [B[1], B[0]]
     hits, n = m.get_computed_blocks("b", [1, 2, 3, 4, 5])
-    assert (hits, n) == ([0, 1], 4)
+    assert (hits, n) == ([B[:2]], 4)
     before = snapshot(m)
     assert not m.allocate_slots("b", n, 1, hits)  # 2 revived + 1 new > 2 free
     assert snapshot(m) == before
-    assert probe(m, [1, 2, 3, 4, 5]) == [0, 1]  # A's cached blocks untouched
+    assert probe(m, [1, 2, 3, 4, 5]) == B[:2]  # A's cached blocks untouched
     m.free("b")
     hits, n = m.get_computed_blocks("d", [1, 2, 3, 4])  # 1 revived + 1 new == 2 free: fits
-    assert (hits, n) == ([0], 2)
+    assert (hits, n) == ([[B[0]]], 2)
     assert m.allocate_slots("d", n, 2, hits)
-    assert m.block_ids("d") == [0, 1] and m.pool.num_free == 0
+    assert m.block_ids("d") == B[:2] and m.pool.num_free == 0
 
 
 def test_allocate_slots_short_pool_for_append_and_copy_on_write_changes_nothing():
-    m = make(4, 2)
+    m, B = make(4, 2)
     admit(m, "a", [1, 2, 3])  # [full, partial]
     m.fork("a", "b")
     admit(m, "c", [5, 6, 7, 8])  # pool now full
     assert m.pool.num_free == 0
-    for rid, n0 in (("b", 3), ("a", 3)):  # the copy on write needs a block
+    for rid in ("b", "a"):  # the copy on write needs a block
         before = snapshot(m)
-        assert not m.allocate_slots(rid, n0, 1)
+        assert not m.allocate_slots(rid, 3, 1)
         assert snapshot(m) == before
     before = snapshot(m)
     assert not m.allocate_slots("c", 4, 1)  # growth needs a block
     assert snapshot(m) == before
     m.free("c")
     assert m.allocate_slots("b", 3, 1)
-    assert m.take_pending_copies() == [(1, m.block_ids("b")[1])]
+    assert m.take_pending_copies() == [(B[1], m.block_ids("b")[1])]
 
 
 # ---- fork and copy on write ----------------------------------------------------------------
 def test_fork_append_copies_partial_last_block_once():
-    m = make(16, 4)
+    m, B = make(16, 4)
     admit(m, "a", [1, 2, 3, 4, 5, 6])
-    assert m.block_ids("a") == [0, 1]
+    assert m.block_ids("a") == B[:2]
     m.fork("a", "b")
-    assert m.block_ids("b") == [0, 1]
-    assert [m.pool.blocks[b].ref_cnt for b in (0, 1)] == [2, 2]
+    assert m.block_ids("b") == B[:2]
+    assert refs(m, B[:2]) == [2, 2]
     assert m.take_pending_copies() == []
     assert m.allocate_slots("b", 6, 1)
-    assert m.take_pending_copies() == [(1, 2)]  # (shared old block, fresh new block)
-    assert m.block_ids("b") == [0, 2] and m.block_ids("a") == [0, 1]
-    assert [m.pool.blocks[b].ref_cnt for b in (0, 1, 2)] == [2, 1, 1]
-    assert m.allocate_slots("a", 6, 1)  # the other sibling now owns block 1 alone: in place
+    assert m.take_pending_copies() == [(B[1], B[2])]  # (shared old block, fresh new block)
+    assert m.block_ids("b") == [B[0], B[2]] and m.block_ids("a") == B[:2]
+    assert refs(m, B[:3]) == [2, 1, 1]
+    assert m.allocate_slots("a", 6, 1)  # the other sibling now owns the old block alone: in place
     assert m.take_pending_copies() == []
-    assert m.block_ids("a") == [0, 1]
+    assert m.block_ids("a") == B[:2]
     assert m.allocate_slots("b", 7, 1)  # and the copy is B's own
     assert m.take_pending_copies() == []
-    assert m.block_ids("b") == [0, 2]
+    assert m.block_ids("b") == [B[0], B[2]]
 
 
 def test_fork_with_full_last_block_needs_no_copy():
-    m = make(16, 4)
+    m, B = make(16, 4)
     admit(m, "a", [1, 2, 3, 4, 5, 6, 7, 8])
     m.fork("a", "b")
     assert m.allocate_slots("a", 8, 1) and m.allocate_slots("b", 8, 1)
     assert m.take_pending_copies() == []
-    assert m.block_ids("a")[:2] == m.block_ids("b")[:2] == [0, 1]
-    assert m.block_ids("a")[2] != m.block_ids("b")[2]
+    assert m.block_ids("a") == B[:3] and m.block_ids("b") == [B[0], B[1], B[3]]
 
 
 def test_three_way_fork_copies_for_each_writer_but_the_last():
-    m = make(16, 4)
+    m, B = make(16, 4)
     admit(m, "a", [1, 2, 3, 4, 5, 6])
     m.fork("a", "b")
     m.fork("a", "c")
-    assert m.pool.blocks[1].ref_cnt == 3
+    assert refs(m, B[:2]) == [3, 3]
     assert m.allocate_slots("b", 6, 1) and m.allocate_slots("c", 6, 1)
     assert m.allocate_slots("a", 6, 1)
-    assert m.take_pending_copies() == [(1, 2), (1, 3)]
-    assert (m.block_ids("a"), m.block_ids("b"), m.block_ids("c")) == ([0, 1], [0, 2], [0, 3])
-    assert [m.pool.blocks[b].ref_cnt for b in range(4)] == [3, 1, 1, 1]
+    assert m.take_pending_copies() == [(B[1], B[2]), (B[1], B[3])]
+    assert m.block_ids("a") == B[:2]
+    assert m.block_ids("b") == [B[0], B[2]] and m.block_ids("c") == [B[0], B[3]]
+    assert refs(m, B[:4]) == [3, 1, 1, 1]
 
 
 def test_copy_on_write_append_spanning_blocks():
-    m = make(16, 4)
+    m, B = make(16, 4)
     admit(m, "a", [1, 2, 3, 4, 5, 6])
     m.fork("a", "b")
     assert m.allocate_slots("b", 6, 5)  # finishes the copied block and opens another
-    assert m.take_pending_copies() == [(1, 2)]
-    assert m.block_ids("b") == [0, 2, 3]
+    assert m.take_pending_copies() == [(B[1], B[2])]
+    assert m.block_ids("b") == [B[0], B[2], B[3]]
+
+
+def test_fork_of_single_partial_block_copies_it():
+    """The very first block handed out is an ordinary block: shared, it must be copied too."""
+    m, B = make(4, 2)
+    admit(m, "a", [1])
+    assert m.block_ids("a") == [B[0]]
+    m.fork("a", "b")
+    assert refs(m, [B[0]]) == [2]
+    assert m.allocate_slots("b", 1, 1)
+    assert m.take_pending_copies() == [(B[0], B[1])]
+    m.free("a")
+    m.free("b")
+    assert m.pool.num_free == len(B) and all(b.ref_cnt == 0 for b in m.pool.blocks)
 
 
 def test_fork_then_divergent_appends_read_back_own_tokens():
     """End to end with KVStorage: copies before writes, each sibling reads its own tokens."""
-    m, bs = make(8, 4), 4
-    store = KVStorage(2, 8, bs, 1, 1, torch.int64)
+    m, _ = make(8, 4)
+    bs = 4
+    store = KVStorage([KVGroup(KVSpec("full", 1, 1), [0, 1])], 8, bs, torch.int64)
     toks = {"a": [1, 2, 3, 4, 5, 6]}
 
-    def write(rid, start):
+    def slots(rid, start):
         table = m.block_ids(rid)
-        slots = torch.tensor([table[p // bs] * bs + p % bs for p in range(start, len(toks[rid]))])
+        return torch.tensor([table[p // bs] * bs + p % bs for p in range(start, len(toks[rid]))])
+
+    def write(rid, start):
         rows = torch.tensor(toks[rid][start:]).view(-1, 1, 1)
         for layer in range(2):
-            store.write(layer, slots, rows, -rows)
+            store.write(layer, slots(rid, start), rows, -rows)
 
     def read(rid):
-        table = m.block_ids(rid)
-        slots = torch.tensor([table[p // bs] * bs + p % bs for p in range(len(toks[rid]))])
-        k, v = store.read(1, slots)
-        assert (k == -v).all()
+        k, v = store.read(1, slots(rid, 0))
+        assert torch.equal(k, -v)
         return k.flatten().tolist()
 
     admit(m, "a", toks["a"])
@@ -394,7 +422,7 @@ def test_fork_then_divergent_appends_read_back_own_tokens():
 
 
 def test_fork_into_existing_request_raises_and_changes_nothing():
-    m = make(16, 4)
+    m, _ = make(16, 4)
     admit(m, "a", [1, 2, 3])
     admit(m, "b", [4, 5, 6])
     before = snapshot(m)
@@ -404,56 +432,96 @@ def test_fork_into_existing_request_raises_and_changes_nothing():
 
 
 def test_free_unknown_request_is_a_noop_and_double_free_is_caught_by_pool():
-    m = make(4, 2)
+    m, B = make(4, 2)
     before = snapshot(m)
     m.free("nobody")
     assert snapshot(m) == before
     with pytest.raises(RuntimeError, match="ref_cnt 0"):
-        m.pool.free([0])
+        m.pool.free([B[0]])
 
 
 def test_every_block_free_after_all_requests_end():
-    m = make(12, 2)
+    m, _ = make(12, 2)
     t = [1, 2, 3, 4, 5]
     admit(m, "a", t)
     m.fork("a", "b")
-    tb = append(m, "b", t, [6, 7])
+    assert append(m, "b", t, [6, 7]) == [1, 2, 3, 4, 5, 6, 7]
     m.take_pending_copies()
     admit(m, "c", [1, 2, 3, 4, 5, 6, 7, 8])
     append(m, "a", t, [9])
     for rid in ("a", "b", "c"):
         m.free(rid)
-    assert tb == [1, 2, 3, 4, 5, 6, 7]
     pool = m.pool
     assert m.reqs == {}
     assert all(b.ref_cnt == 0 for b in pool.blocks)
-    assert pool.num_free == pool.num_blocks and m.usage() == 0.0
+    assert pool.num_free == pool.num_usable and m.usage() == 0.0
     uncached = sum(1 for b in pool.free_queue if pool.blocks[b].block_hash is None)
-    assert uncached + pool.num_cached_free == pool.num_blocks
+    assert uncached + pool.num_cached_free == pool.num_usable
     assert pool.num_cached_free == pool.num_cached
 
 
+# ---- hybrid groups (full + sliding window) -------------------------------------------------
+def hybrid(num_blocks: int, block_size: int, window: int) -> KVCacheManager:
+    groups = [KVGroup(KVSpec("full", 1, 1), [0]), KVGroup(KVSpec("sliding", 1, 1, window=window), [1])]
+    return KVCacheManager(num_blocks, block_size, NS, groups=groups)
+
+
+def test_hybrid_hit_blocks_of_one_group_are_not_handed_to_another():
+    m = hybrid(9, 2, window=100)  # 8 usable blocks; the window never drops a block here
+    admit(m, "a", [1, 2, 3, 4])
+    admit(m, "c", [7, 8, 9, 10])
+    m.free("a")
+    m.free("c")
+    hits = admit(m, "b", [1, 2, 3, 4, 5, 6, 7])  # A's 2 blocks hit in both groups, 2 new in each
+    assert [len(h) for h in hits] == [2, 2]
+    full, sliding = m.block_ids("b", 0), m.block_ids("b", 1)
+    assert full[:2] == hits[0] and sliding[:2] == hits[1]
+    assert not set(full) & set(sliding), f"groups share blocks: {full} / {sliding}"
+    assert all(m.pool.blocks[b].ref_cnt == 1 for b in full + sliding)
+
+
+def test_hybrid_sliding_group_drops_blocks_out_of_window():
+    m = hybrid(16, 2, window=2)
+    null = m.pool.reserved - 1  # the reserved null block
+    assert null == 0 and 0 not in m.pool.free_queue
+    admit(m, "a", [1, 2, 3, 4, 5, 6, 7, 8])  # 4 blocks per group
+    sliding0 = list(m.block_ids("a", 1))
+    assert m.allocate_slots("a", 8, 1)
+    # a query at 8 sees positions 7 and 8: sliding blocks 0-2 (positions 0-5) are dropped
+    assert m.block_ids("a", 1)[:3] == [null] * 3 and m.block_ids("a", 1)[3] == sliding0[3]
+    assert all(m.pool.blocks[b].ref_cnt == 0 and b in m.pool.free_queue for b in sliding0[:3])
+    assert len(m.block_ids("a", 0)) == len(m.block_ids("a", 1)) == 5
+    m.free("a")
+    assert m.pool.num_free == m.pool.num_usable and m.pool.blocks[null].ref_cnt == 0
+
+
 # ---- storage -------------------------------------------------------------------------------
+def full_storage(num_layers, num_blocks, block_size, heads, head_dim, dtype) -> KVStorage:
+    return KVStorage([KVGroup(KVSpec("full", heads, head_dim), list(range(num_layers)))],
+                     num_blocks, block_size, dtype)
+
+
 def test_storage_write_read_roundtrip_at_slots():
     torch.manual_seed(0)
-    s = KVStorage(2, 4, 4, 2, 8, torch.float32)
+    s = full_storage(2, 4, 4, 2, 8, torch.float32)
     slots = torch.tensor([0, 5, 6, 15])
     k, v = torch.randn(4, 2, 8), torch.randn(4, 2, 8)  # [num_tokens, num_kv_heads, head_dim]
     s.write(1, slots, k, v)
     rk, rv = s.read(1, slots)
     assert torch.equal(rk, k) and torch.equal(rv, v)
-    assert torch.equal(s.k[1][1, 1], k[1]) and torch.equal(s.v[1][3, 3], v[3])  # slot = block*bs + offset
-    assert not s.k[0].any() and not s.v[0].any()  # other layer untouched
+    k1, v1 = s.slots[1]  # [num_blocks, block_size, heads, head_dim]; slot = block * bs + offset
+    assert torch.equal(k1[1, 1], k[1]) and torch.equal(v1[3, 3], v[3])
+    assert not any(t.any() for t in s.slots[0])  # other layer untouched
     mask = torch.ones(16, dtype=torch.bool)
     mask[slots] = False
-    assert not s.slots(1)[0][mask].any()  # other slots untouched
+    assert not k1.view(16, 2, 8)[mask].any() and not v1.view(16, 2, 8)[mask].any()
     rk2, _ = s.read(1, torch.tensor([[5, 6], [0, 15]]))
     assert rk2.shape == (2, 2, 2, 8)
     assert torch.equal(rk2[1, 1], k[3])
 
 
 def test_storage_write_converts_to_cache_dtype():
-    s = KVStorage(1, 2, 4, 1, 4, torch.float16)
+    s = full_storage(1, 2, 4, 1, 4, torch.float16)
     k = torch.randn(3, 1, 4)
     s.write(0, torch.tensor([1, 2, 7]), k, k * 2)
     rk, rv = s.read(0, torch.tensor([1, 2, 7]))
@@ -462,22 +530,33 @@ def test_storage_write_converts_to_cache_dtype():
 
 
 def test_storage_copy_blocks_copies_every_layer_k_and_v():
-    s = KVStorage(3, 4, 2, 1, 2, torch.float32)
-    for i, t in enumerate(s.k + s.v):
+    s = full_storage(3, 4, 2, 1, 2, torch.float32)
+    tensors = [t for slot in s.slots for t in slot]
+    assert len(tensors) == 6
+    for i, t in enumerate(tensors):
         t.copy_(torch.arange(16, dtype=torch.float32).view(4, 2, 1, 2) + 100 * i)
-    orig = [t.clone() for t in s.k + s.v]
+    orig = [t.clone() for t in tensors]
     s.copy_blocks([(0, 2), (1, 3)])
-    for t, o in zip(s.k + s.v, orig):
+    for t, o in zip(tensors, orig):
         assert torch.equal(t[2], o[0]) and torch.equal(t[3], o[1])
         assert torch.equal(t[:2], o[:2])  # sources unchanged
     s.copy_blocks([])  # no-op
-    for t, o in zip(s.k + s.v, orig):
+    for t, o in zip(tensors, orig):
         assert torch.equal(t[2], o[0])
 
 
 @pytest.mark.parametrize("dtype, itemsize", [(torch.float32, 4), (torch.float16, 2), (torch.int8, 1)])
 def test_storage_nbytes_equals_tensor_bytes(dtype, itemsize):
-    s = KVStorage(2, 4, 4, 2, 8, dtype)
+    s = full_storage(2, 4, 4, 2, 8, dtype)
     # 2 layers x (K, V) x 4 blocks x 4 slots x 2 heads x 8 dims x itemsize
     assert s.nbytes == 2 * 2 * 4 * 4 * 2 * 8 * itemsize
-    assert s.nbytes == sum(t.untyped_storage().nbytes() for t in s.k + s.v)
+    assert s.nbytes == sum(t.untyped_storage().nbytes() for slot in s.slots for t in slot)
+
+
+def test_storage_nbytes_mla_and_hybrid_groups():
+    mla = KVStorage([KVGroup(KVSpec("mla", latent_dim=6, rope_dim=2), [0, 1, 2])], 4, 4, torch.float16)
+    assert mla.nbytes == 3 * 4 * 4 * (6 + 2) * 2  # one latent (+ rope key) per token, no V
+    groups = [KVGroup(KVSpec("full", 2, 8), [0, 2]), KVGroup(KVSpec("sliding", 2, 8, window=4), [1, 3])]
+    hyb = KVStorage(groups, 4, 4, torch.float32)
+    assert hyb.nbytes == 2 * 2 * 4 * 4 * 2 * 8 * 4  # 4 layers in 2 groups share 2 storage slots
+    assert hyb.nbytes == sum(t.untyped_storage().nbytes() for slot in hyb.slots for t in slot)
