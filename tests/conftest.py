@@ -2,8 +2,14 @@
 
 import os
 
-import pytest
-import torch
+# One OpenMP thread per process: the suite runs engines, servers and references side by side on
+# two cores, and oversubscribed OpenMP threads slow small matmuls down by orders of magnitude.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 
 @pytest.fixture(scope="session")
@@ -47,3 +53,74 @@ def llm_nocache():
     from kvserve import LLM
 
     return LLM(kv_cache_mode="none", max_model_len=2048)
+
+
+class RedisServer:
+    """A private redis-server on a free loopback port, no persistence, in a temporary directory."""
+
+    def __init__(self, workdir, *extra: str, port: int | None = None):
+        import shutil
+        import socket
+        import subprocess
+
+        exe = shutil.which("redis-server")
+        if exe is None:
+            pytest.fail("redis-server is not installed: `make install` installs it "
+                        "(apt-get install -y redis-server)")
+        if port is None:
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                port = s.getsockname()[1]
+        self.port = port
+        self.url = f"redis://127.0.0.1:{port}/0"
+        self.proc = subprocess.Popen(
+            [exe, "--bind", "127.0.0.1", "--port", str(port), "--dir", str(workdir), "--save", "",
+             "--appendonly", "no", "--protected-mode", "no", *extra],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        self._wait_ready()
+
+    def _wait_ready(self, timeout: float = 10.0) -> None:
+        import time
+
+        import redis
+
+        client = redis.Redis(host="127.0.0.1", port=self.port, socket_connect_timeout=0.2)
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                client.ping()
+                return
+            except redis.ConnectionError:
+                if self.proc.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"redis-server on port {self.port} did not start")
+                time.sleep(0.05)
+            finally:
+                client.close()
+
+    def stop(self) -> None:
+        """Terminate the server (abruptly: SIGKILL, as a crash would) and wait for it."""
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(timeout=10)
+
+
+@pytest.fixture
+def redis_server(tmp_path):
+    """A private redis-server for one test (stopped afterwards); `.url`, `.port`, `.stop()`."""
+    server = RedisServer(tmp_path)
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def make_redis(tmp_path):
+    """Factory for private redis-servers: make_redis(*args, port=None); all stopped afterwards."""
+    servers = []
+
+    def make(*extra: str, port: int | None = None) -> RedisServer:
+        servers.append(RedisServer(tmp_path, *extra, port=port))
+        return servers[-1]
+
+    yield make
+    for s in servers:
+        s.stop()
