@@ -19,6 +19,7 @@ from torch import nn
 from kvserve.kv.spec import KVSpec
 from kvserve.kv.storage import KVStorage
 from kvserve.model.attention import AttentionMetadata, contexts
+from kvserve.model.base import CausalLM
 from kvserve.model.config import ModelConfig
 from kvserve.model.layers import GatedMLP, RMSNorm
 
@@ -318,35 +319,11 @@ class DeepseekModel(nn.Module):
         return self.norm(x)
 
 
-class DeepseekForCausalLM(nn.Module):
+class DeepseekForCausalLM(CausalLM):
     """DeepSeek-V2/V3 decoder + LM head; one MLA latent entry per token and layer in the cache."""
 
     def __init__(self, cfg: ModelConfig):
-        super().__init__()
         if cfg.mla is None:
             raise ValueError(f"{cfg.architecture} needs MLA dims (kv_lora_rank, qk_rope_head_dim, ...) "
                              "in its config")
-        self.config = cfg
-        self.model = DeepseekModel(cfg)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        if cfg.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, storage: KVStorage | None,
-                meta: AttentionMetadata) -> torch.Tensor:
-        """Hidden states [num_tokens, hidden] after the final norm."""
-        return self.model(input_ids, positions, storage, meta)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Logits [rows, vocab] in float32."""
-        return self.lm_head(hidden).float()
-
-    def kv_specs(self) -> list[KVSpec]:
-        """The MLA latent spec (kv_lora_rank + qk_rope_head_dim) for every layer."""
-        return [layer.self_attn.spec for layer in self.model.layers]
-
-    @property
-    def kv_rows(self) -> int:
-        """Token rows whose latent was projected, per layer."""
-        layers = self.model.layers
-        return sum(layer.self_attn.kv_rows for layer in layers) // len(layers)
+        super().__init__(cfg, DeepseekModel(cfg))

@@ -7,6 +7,7 @@ from torch import nn
 
 from kvserve.kv.spec import KVSpec
 from kvserve.model.attention import attend
+from kvserve.model.base import CausalLM
 from kvserve.model.config import ModelConfig
 from kvserve.model.layers import RotaryEmbedding
 
@@ -112,35 +113,8 @@ class Gemma3Model(nn.Module):
         return self.norm(x)
 
 
-class Gemma3ForCausalLM(nn.Module):
+class Gemma3ForCausalLM(CausalLM):
     """Gemma 3 text model with tied LM head and optional final logit soft-capping."""
 
     def __init__(self, cfg: ModelConfig):
-        super().__init__()
-        self.config = cfg
-        self.model = Gemma3Model(cfg)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        if cfg.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
-        self.softcap = getattr(cfg, "final_logit_softcapping", None)
-
-    def forward(self, input_ids, positions, storage, meta):
-        """Hidden states [num_tokens, hidden] after the final norm."""
-        return self.model(input_ids, positions, storage, meta)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Logits [rows, vocab] in float32."""
-        logits = self.lm_head(hidden).float()
-        if self.softcap:
-            logits = torch.tanh(logits / self.softcap) * self.softcap
-        return logits
-
-    def kv_specs(self) -> list[KVSpec]:
-        """Sliding-window specs for local layers, full for global ones."""
-        return [layer.self_attn.spec for layer in self.model.layers]
-
-    @property
-    def kv_rows(self) -> int:
-        """Token rows whose K/V were projected, per layer."""
-        layers = self.model.layers
-        return sum(layer.self_attn.kv_rows for layer in layers) // len(layers)
+        super().__init__(cfg, Gemma3Model(cfg))

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import torch
 from torch import nn
 
 from kvserve.kv.spec import KVSpec
 from kvserve.kv.storage import KVStorage
 from kvserve.model.attention import AttentionMetadata, attend
+from kvserve.model.base import CausalLM
 from kvserve.model.config import ModelConfig
 from kvserve.model.layers import GatedMLP, RMSNorm, RotaryEmbedding
 
@@ -87,32 +87,8 @@ class LlamaModel(nn.Module):
         return self.norm(x)
 
 
-class LlamaForCausalLM(nn.Module):
+class LlamaForCausalLM(CausalLM):
     """Decoder + LM head; logits only for the rows asked for."""
 
     def __init__(self, cfg: ModelConfig):
-        super().__init__()
-        self.config = cfg
-        self.model = LlamaModel(cfg)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        if cfg.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, storage: KVStorage | None,
-                meta: AttentionMetadata) -> torch.Tensor:
-        """Hidden states [num_tokens, hidden] after the final norm."""
-        return self.model(input_ids, positions, storage, meta)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Logits [rows, vocab] in float32."""
-        return self.lm_head(hidden).float()
-
-    def kv_specs(self) -> list[KVSpec]:
-        """What each layer stores in the KV cache per token."""
-        return [layer.self_attn.spec for layer in self.model.layers]
-
-    @property
-    def kv_rows(self) -> int:
-        """Token rows whose K/V were projected, per layer (summed over layers / num_layers)."""
-        layers = self.model.layers
-        return sum(layer.self_attn.kv_rows for layer in layers) // len(layers)
+        super().__init__(cfg, LlamaModel(cfg))
