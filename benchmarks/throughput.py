@@ -16,6 +16,7 @@ import math
 import os
 import pstats
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -80,7 +81,7 @@ class LayoutResult:
     output_tokens: int
     prompt_tokens: int
     peak_blocks: int             # most blocks held at once
-    peak_live_tokens: int        # tokens in the KV cache at that moment
+    peak_live_tokens: int        # most tokens in the KV cache while that many blocks were held
     peak_running: int            # most requests running at once
     num_preemptions: int
     seq_tokens: list[int]        # prompt + output tokens per request
@@ -307,9 +308,11 @@ def run_layout(prompts: list[list[int]], output_len: int, mode: str, args) -> La
         m = llm.get_metrics()
         running = engine.scheduler.running
         peak_running = max(peak_running, len(running))
+        live = sum(r.num_computed_tokens for r in running)
         if m["num_blocks_used"] > peak_blocks:
-            peak_blocks = m["num_blocks_used"]
-            peak_live = sum(r.num_computed_tokens for r in running)
+            peak_blocks, peak_live = m["num_blocks_used"], live
+        elif m["num_blocks_used"] == peak_blocks:
+            peak_live = max(peak_live, live)
     wall = time.perf_counter() - start
     bar.close()
     return LayoutResult(mode, m["kv_cache_bytes"], m["block_size"], m["num_blocks_total"], llm.kv_bytes_per_token,
@@ -327,7 +330,9 @@ PROFILE_ROWS = [
     ("attention: KV gather (storage.read)", "gather"),
     ("attention: SDPA", "sdpa"),
     ("attention: KV write (index_copy_)", "kv_write"),
-    ("other model ops (norms, RoPE, SiLU, adds)", "model_rest"),
+    ("RMSNorm", "rmsnorm"),
+    ("RoPE", "rope"),
+    ("other model ops (SiLU, residual adds, copies, embedding)", "model_rest"),
     ("model_runner.prepare (slots, block tables, masks)", "prepare"),
     ("sampler", "sampler"),
     ("scheduler.schedule", "schedule"),
@@ -357,19 +362,25 @@ def _tottime_from(stats: dict, callee_pred, caller_pred=None) -> float:
     return total
 
 
-def profile_breakdown(prof: cProfile.Profile) -> tuple[float, dict[str, float]]:
-    """Seconds per category of one profiled generate() call."""
+def _method_cum(stats: dict, method) -> float:
+    code = method.__code__
+    return sum(v[3] for k, v in stats.items()
+               if k[0] == code.co_filename and k[1] == code.co_firstlineno and k[2] == code.co_name)
+
+
+def profile_breakdown(prof: cProfile.Profile | str) -> tuple[float, dict[str, float]]:
+    """Seconds per category of one profiled generate() call (a Profile or a saved stats file)."""
+    from kvserve.model.layers import RMSNorm, RotaryEmbedding
     st = pstats.Stats(prof).stats
     total = _cum(st, "kvserve/llm.py", "generate")
     forward = _cum(st, "kvserve/engine/model_runner.py", "execute") - _cum(st, "kvserve/engine/model_runner.py", "prepare")
-    linear_all = _tottime_from(st, lambda k: "linear" in k[2] and k[0] == "~")
-    lm_head = _tottime_from(st, lambda k: "linear" in k[2] and k[0] == "~",
-                            lambda c: c[2] == "compute_logits" or "compute_logits" in c[2])
+    linear_all = _tottime_from(st, lambda k: k[0] == "~" and "_nn.linear" in k[2])
+    lm_head = _cum(st, "kvserve/model/", "compute_logits")
     parts = {
-        "linear_body": linear_all - lm_head,
+        "linear_body": max(0.0, linear_all - lm_head),
         "lm_head": lm_head,
-        "gather": _tottime_from(st, lambda k: k[0] == "~" and "__getitem__" in k[2],
-                                lambda c: c[2] == "read" and "kv/storage.py" in c[0]),
+        # tensor indexing is a slot wrapper cProfile does not see: read()'s own time is the gather
+        "gather": sum(st[k][2] for k in _find(st, "kvserve/kv/storage.py", "read")),
         "sdpa": _tottime_from(st, lambda k: "scaled_dot_product_attention" in k[2]),
         "kv_write": _tottime_from(st, lambda k: "index_copy_" in k[2]),
         "prepare": _cum(st, "kvserve/engine/model_runner.py", "prepare"),
@@ -377,8 +388,11 @@ def profile_breakdown(prof: cProfile.Profile) -> tuple[float, dict[str, float]]:
         "schedule": _cum(st, "kvserve/engine/scheduler.py", "schedule"),
         "cache_blocks": _cum(st, "kvserve/kv/manager.py", "cache_blocks"),
         "append": _cum(st, "kvserve/engine/engine.py", "_append"),
+        "rmsnorm": _method_cum(st, RMSNorm.forward),
+        "rope": _method_cum(st, RotaryEmbedding.forward),
     }
-    parts["model_rest"] = max(0.0, forward - sum(parts[k] for k in ("linear_body", "lm_head", "gather", "sdpa", "kv_write")))
+    model_keys = ("linear_body", "lm_head", "gather", "sdpa", "kv_write", "rmsnorm", "rope")
+    parts["model_rest"] = max(0.0, forward - sum(parts[k] for k in model_keys))
     parts["rest"] = max(0.0, total - sum(parts.values()))
     return total, parts
 
@@ -394,6 +408,7 @@ def run_profile(prompts: list[list[int]], output_len: int, llm: LLM, path: Path 
     wall = time.perf_counter() - start
     if path is not None:
         prof.dump_stats(str(path))
+        print(f"cProfile stats written to {path} (python -m pstats {path})")
     total, parts = profile_breakdown(prof)
     return total, parts, wall
 
@@ -535,7 +550,7 @@ def main(argv=None) -> None:
         eos_ids = list(eos_ids) if eos_ids is not None else []
         pad_id = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else 0
         if args.profile:
-            profile = run_profile(prompts, args.output_len, tok_llm, HERE / "throughput.prof")
+            profile = run_profile(prompts, args.output_len, tok_llm, Path(tempfile.gettempdir()) / "kvserve_throughput.prof")
         del tok_llm
         if not args.skip_transformers:
             results.append(run_transformers(prompts, args.output_len, gguf, pad_id, args))

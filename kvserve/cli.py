@@ -20,6 +20,46 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--seed", type=int, default=0)
+    _kv_format_args(p)
+    _offload_args(p)
+    p.add_argument("--kv-policy", default=None, metavar="POLICY",
+                   help="KV eviction for every request (docs/EVICTION.md): window:W, sinks:S,W, h2o:HEAVY,RECENT, "
+                        "snapkv:BUDGET[,WINDOW,KERNEL] (budgets in tokens or a ratio of the prompt), or full")
+
+
+def _offload_args(p: argparse.ArgumentParser) -> None:
+    """Swap and KV tier options (docs/TIERS.md)."""
+    g = p.add_argument_group("swap and KV tiers")
+    g.add_argument("--swap-space", type=float, default=0.0, help="GiB of host memory for swapped-out requests")
+    g.add_argument("--preemption-mode", default="auto", choices=["recompute", "swap", "auto"],
+                   help="how a preempted request gives back its blocks (auto: the cheaper, needs --swap-space)")
+    g.add_argument("--kv-tier", action="append", default=None, dest="kv_tiers", metavar="TIER",
+                   help="prefix store below the device, in lookup order (repeatable): cpu:4GiB, "
+                        "disk:/path:20GiB, redis://127.0.0.1:6379/0")
+
+
+def _kv_format_args(p: argparse.ArgumentParser) -> None:
+    """KV cache storage format options (kvserve/kv/formats.py, docs/QUANTIZATION.md)."""
+    g = p.add_argument_group("KV cache format")
+    g.add_argument("--kv-cache-dtype", default="auto",
+                   help="auto, float16, bfloat16, float32, fp8_e4m3, fp8_e5m2, int8, kivi4, kivi2 "
+                        "(kivi needs --block-size 32)")
+    g.add_argument("--kv-cache-dtype-k", default=None, help="keys in another format than --kv-cache-dtype")
+    g.add_argument("--kv-cache-dtype-v", default=None, help="values in another format than --kv-cache-dtype")
+    g.add_argument("--kv-cache-dtype-skip-layers", default="", help="layers kept in full precision, e.g. 0,29")
+    g.add_argument("--kv-cache-rotation", action="store_true", help="Hadamard rotation before quantizing")
+    g.add_argument("--kv-cache-head-precision", type=float, default=None,
+                   help="share of KV heads (the most sensitive, from a calibration run) kept in "
+                        "--kv-cache-head-precision-dtype")
+    g.add_argument("--kv-cache-head-precision-dtype", default="int8")
+
+
+def kv_format_kwargs(args) -> dict:
+    """LLM(...) keyword arguments from parsed KV format options."""
+    return dict(kv_cache_dtype=args.kv_cache_dtype, kv_cache_dtype_k=args.kv_cache_dtype_k,
+                kv_cache_dtype_v=args.kv_cache_dtype_v, kv_cache_dtype_skip_layers=args.kv_cache_dtype_skip_layers,
+                kv_cache_rotation=args.kv_cache_rotation, kv_cache_head_precision=args.kv_cache_head_precision,
+                kv_cache_head_precision_dtype=args.kv_cache_head_precision_dtype)
 
 
 def _sampling_args(p: argparse.ArgumentParser) -> None:
@@ -41,7 +81,9 @@ def make_llm(args):
                gpu_memory_utilization=args.gpu_memory_utilization,
                enable_prefix_caching=not args.no_prefix_caching, max_num_seqs=args.max_num_seqs,
                max_num_batched_tokens=args.max_num_batched_tokens, seed=args.seed,
-               kv_cache_mode=args.kv_cache_mode)
+               kv_cache_mode=args.kv_cache_mode, swap_space=args.swap_space,
+               preemption_mode=args.preemption_mode, kv_tiers=args.kv_tiers, kv_policy=args.kv_policy,
+               **kv_format_kwargs(args))
 
 
 def make_params(args):
@@ -123,6 +165,8 @@ def _register_tools(sub) -> None:
         return
     plan.register(sub)
     analyze.register(sub)
+    from kvserve.tools import evaluate
+    evaluate.register(sub)
 
 
 def main(argv: list[str] | None = None) -> int:

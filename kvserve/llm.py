@@ -20,13 +20,23 @@ class LLM:
                  max_model_len: int | None = None, block_size: int = 16,
                  kv_cache_memory: int | str | None = None, gpu_memory_utilization: float | None = None,
                  enable_prefix_caching: bool = True, max_num_seqs: int = 256,
-                 max_num_batched_tokens: int = 2048, seed: int | None = 0, kv_cache_mode: str = "paged"):
+                 max_num_batched_tokens: int = 2048, seed: int | None = 0, kv_cache_mode: str = "paged",
+                 swap_space: float = 0.0, preemption_mode: str = "auto", kv_tiers: list[str] | None = None,
+                 kv_cache_dtype: str = "auto", kv_cache_dtype_k: str | None = None,
+                 kv_cache_dtype_v: str | None = None, kv_cache_dtype_skip_layers=(),
+                 kv_cache_rotation: bool = False, kv_cache_head_precision: float | None = None,
+                 kv_cache_head_precision_dtype: str = "int8", kv_policy: str | None = None):
         config = EngineConfig(model=model, dtype=dtype, device=device, max_model_len=max_model_len,
                               block_size=block_size, kv_cache_memory=kv_cache_memory,
                               gpu_memory_utilization=gpu_memory_utilization,
                               enable_prefix_caching=enable_prefix_caching, max_num_seqs=max_num_seqs,
                               max_num_batched_tokens=max_num_batched_tokens, seed=seed,
-                              kv_cache_mode=kv_cache_mode)
+                              kv_cache_mode=kv_cache_mode, swap_space=swap_space,
+                              preemption_mode=preemption_mode, kv_tiers=kv_tiers,
+                              kv_cache_dtype=kv_cache_dtype, kv_cache_dtype_k=kv_cache_dtype_k,
+                              kv_cache_dtype_v=kv_cache_dtype_v, kv_cache_dtype_skip_layers=kv_cache_dtype_skip_layers,
+                              kv_cache_rotation=kv_cache_rotation, kv_cache_head_precision=kv_cache_head_precision,
+                              kv_cache_head_precision_dtype=kv_cache_head_precision_dtype, kv_policy=kv_policy)
         self.engine = LLMEngine(config)
 
     @property
@@ -72,9 +82,9 @@ class LLM:
         """Blocks, KV usage, prefix-cache queries/hits, preemptions, tokens, TTFT/TPOT."""
         return self.engine.get_metrics()
 
-    def reset_prefix_cache(self) -> int:
-        """Forget cached blocks that no request holds."""
-        return self.engine.reset_prefix_cache()
+    def reset_prefix_cache(self, offload: bool = False) -> int:
+        """Forget cached blocks that no request holds (`offload=True`: write them to the KV tiers first)."""
+        return self.engine.reset_prefix_cache(offload)
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         done: dict[str, RequestOutput] = {}

@@ -55,6 +55,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    kv_policy: str | None = None   # KV eviction for this request (kv/policies.py); None = the engine's
 
     def __post_init__(self) -> None:
         self.stop = _normalise_stop(self.stop)
@@ -63,6 +64,9 @@ class SamplingParams:
         self._validate_lengths()
         self._validate_penalties()
         self._validate_logprobs()
+        if self.kv_policy is not None:
+            from kvserve.kv.policies import parse_policy
+            parse_policy(self.kv_policy)
 
     def _validate_sampling(self) -> None:
         _check_int("n", self.n, 1)

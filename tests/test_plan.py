@@ -96,11 +96,12 @@ def test_kivi_rates_and_residual():
     # kivi4: 0.5 B + 4 B (fp16 scale + zero) / 32 = 0.625 B/element; kivi2: 0.25 + 0.125 = 0.375
     assert preset_plan("Llama-3-8B", kv_dtype="kivi4").kv_bytes_per_token == 65536 * 5 // 8 == 40960
     assert preset_plan("Llama-3-8B", kv_dtype="kivi2").kv_bytes_per_token == 65536 * 3 // 8 == 24576
-    # 1000 tokens: the last 128 stay fp16 (65,536 elements * 2 B), 872 are quantized
+    # 1000 tokens: the still-filling block (32 tokens, the engine's residual row) stays fp16
+    # (65,536 elements * 2 B), 968 are quantized
     p = preset_plan("Llama-3-8B", kv_dtype="kivi4", context=1000)
-    assert p.kv_bytes_per_sequence == 872 * 40960 + 128 * 131072 == 52494336
-    # under 128 tokens nothing is quantized yet
-    assert preset_plan("Llama-3-8B", kv_dtype="kivi2", context=100).kv_bytes_per_sequence == 100 * 131072
+    assert p.kv_bytes_per_sequence == 968 * 40960 + 32 * 131072 == 43843584
+    # under 32 tokens nothing is quantized yet
+    assert preset_plan("Llama-3-8B", kv_dtype="kivi2", context=20).kv_bytes_per_sequence == 20 * 131072
 
 
 def test_fp32_smollm2_and_kv_format_names():

@@ -85,7 +85,7 @@ def _fork(engine, parent: Request, token: int, logprob: float) -> Request:
                     prompt=parent.prompt, group_id=parent.group_id)
     child.token_ids = parent.token_ids + [token]
     child.cumulative_logprob = parent.cumulative_logprob + logprob
-    if engine.kv is not None and parent.num_computed_tokens == 0:  # parent was preempted: recompute
+    if engine.kv is not None and parent.status != RequestStatus.RUNNING:  # parent was preempted: recompute
         child.status = RequestStatus.PREEMPTED
         engine.scheduler.waiting.append(child)
         return child

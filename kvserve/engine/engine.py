@@ -11,14 +11,18 @@ import torch
 
 from kvserve.config import EngineConfig
 from kvserve.engine.detokenizer import IncrementalDetokenizer, find_stop
+from kvserve.engine.eviction import Evictor, extend_positions, request_policy
 from kvserve.engine.memory import PoolPlan, check_fits, gib, measure_activation_peak, plan_pool
 from kvserve.engine.metrics import EngineStats
 from kvserve.engine.model_runner import ModelRunner
+from kvserve.engine.offload import build_swap, build_tiers, offload_metrics
 from kvserve.engine.request import Request, RequestStatus
 from kvserve.engine.sampler import Sampler, SamplingInput, prompt_logprobs
 from kvserve.engine.scheduler import Scheduler
+from kvserve.kv.formats import KVCacheFormat, build_kv_format, split_budget
 from kvserve.kv.hashing import namespace_hash
 from kvserve.kv.manager import KVCacheManager
+from kvserve.kv.policies import parse_policy
 from kvserve.kv.spec import group_layers
 from kvserve.kv.storage import KVStorage
 from kvserve.model.loader import load_weights, resolve_model_path
@@ -48,6 +52,7 @@ class LLMEngine:
         self.model = self._build_model(weights)
         self.load_seconds = time.perf_counter() - t0
         self.max_model_len = self._max_model_len()
+        extend_positions(self.model, self.max_model_len)
         self.stats = EngineStats()
         self.sampler = Sampler(self._eos_ids(), self.model_config.vocab_size, config.seed)
         self._init_cache()
@@ -67,8 +72,10 @@ class LLMEngine:
     def _max_model_len(self) -> int:
         limit = self.model_config.max_position_embeddings
         n = self.config.max_model_len or limit
-        if n > limit:
+        if n > limit and not self.config.kv_policy:
             raise ValueError(f"max_model_len={n} exceeds the model's context length {limit}")
+        if n > limit:  # a kv_policy stream may run past it (sinks/window re-index positions: docs/EVICTION.md)
+            log.warning("max_model_len=%d exceeds the model's context length %d (allowed with kv_policy)", n, limit)
         return n
 
     def _eos_ids(self) -> list[int]:
@@ -80,12 +87,12 @@ class LLMEngine:
 
     def _init_cache(self) -> None:
         cfg = self.config
-        elem = torch.tensor([], dtype=self.dtype).element_size()
-        specs = self.model.kv_specs()
-        self.kv_groups = group_layers(specs)
-        self.kv_bytes_per_token = sum(s.bytes_per_token(elem) for s in specs)
-        group = self.kv_groups[0]  # every group holds the same number of same-shaped layers
-        self.page_bytes_per_token = len(group.layers) * group.spec.bytes_per_token(elem)
+        self.kv_policy = parse_policy(cfg.kv_policy) if cfg.kv_policy else None  # engine-wide default
+        self.kv_groups = group_layers(self.model.kv_specs(), size=1 if self.kv_policy is not None else None)
+        self.kv_format = self._kv_format()      # kv/formats.py: how K/V are stored, what a token costs
+        self.kv_bytes_per_token = self.kv_format.bytes_per_token
+        self.page_bytes_per_token = self.kv_format.page_bytes_per_token
+        self.kv_residual_rows = 0
         self.kv, self.storage, self.pool_plan = None, None, None
         if cfg.kv_cache_mode != "none":
             self.pool_plan = self._plan_pool()
@@ -94,10 +101,18 @@ class LLMEngine:
                 enable_prefix_caching=cfg.enable_prefix_caching and cfg.kv_cache_mode == "paged",
                 groups=self.kv_groups)
             self.storage = KVStorage(self.kv_groups, self.pool_plan.num_blocks, self.pool_plan.block_size,
-                                     self.dtype, self.device)
+                                     self.dtype, self.device, self.kv_format, self.kv_residual_rows)
+            self.storage.block_is_free = lambda b: self.kv.pool.blocks[b].ref_cnt == 0
         self.runner = ModelRunner(self.model, self.kv, self.storage, self.device)
+        self.evictor = None  # engine/eviction.py: per-layer KV eviction (needs one layer per group)
+        if self.kv_policy is not None and self.kv is not None:
+            self.evictor = Evictor(self.kv, self.storage, self.model, self.kv_groups)
+            self.evictor.check(self.kv_policy)
+            self.runner.evictor = self.evictor
+        self.swap = build_swap(cfg, self.storage, self.kv)   # host swap pool (swap_space GiB)
+        self.tiers = build_tiers(self)                        # prefix store below the device (kv_tiers)
         max_batch = cfg.max_num_batched_tokens if self.kv is not None else self.max_model_len
-        self.scheduler = Scheduler(self.kv, cfg.max_num_seqs, max_batch)
+        self.scheduler = Scheduler(self.kv, cfg.max_num_seqs, max_batch, self.swap, cfg.preemption_mode)
         self._log_pool()
 
     def _plan_pool(self) -> PoolPlan:
@@ -110,14 +125,38 @@ class LLMEngine:
             activation = measure_activation_peak(self.device, self._warmup)
         plan = plan_pool(cfg.kv_cache_memory, cfg.gpu_memory_utilization, self.device,
                          weight_bytes, activation, block_size, self.page_bytes_per_token)
+        if self.kv_format.has_residual:  # KIVI: full-precision rows for still-filling blocks, from the budget
+            plan.num_blocks, self.kv_residual_rows = split_budget(
+                max(0, plan.budget_bytes), block_size, self.page_bytes_per_token,
+                self.kv_format.residual_bytes_per_token, cfg.max_num_seqs * len(self.kv_groups))
         check_fits(plan, self._blocks_per_sequence(block_size), self.max_model_len)
         return plan
+
+    def _kv_format(self) -> KVCacheFormat:
+        """The KV storage format from the config (calibrating per-head precision if asked)."""
+        cfg = self.config
+        block_size = self.max_model_len if cfg.kv_cache_mode == "contiguous" else cfg.block_size
+        high = None
+        if cfg.kv_cache_head_precision and cfg.kv_cache_mode != "none":
+            from kvserve.engine.kv_calibration import choose_high_precision_heads
+            high = choose_high_precision_heads(self, self.kv_groups, cfg)
+        return build_kv_format(self.kv_groups, self.dtype, block_size, cfg.kv_cache_dtype, cfg.kv_cache_dtype_k,
+                               cfg.kv_cache_dtype_v, cfg.kv_cache_dtype_skip_layers, cfg.kv_cache_rotation,
+                               high, cfg.kv_cache_head_precision_dtype)
+
+    def _kv_len_bound(self) -> int:
+        """Most tokens one layer holds for one sequence: max_model_len, or less under a bounding kv_policy."""
+        p = self.kv_policy
+        if p is None or not p.evicts or not p.is_resolved:
+            return self.max_model_len
+        n = self.max_model_len
+        return min(n, p.cache_bound(n, n, self.config.max_num_batched_tokens))
 
     def _blocks_per_sequence(self, block_size: int) -> int:
         """Blocks one max_model_len sequence holds at most, over all KV groups."""
         total = 0
         for g in self.kv_groups:
-            n = -(-self.max_model_len // block_size)
+            n = -(-self._kv_len_bound() // block_size)
             if g.spec.kind == "sliding":
                 n = min(n, -(-g.spec.window // block_size) + 1)
             total += n
@@ -138,7 +177,7 @@ class LLMEngine:
     def _namespace(self) -> bytes:
         mc = self.model_config
         return namespace_hash(mc.name, mc.architecture, self.dtype, self.config.block_size,
-                              mc.num_layers, mc.num_kv_heads, mc.head_dim)
+                              mc.num_layers, mc.num_kv_heads, mc.head_dim, self.kv_format.description)
 
     def _log_pool(self) -> None:
         if self.pool_plan is None:
@@ -146,10 +185,15 @@ class LLMEngine:
             return
         p = self.pool_plan
         per_seq = self._blocks_per_sequence(p.block_size)
-        log.info("KV cache (%s): %d blocks x %d tokens = %d tokens (%s, %d B/token, %d KV group(s)) from %s; "
-                 "max concurrency at max_model_len=%d: %.1fx", self.config.kv_cache_mode, p.num_blocks,
-                 p.block_size, p.num_tokens // len(self.kv_groups), gib(p.nbytes), self.kv_bytes_per_token,
-                 len(self.kv_groups), p.source, self.max_model_len, p.num_blocks / per_seq)
+        log.info("KV cache (%s): %d blocks x %d tokens = %d tokens (%s, format %s, %d B/token, %d KV group(s)) "
+                 "from %s; max concurrency at max_model_len=%d: %.1fx", self.config.kv_cache_mode, p.num_blocks,
+                 p.block_size, p.num_tokens // len(self.kv_groups), gib(p.nbytes), self.kv_format.description,
+                 self.kv_bytes_per_token, len(self.kv_groups), p.source, self.max_model_len, p.num_blocks / per_seq)
+        if self.kv_residual_rows:
+            log.info("KV cache residual: %d full-precision rows of %d tokens for still-filling blocks (%s)",
+                     self.kv_residual_rows, p.block_size, gib(self.storage.residual_nbytes))
+        for note in self.kv_format.notes:
+            log.info("KV cache format: %s", note)
 
     # ---- requests ------------------------------------------------------------------
     def make_request(self, prompt: PromptType, params: SamplingParams | None = None,
@@ -162,11 +206,12 @@ class LLMEngine:
         bad = [t for t in ids if not 0 <= t < self.model_config.vocab_size]
         if bad:
             raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {self.model_config.vocab_size})")
-        params = self._fit_max_tokens(params, len(ids))
+        policy = request_policy(getattr(self, "evictor", None), self.kv_policy, params, len(ids))
+        params = self._fit_max_tokens(params, len(ids), policy)
         rid = request_id or str(next(self._ids))
         if rid in self.groups:
             raise ValueError(f"request_id {rid!r} is already in use")
-        return Request(rid, ids, params, prompt=text, generator=self._generator(params.seed))
+        return Request(rid, ids, params, prompt=text, generator=self._generator(params.seed), kv_policy=policy)
 
     def add_request(self, prompt: PromptType, params: SamplingParams | None = None,
                     request_id: str | None = None) -> str:
@@ -175,6 +220,8 @@ class LLMEngine:
         self.groups[req.request_id] = [req]
         self.detoks[req.request_id] = IncrementalDetokenizer(self.tokenizer, req.params.skip_special_tokens)
         self.stats.prompt_tokens += req.num_prompt_tokens
+        if req.kv_policy is not None:
+            self.evictor.add(req, req.kv_policy)
         self.scheduler.add(req)
         return req.request_id
 
@@ -203,7 +250,7 @@ class LLMEngine:
             return None, list(prompt)
         raise ValueError(f"a prompt must be a string, a list of token ids or a dict, got {type(prompt).__name__}")
 
-    def _fit_max_tokens(self, params: SamplingParams, prompt_len: int) -> SamplingParams:
+    def _fit_max_tokens(self, params: SamplingParams, prompt_len: int, policy=None) -> SamplingParams:
         room = self.max_model_len - prompt_len
         if room < 1:
             raise ValueError(f"prompt has {prompt_len} tokens but max_model_len is {self.max_model_len}: "
@@ -214,7 +261,10 @@ class LLMEngine:
             raise ValueError(f"prompt ({prompt_len} tokens) + max_tokens ({params.max_tokens}) exceeds "
                              f"max_model_len={self.max_model_len}: lower max_tokens to at most {room}")
         if self.kv is not None:
-            need = self.kv.max_blocks_for_tokens(prompt_len + params.max_tokens)
+            kv_len = prompt_len + params.max_tokens
+            if policy is not None:  # admitted against the policy's bound, not the full length
+                kv_len = policy.cache_bound(prompt_len, kv_len, self.config.max_num_batched_tokens)
+            need = self.kv.max_blocks_for_tokens(kv_len)
             if need > self.kv.num_blocks:
                 raise ValueError(f"request needs {need} KV blocks but the whole pool has {self.kv.num_blocks}: "
                                  "lower max_tokens or raise kv_cache_memory")
@@ -237,7 +287,9 @@ class LLMEngine:
             return []
         self.stats.num_steps += 1
         pl_reqs = [r for r, _ in sched.scheduled if r.params.prompt_logprobs is not None and r.num_output_tokens == 0]
+        t0 = time.perf_counter()
         inp, logits, prompt_logits = self.runner.execute(sched.scheduled, pl_reqs)
+        self.scheduler.observe_step(sched.num_tokens, time.perf_counter() - t0)
         for req, n in sched.scheduled:
             req.num_computed_tokens += n
             if self.kv is not None:
@@ -245,6 +297,8 @@ class LLMEngine:
         self._collect_prompt_logprobs(prompt_logits, pl_reqs)
         touched = {r.group_id for r, _ in sched.scheduled}
         self._sample(logits, inp.sampling_reqs)
+        if self.evictor is not None:
+            self.evictor.after_step(sched.scheduled)
         return [self._output(gid) for gid in touched if gid in self.groups]
 
     def _sample(self, logits: torch.Tensor, reqs: list[Request]) -> None:
@@ -297,6 +351,8 @@ class LLMEngine:
 
     def _finish(self, req: Request, status: RequestStatus) -> None:
         self.scheduler.finish(req, status)
+        if self.evictor is not None:
+            self.evictor.drop(req.request_id)
         m = req.metrics
         n = req.num_output_tokens
         tpot = None
@@ -348,12 +404,16 @@ class LLMEngine:
             "request_success": dict(s.request_success),
             "kv_projection_rows": self.model.kv_rows,
             "kv_bytes_per_token": self.kv_bytes_per_token,
+            "kv_cache_dtype": self.kv_format.description,
         }
         for name, values in (("ttft", s.ttft), ("tpot", s.tpot), ("e2e", s.e2e), ("queue_time", s.queue_time)):
             m[f"{name}_mean"] = sum(values) / len(values) if values else None
             m[f"{name}_p50"] = percentile(values, 50)
             m[f"{name}_p99"] = percentile(values, 99)
         m.update(self._kv_metrics())
+        m.update(offload_metrics(self))
+        if self.evictor is not None:
+            m.update(self.evictor.metrics())
         return m
 
     def _kv_metrics(self) -> dict:
@@ -369,14 +429,15 @@ class LLMEngine:
             "num_blocks_cached_free": pool.num_cached_free,
             "kv_cache_usage": self.kv.usage(),
             "kv_cache_bytes": self.storage.nbytes,
+            "kv_cache_residual_bytes": self.storage.residual_nbytes,
             "block_size": self.kv.block_size,
             "prefix_cache_queries": self.kv.stats.queries,
             "prefix_cache_hits": self.kv.stats.hits,
         }
 
-    def reset_prefix_cache(self) -> int:
-        """Forget all cached free blocks; returns how many."""
-        return self.kv.reset_prefix_cache() if self.kv is not None else 0
+    def reset_prefix_cache(self, offload: bool = False) -> int:
+        """Forget all cached free blocks (`offload`: write them to the KV tiers first); returns how many."""
+        return self.kv.reset_prefix_cache(offload) if self.kv is not None else 0
 
 
 def _load_tokenizer(path: str) -> Tokenizer | None:

@@ -60,9 +60,19 @@ def measure_activation_peak(device: torch.device, run) -> int:
         before = torch.cuda.memory_allocated(device)
         run()
         return torch.cuda.max_memory_allocated(device) - before
+    _reset_peak_rss()
     before = rss_bytes()
     run()
     return max(0, rss_bytes("VmHWM") - before)
+
+
+def _reset_peak_rss() -> None:
+    """Reset VmHWM to the current RSS, so an earlier peak of this process is not counted."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass
 
 
 def gib(n: float) -> str:

@@ -35,6 +35,7 @@ class ModelRunner:
         self.storage = storage
         self.device = device
         self.block_size = kv.block_size if kv is not None else 1
+        self.evictor = None  # engine/eviction.py: cache lengths, positions and scores of evicting requests
 
     @torch.inference_mode()
     def execute(self, scheduled: list[tuple[Request, int]], prompt_logprob_reqs=()):
@@ -56,7 +57,8 @@ class ModelRunner:
         for req, n in order:
             start = req.num_computed_tokens
             ids.extend(req.token_ids[start:start + n])
-            pos.extend(range(start, start + n))
+            shift = self.evictor.position_shift(req) if self.evictor is not None else 0
+            pos.extend(range(start - shift, start - shift + n))
             if start + n == req.num_tokens:
                 logits_rows.append(len(ids) - 1)
                 sampling.append(req)
@@ -67,18 +69,20 @@ class ModelRunner:
             row += n
         if cached:
             meta.groups = [self._group_view(g, order, decodes, prefills) for g in range(len(self.kv.groups))]
+            if self.evictor is not None:
+                meta.score_hook = self.evictor.score_hook(decodes, prefills)
         return ModelInput(self._tensor(ids), self._tensor(pos), meta, order, logits_rows, sampling)
 
     def _group_view(self, g: int, order, decodes, prefills) -> GroupView:
         spec = self.kv.groups[g].spec
         tables = {r.request_id: self._tensor(self.kv.block_ids(r.request_id, g)) for r, _ in order}
-        slots = [self._slots(tables[r.request_id], r.num_computed_tokens, r.num_computed_tokens + n)
+        slots = [self._slots(tables[r.request_id], self._cache_len(r, g), self._cache_len(r, g) + n)
                  for r, n in order]
         view = GroupView(slot_mapping=torch.cat(slots))
         if decodes:
-            view.decode_idx, view.decode_mask = self._decode_view([r for r, _ in decodes], tables, spec)
+            view.decode_idx, view.decode_mask = self._decode_view([r for r, _ in decodes], tables, spec, g)
         for req, n in prefills:
-            idx, mask = self._prefill_view(req, n, tables[req.request_id], spec)
+            idx, mask = self._prefill_view(req, n, tables[req.request_id], spec, g)
             view.prefill_idx.append(idx)
             view.prefill_mask.append(mask)
         return view
@@ -87,9 +91,13 @@ class ModelRunner:
         p = torch.arange(start, end, device=self.device)
         return table[p // self.block_size] * self.block_size + p % self.block_size
 
-    def _decode_view(self, reqs: list[Request], tables: dict, spec: KVSpec):
+    def _cache_len(self, req: Request, g: int) -> int:
+        """Entries group g holds for the request: num_computed_tokens unless eviction dropped some."""
+        return self.evictor.cache_len(req, g) if self.evictor is not None else req.num_computed_tokens
+
+    def _decode_view(self, reqs: list[Request], tables: dict, spec: KVSpec, g: int = 0):
         """Each decode attends over [start, ctx): all of it, or the last `window` tokens."""
-        ctx = torch.tensor([r.num_computed_tokens + 1 for r in reqs], device=self.device)
+        ctx = torch.tensor([self._cache_len(r, g) + 1 for r in reqs], device=self.device)
         start = (ctx - spec.window).clamp(min=0) if spec.kind == "sliding" else torch.zeros_like(ctx)
         width = max(len(tables[r.request_id]) for r in reqs)
         table = torch.stack([torch.nn.functional.pad(tables[r.request_id], (0, width - len(tables[r.request_id])))
@@ -101,9 +109,9 @@ class ModelRunner:
         mask = (start[:, None] + torch.arange(length, device=self.device)[None, :]) < ctx[:, None]
         return idx, mask[:, None, None, :]
 
-    def _prefill_view(self, req: Request, n: int, table: torch.Tensor, spec: KVSpec):
+    def _prefill_view(self, req: Request, n: int, table: torch.Tensor, spec: KVSpec, g: int = 0):
         """A chunk attends over its cached prefix (trimmed to the window) plus itself."""
-        ctx = req.num_computed_tokens + n
+        ctx = self._cache_len(req, g) + n
         q0 = ctx - n
         window = spec.window if spec.kind == "sliding" else None
         k0 = max(0, q0 - window + 1) if window else 0

@@ -41,6 +41,7 @@ class Request:
     index: int = 0                        # which of the group's `n` completions
     generator: torch.Generator | None = None
     arrival_time: float = field(default_factory=time.monotonic)
+    kv_policy: object | None = None       # resolved kv.policies.KVPolicy when the request evicts
 
     def __post_init__(self):
         self.token_ids = list(self.prompt_token_ids)   # prompt + output

@@ -8,6 +8,9 @@ from dataclasses import dataclass, field
 
 from kvserve.engine.request import Request, RequestStatus
 from kvserve.kv.manager import KVCacheManager
+from kvserve.kv.swap import SwapSpace
+
+PREEMPTION_MODES = ("recompute", "swap", "auto")
 
 
 @dataclass
@@ -26,13 +29,18 @@ class SchedulerOutput:
 class Scheduler:
     """FCFS continuous batching over a KVCacheManager (or none, for recompute mode)."""
 
-    def __init__(self, kv: KVCacheManager | None, max_num_seqs: int, max_num_batched_tokens: int):
+    def __init__(self, kv: KVCacheManager | None, max_num_seqs: int, max_num_batched_tokens: int,
+                 swap: SwapSpace | None = None, preemption_mode: str = "recompute"):
         self.kv = kv
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
+        self.swap = swap
+        self.preemption_mode = preemption_mode
+        self.num_swap_preemptions = 0
+        self.seconds_per_token: float | None = None  # measured prefill cost, for preemption "auto"
 
     def add(self, req: Request) -> None:
         """Queue a new request."""
@@ -74,6 +82,18 @@ class Scheduler:
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
+            if self.swap is not None and self.swap.is_swapped(req.request_id):
+                n = min(req.num_tokens - req.num_computed_tokens, budget)
+                if not self.swap.swap_in(req.request_id, lambda: self.kv.allocate_slots(
+                        req.request_id, req.num_computed_tokens, n)):
+                    break  # stays first in line (FCFS) until enough blocks are free
+                self.waiting.popleft()
+                req.status = RequestStatus.RUNNING
+                self.running.append(req)
+                if n:
+                    out.scheduled.append((req, n))
+                budget -= n
+                continue
             hits, num_hit = self._prefix_hits(req)
             n = min(req.num_tokens - num_hit, budget)
             if not self.kv.allocate_slots(req.request_id, num_hit, n, hits):
@@ -81,7 +101,7 @@ class Scheduler:
             self.waiting.popleft()
             if req.status == RequestStatus.WAITING:  # first admission, not a resume
                 req.num_cached_tokens = num_hit
-                self.kv.record_prefix_query(req.num_tokens, num_hit)
+                self.kv.record_prefix_query(req.num_tokens, num_hit, hits)
                 req.metrics.first_scheduled_time = time.monotonic()
             req.num_computed_tokens = num_hit
             req.status = RequestStatus.RUNNING
@@ -96,11 +116,31 @@ class Scheduler:
         return self.kv.get_computed_blocks(req.request_id, req.token_ids)
 
     def _preempt(self, req: Request) -> None:
-        self.kv.free(req.request_id)
-        req.num_computed_tokens = 0
+        if self._prefer_swap(req) and self.swap.swap_out(req.request_id, req.num_computed_tokens):
+            self.num_swap_preemptions += 1  # keeps num_computed_tokens: its KV comes back on resume
+        else:
+            self.kv.free(req.request_id)
+            req.num_computed_tokens = 0
         req.status = RequestStatus.PREEMPTED
         self.num_preemptions += 1
         self.waiting.appendleft(req)
+
+    def _prefer_swap(self, req: Request) -> bool:
+        """Swap when forced, or ("auto") when moving the bytes out and back beats recomputing."""
+        if self.swap is None or self.preemption_mode == "recompute" or req.num_computed_tokens == 0:
+            return False
+        if self.preemption_mode == "swap":
+            return True
+        blocks = self.swap.blocks_to_swap(req.request_id, req.num_computed_tokens)
+        if self.seconds_per_token is None:
+            return True
+        return self.swap.estimate_seconds(blocks) < req.num_computed_tokens * self.seconds_per_token
+
+    def observe_step(self, num_tokens: int, seconds: float) -> None:
+        """Learn the cost of a computed token from prefill-sized steps (for preemption "auto")."""
+        if num_tokens >= 64 and seconds > 0:
+            x = seconds / num_tokens
+            self.seconds_per_token = x if self.seconds_per_token is None else 0.8 * self.seconds_per_token + 0.2 * x
 
     def _schedule_recompute(self) -> SchedulerOutput:
         out = SchedulerOutput()
@@ -124,3 +164,5 @@ class Scheduler:
             self.waiting.remove(req)
         if self.kv is not None:
             self.kv.free(req.request_id)
+        if self.swap is not None:
+            self.swap.drop(req.request_id)

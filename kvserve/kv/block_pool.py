@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from kvserve.kv.hashing import BlockHash
@@ -32,6 +33,9 @@ class BlockPool:
         self.free_queue: OrderedDict[int, None] = OrderedDict((i, None) for i in range(reserved, num_blocks))
         self.cached: dict[BlockHash, int] = {}
         self.num_evicted = 0
+        # Called with the cached blocks a reuse is about to overwrite, while their memory still
+        # holds the data: [(block_id, block_hash, token_ids)] (the tiers write them down).
+        self.on_evict: Callable[[list[tuple[int, BlockHash, tuple[int, ...]]]], None] | None = None
 
     @property
     def num_usable(self) -> int:
@@ -57,13 +61,17 @@ class BlockPool:
         """Take `n` blocks from the front of the free queue (evicting their hashes)."""
         if n > self.num_free:
             raise RuntimeError(f"asked for {n} blocks, only {self.num_free} free")
-        out = []
+        out, evicted = [], []
         for _ in range(n):
             block_id, _ = self.free_queue.popitem(last=False)
             block = self.blocks[block_id]
+            if block.block_hash is not None and self.on_evict is not None:
+                evicted.append((block_id, block.block_hash, block.token_ids))
             self._forget_hash(block)
             block.ref_cnt = 1
             out.append(block)
+        if evicted:
+            self.on_evict(evicted)
         return out
 
     def touch(self, block_ids: list[int]) -> None:
@@ -102,15 +110,15 @@ class BlockPool:
         block.token_ids = token_ids
         self.cached[block_hash] = block_id
 
-    def reset_cache(self) -> int:
-        """Forget every hash of free blocks; returns how many were dropped."""
-        dropped = 0
-        for block_id in self.free_queue:
-            block = self.blocks[block_id]
-            if block.block_hash is not None:
-                self._forget_hash(block)
-                dropped += 1
-        return dropped
+    def reset_cache(self, offload: bool = False) -> int:
+        """Forget every hash of free blocks (handing them to `on_evict` first if `offload`)."""
+        dropped = [(b, self.blocks[b].block_hash, self.blocks[b].token_ids) for b in self.free_queue
+                   if self.blocks[b].block_hash is not None]
+        if offload and dropped and self.on_evict is not None:
+            self.on_evict(dropped)
+        for block_id, _, _ in dropped:
+            self._forget_hash(self.blocks[block_id])
+        return len(dropped)
 
     def _forget_hash(self, block: Block) -> None:
         if block.block_hash is not None:

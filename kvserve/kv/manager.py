@@ -1,7 +1,13 @@
-"""KVCacheManager: per-request block tables (one per KV group) over one shared BlockPool."""
+"""KVCacheManager: per-request block tables (one per KV group) over one shared BlockPool.
+
+Optional lower tiers (`manager.lower`, see kv/tiers.py `TierBridge`) extend the prefix cache
+below the device: evicted cached blocks are handed to `lower.save`, and a lookup that misses on
+the device asks `lower.locate` / `lower.load` to bring blocks back into fresh device blocks.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kvserve.kv.block_pool import BlockPool
@@ -17,6 +23,7 @@ class PrefixCacheStats:
 
     queries: int = 0
     hits: int = 0
+    hits_by_source: dict[str, int] = field(default_factory=lambda: {"device": 0})
 
 
 @dataclass
@@ -42,6 +49,13 @@ class KVCacheManager:
         self.pending_copies: list[tuple[int, int]] = []  # (src, dst) copies to run before the next forward
         self.stats = PrefixCacheStats()
         self.num_cow_copies = 0
+        self.lower = None                      # TierBridge-like: save / locate / load (kv/tiers.py)
+        self.loaded_from: dict[int, str] = {}  # block id -> tier it was loaded from, until first used
+        self.pool.on_evict = self._on_evict
+        # KV eviction (engine/eviction.py): req_id -> entries dropped per group, None when the request
+        # does not evict. An evicting request's group g holds num_computed - offsets[g] entries, and
+        # it neither takes prefix hits nor publishes blocks (they would not hold the hashed tokens).
+        self.cache_offsets: Callable[[str], list[int] | None] | None = None
 
     # ---- queries -------------------------------------------------------------------
     @property
@@ -76,11 +90,13 @@ class KVCacheManager:
         """Cached blocks per group for the longest usable prefix; the last token is never a hit."""
         state = self._state(req_id)
         empty = [[] for _ in self.groups]
-        if not self.enable_prefix_caching or len(token_ids) < 2:
+        if not self.enable_prefix_caching or len(token_ids) < 2 or self._offsets(req_id) is not None:
             return empty, 0
         max_blocks = (len(token_ids) - 1) // self.block_size
         self._extend_hashes(state, token_ids, max_blocks)
         found = [self._lookup_all(g, state, token_ids, max_blocks) for g in range(len(self.groups))]
+        if self.lower is not None and self._load_from_lower(state, token_ids, found, max_blocks):
+            found = [self._lookup_all(g, state, token_ids, max_blocks) for g in range(len(self.groups))]
         for h in range(self._full_run(found, max_blocks), 0, -1):
             hits = self._hits_at(found, h)
             if hits is not None:
@@ -109,14 +125,20 @@ class KVCacheManager:
             out.append([self.null] * start + tail)
         return out
 
-    def record_prefix_query(self, num_query_tokens: int, num_hit_tokens: int) -> None:
-        """Count one admitted request's lookup."""
+    def record_prefix_query(self, num_query_tokens: int, num_hit_tokens: int,
+                            hit_blocks: list[list[int]] | None = None) -> None:
+        """Count one admitted request's lookup; hit tokens by source when its hit blocks are given."""
         self.stats.queries += num_query_tokens
         self.stats.hits += num_hit_tokens
+        by_source = self.stats.hits_by_source
+        for i in range(num_hit_tokens // self.block_size):
+            sources = [self.loaded_from.pop(t[i], None) for t in hit_blocks or [] if i < len(t)]
+            src = next((x for x in sources if x is not None), "device")
+            by_source[src] = by_source.get(src, 0) + self.block_size
 
-    def reset_prefix_cache(self) -> int:
-        """Forget hashes of all free blocks (owned blocks keep theirs)."""
-        return self.pool.reset_cache()
+    def reset_prefix_cache(self, offload: bool = False) -> int:
+        """Forget hashes of all free blocks (owned blocks keep theirs); `offload` writes them down first."""
+        return self.pool.reset_cache(offload=offload and self.lower is not None)
 
     # ---- allocation ----------------------------------------------------------------
     def allocate_slots(self, req_id: str, num_computed_tokens: int, num_new_tokens: int,
@@ -125,20 +147,21 @@ class KVCacheManager:
         state = self._state(req_id)
         computed = new_computed_blocks or [[] for _ in self.groups]
         self._free_skipped(state, num_computed_tokens)
-        total = num_computed_tokens + num_new_tokens
+        done = [num_computed_tokens - off for off in self._offsets(req_id) or [0] * len(self.groups)]
         needs, cows, revived = [], [], 0
         for g, table in enumerate(state.tables):
-            needs.append(max(0, self.blocks_for_tokens(total) - len(table) - len(computed[g])))
-            cows.append(self._needs_copy(table, num_computed_tokens, num_new_tokens))
+            needs.append(max(0, self.blocks_for_tokens(done[g] + num_new_tokens) - len(table) - len(computed[g])))
+            cows.append(self._needs_copy(table, done[g], num_new_tokens))
             revived += sum(1 for b in set(computed[g]) if b != self.null and self.pool.blocks[b].ref_cnt == 0)
         if sum(needs) + sum(cows) + revived > self.pool.num_free:
             return False
-        for g, table in enumerate(state.tables):
+        for g, table in enumerate(state.tables):  # take every group's hits before allocating any block
             if computed[g]:
                 self.pool.touch([b for b in computed[g] if b != self.null])
                 table.extend(computed[g])
+        for g, table in enumerate(state.tables):
             if cows[g]:
-                self._copy_on_write(table, num_computed_tokens // self.block_size)
+                self._copy_on_write(table, done[g] // self.block_size)
             table.extend(b.block_id for b in self.pool.allocate(needs[g]))
         if any(computed):
             state.num_registered = max(len(c) for c in computed)
@@ -146,7 +169,7 @@ class KVCacheManager:
 
     def cache_blocks(self, req_id: str, token_ids: list[int], num_computed_tokens: int) -> None:
         """Register the request's newly full blocks so later requests can reuse them."""
-        if not self.enable_prefix_caching:
+        if not self.enable_prefix_caching or self._offsets(req_id) is not None:
             return
         state = self.reqs[req_id]
         num_full = num_computed_tokens // self.block_size
@@ -177,10 +200,96 @@ class KVCacheManager:
             self.pool.touch([b for b in table if b != self.null])
         self.reqs[dst_id] = _ReqState([list(t) for t in src.tables], list(src.block_hashes), src.num_registered)
 
+    # ---- swap ----------------------------------------------------------------------
+    def swap_out_tables(self, req_id: str, num_tokens: int) -> list[list[int]]:
+        """The blocks holding the request's first `num_tokens` tokens, per group (null entries kept)."""
+        n = self.blocks_for_tokens(num_tokens)
+        return [list(t[:n]) for t in self.reqs[req_id].tables]
+
+    def allocate_restored(self, req_id: str, layout: list[list[bool]]) -> list[list[int]] | None:
+        """Fresh blocks where `layout` is True (null elsewhere) as the request's new tables; None if short."""
+        need = sum(sum(g) for g in layout)
+        if req_id in self.reqs:
+            raise ValueError(f"request {req_id!r} already holds blocks")
+        if need > self.pool.num_free:
+            return None
+        fresh = iter(b.block_id for b in self.pool.allocate(need))
+        tables = [[next(fresh) if used else self.null for used in g] for g in layout]
+        self.reqs[req_id] = _ReqState(tables)
+        return tables
+
+    def release_tail(self, req_id: str, group: int, num_blocks: int) -> int:
+        """Keep the first `num_blocks` blocks of the request's table in `group`, free the rest
+        (eviction compacted the survivors into them); returns how many blocks were freed."""
+        table = self.reqs[req_id].tables[group]
+        tail = [b for b in reversed(table[num_blocks:]) if b != self.null]
+        del table[num_blocks:]
+        self.pool.free(tail)
+        return len(tail)
+
+    def _offsets(self, req_id: str) -> list[int] | None:
+        return self.cache_offsets(req_id) if self.cache_offsets is not None else None
+
     def take_pending_copies(self) -> list[tuple[int, int]]:
         """Block copies (src, dst) the storage must run before the next forward."""
         copies, self.pending_copies = self.pending_copies, []
         return copies
+
+    # ---- lower tiers -----------------------------------------------------------------
+    def _on_evict(self, evicted: list[tuple[int, BlockHash, tuple[int, ...]]]) -> None:
+        for block_id, _, _ in evicted:
+            self.loaded_from.pop(block_id, None)
+        if self.lower is not None:
+            self.lower.save(evicted)
+
+    def _load_from_lower(self, state: _ReqState, token_ids: list[int], found, n: int) -> bool:
+        """Load device misses of the longest prefix the tiers can complete; True if any loaded."""
+        if self.pool.num_free < self.max_blocks_for_tokens(len(token_ids)):
+            return False  # the request could not run now anyway: do not churn the pool
+        missing = [(g, i) for g in range(len(self.groups)) for i in range(n) if found[g][i] is None]
+        if not missing:
+            return False
+        keys = {gi: self._key(gi[0], state.block_hashes[gi[1]]) for gi in missing}
+        where = dict(zip(missing, self.lower.locate([keys[gi] for gi in missing])))
+        h = self._tier_run(found, where, n)
+        need = [(g, i) for g, i in missing if i < h and where[(g, i)] is not None
+                and i >= first_needed_block(self.groups[g].spec, h * self.block_size, self.block_size)]
+        if not need:
+            return False
+        keep = [b for g, blocks in enumerate(found)
+                for b in blocks[first_needed_block(self.groups[g].spec, h * self.block_size, self.block_size):h]
+                if b is not None and b != self.null and self.pool.blocks[b].ref_cnt == 0]
+        self.pool.touch(keep)  # the device hits must survive the allocation below
+        fresh: list[int] = []
+        try:
+            if len(need) > self.pool.num_free:
+                return False
+            fresh = [b.block_id for b in self.pool.allocate(len(need))]
+            bs = self.block_size
+            items = [(keys[gi], tuple(token_ids[gi[1] * bs:(gi[1] + 1) * bs]), b) for gi, b in zip(need, fresh)]
+            for (key, tokens, block_id), src in zip(items, self.lower.load(items)):
+                if src is not None:
+                    self.pool.register(block_id, key, tokens)
+                    if self.pool.blocks[block_id].block_hash == key:
+                        self.loaded_from[block_id] = src
+        finally:  # loaded blocks stay cached and free (revived by allocate_slots); failed ones go first
+            self.pool.free(list(reversed(fresh)))
+            self.pool.free(list(reversed(keep)))
+        return True
+
+    def _tier_run(self, found, where, n: int) -> int:
+        """Longest hit length (blocks) with every needed block on the device or in a tier."""
+        def have(g: int, i: int) -> bool:
+            return found[g][i] is not None or where.get((g, i)) is not None
+        h = n
+        for g, grp in enumerate(self.groups):
+            if grp.spec.kind != "sliding":
+                h = min(h, next((i for i in range(n) if not have(g, i)), n))
+        while h > 0 and not all(
+                have(g, i) for g, grp in enumerate(self.groups)
+                for i in range(first_needed_block(grp.spec, h * self.block_size, self.block_size), h)):
+            h -= 1
+        return h
 
     # ---- helpers -------------------------------------------------------------------
     def _state(self, req_id: str) -> _ReqState:

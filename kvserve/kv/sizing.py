@@ -52,7 +52,9 @@ class KVFormat:
 
 
 KIVI_GROUP = 32
-KIVI_RESIDUAL = 128
+# The engine keeps a sequence's still-filling block in full precision (kv/formats.py): one residual
+# row of block_size tokens per running sequence, block_size 32 for KIVI (KIVI's paper uses R = 128).
+KIVI_RESIDUAL = 32
 
 KV_FORMATS: dict[str, KVFormat] = {
     "fp32": KVFormat("fp32", 32, note="native float32"),
@@ -66,11 +68,11 @@ KV_FORMATS: dict[str, KVFormat] = {
     ),
     "kivi4": KVFormat(
         "kivi4", 4, scale_bytes=4, group_size=KIVI_GROUP, residual_tokens=KIVI_RESIDUAL,
-        note="KIVI 4-bit: fp16 scale + fp16 zero per 32 elements; last 128 tokens kept in fp16",
+        note="KIVI 4-bit: fp16 scale + fp16 zero per 32 elements; the still-filling block (32 tokens) kept in fp16",
     ),
     "kivi2": KVFormat(
         "kivi2", 2, scale_bytes=4, group_size=KIVI_GROUP, residual_tokens=KIVI_RESIDUAL,
-        note="KIVI 2-bit: fp16 scale + fp16 zero per 32 elements; last 128 tokens kept in fp16",
+        note="KIVI 2-bit: fp16 scale + fp16 zero per 32 elements; the still-filling block (32 tokens) kept in fp16",
     ),
 }
 

@@ -47,15 +47,21 @@ class KVGroup:
     layers: list[int]
 
 
-def group_layers(specs: list[KVSpec]) -> list[KVGroup]:
-    """Split layers into groups of equal size (same spec inside a group), so pages are uniform."""
+def group_layers(specs: list[KVSpec], size: int | None = None) -> list[KVGroup]:
+    """Split layers into groups of equal size (same spec inside a group), so pages are uniform.
+
+    `size=1` gives every layer its own group, hence its own block table per request: layers may
+    then hold different numbers of tokens (KV eviction, kv/policies.py)."""
     by_spec: dict[KVSpec, list[int]] = {}
     for layer, spec in enumerate(specs):
         by_spec.setdefault(spec, []).append(layer)
     shapes = {tuple(s.entry_shapes) for s in by_spec}
     if len(shapes) > 1:
         raise ValueError(f"layers with different per-token shapes cannot share one pool: {shapes}")
-    size = math.gcd(*(len(v) for v in by_spec.values()))
+    gcd = math.gcd(*(len(v) for v in by_spec.values()))
+    if size is not None and (size < 1 or gcd % size):
+        raise ValueError(f"group size {size} must divide every spec's layer count (gcd {gcd})")
+    size = size or gcd
     groups = []
     for spec, layers in by_spec.items():
         groups.extend(KVGroup(spec, layers[i:i + size]) for i in range(0, len(layers), size))

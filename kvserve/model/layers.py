@@ -52,10 +52,30 @@ class RotaryEmbedding(nn.Module):
     def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: dict | None):
         super().__init__()
         inv_freq = rope_inv_freq(head_dim, theta, scaling)
-        freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
-        emb = torch.cat([freqs, freqs], dim=-1)  # [max_positions, head_dim]
-        self.register_buffer("cos", emb.cos(), persistent=False)
-        self.register_buffer("sin", emb.sin(), persistent=False)
+        self.inv_freq = inv_freq  # float32 on the CPU (not a buffer: model.to(dtype) must not round it)
+        cos, sin = self._table(0, max_positions)
+        self.register_buffer("cos", cos, persistent=False)
+        self.register_buffer("sin", sin, persistent=False)
+
+    def _table(self, start: int, end: int):
+        freqs = torch.outer(torch.arange(start, end, dtype=torch.float32), self.inv_freq)
+        emb = torch.cat([freqs, freqs], dim=-1)  # [end - start, head_dim]
+        return emb.cos(), emb.sin()
+
+    def extend(self, max_positions: int) -> None:
+        """Grow the cos/sin tables to cover positions < max_positions (e.g. beyond the trained context)."""
+        have = self.cos.shape[0]
+        if max_positions > have:
+            cos, sin = self._table(have, max_positions)
+            self.cos = torch.cat([self.cos, cos.to(self.cos)])
+            self.sin = torch.cat([self.sin, sin.to(self.sin)])
+
+    def shift(self, k: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
+        """Keys rotated at position p -> the same keys rotated at p - delta; k: [n, heads, head_dim],
+        delta: [n] >= 0. Exact for rotate-half RoPE: R(p - d) = R(-d) R(p)."""
+        cos = self.cos[delta].unsqueeze(1).to(k.dtype)
+        sin = self.sin[delta].unsqueeze(1).to(k.dtype)
+        return k * cos - _rotate_half(k) * sin
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
         # q: [num_tokens, num_heads, head_dim], k: [num_tokens, num_kv_heads, head_dim]

@@ -26,12 +26,15 @@ GAUGES = [
     ("num_blocks_free", "KV blocks no request owns (cached ones included).", "num_blocks_free"),
     ("num_blocks_cached", "KV blocks registered in the prefix cache (owned or free).", "num_blocks_cached"),
     ("swap_usage_bytes", "Bytes of KV held in the CPU swap tier.", "swap_usage_bytes"),
+    ("num_requests_swapped", "Preempted requests whose KV sits in the swap space.", "num_requests_swapped"),
 ]
 # counters; exposed with a _total suffix
 COUNTERS = [
     ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", "prefix_cache_queries"),
     ("prefix_cache_hits", "Prompt tokens served from the prefix cache.", "prefix_cache_hits"),
     ("num_preemptions", "Requests preempted to free KV blocks.", "num_preemptions"),
+    ("num_swapped_out_blocks", "KV blocks copied to the swap space.", "num_swapped_out_blocks"),
+    ("num_swapped_in_blocks", "KV blocks copied back from the swap space.", "num_swapped_in_blocks"),
     ("prompt_tokens", "Prompt tokens received.", "prompt_tokens"),
     ("generation_tokens", "Tokens generated.", "generation_tokens"),
 ]
@@ -77,11 +80,49 @@ class _EngineCollector(Collector):
                 c = CounterMetricFamily(PREFIX + name, doc, labels=["model_name"])
                 c.add_metric(label, float(snap[key]))
                 yield c
+        yield from _tier_families(snap, self.model_name)
         success = CounterMetricFamily(PREFIX + "request_success", "Finished sequences by finish reason.",
                                       labels=["model_name", "finished_reason"])
         for reason, count in sorted(snap.get("request_success", {}).items()):
             success.add_metric([self.model_name, reason], float(count))
         yield success
+
+
+# per-tier counters (label tier=cpu|disk|redis) from get_metrics()["kv_tiers"]; exposed with _total
+TIER_COUNTERS = [
+    ("kv_tier_hits", "Blocks loaded from a KV tier.", "hits"),
+    ("kv_tier_misses", "Block lookups a KV tier could not answer.", "misses"),
+    ("kv_tier_read_bytes", "Bytes read from a KV tier.", "bytes_read"),
+    ("kv_tier_written_bytes", "Bytes written to a KV tier.", "bytes_written"),
+    ("kv_tier_errors", "I/O, connection and corrupt-entry errors of a KV tier.", "errors"),
+    ("kv_tier_corrupt_entries", "Entries of a KV tier that failed verification and were dropped.", "corrupt"),
+]
+
+
+def _tier_families(snap: dict, model_name: str):
+    """Prefix-cache hits by source and per-tier counters and usage."""
+    by_source = snap.get("prefix_cache_hits_by_source") or {}
+    if by_source:
+        c = CounterMetricFamily(PREFIX + "prefix_cache_hits_by_source",
+                                "Prompt tokens served from the prefix cache, by where the blocks came from.",
+                                labels=["model_name", "source"])
+        for source, n in sorted(by_source.items()):
+            c.add_metric([model_name, source], float(n))
+        yield c
+    tiers = snap.get("kv_tiers") or {}
+    if not tiers:
+        return
+    for name, doc, key in TIER_COUNTERS:
+        c = CounterMetricFamily(PREFIX + name, doc, labels=["model_name", "tier"])
+        for tier, stats in sorted(tiers.items()):
+            c.add_metric([model_name, tier], float(stats.get(key, 0)))
+        yield c
+    g = GaugeMetricFamily(PREFIX + "kv_tier_usage_bytes", "Bytes a KV tier holds (where it knows).",
+                          labels=["model_name", "tier"])
+    for tier, stats in sorted(tiers.items()):
+        if stats.get("usage_bytes") is not None:
+            g.add_metric([model_name, tier], float(stats["usage_bytes"]))
+    yield g
 
 
 class ServerMetrics:

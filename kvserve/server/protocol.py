@@ -58,6 +58,7 @@ class _SamplingRequest(_Request):
     stream_options: StreamOptions | None = None
     user: str | None = None
     logit_bias: dict[str, float] | None = None
+    kv_policy: str | None = None   # kvserve extra: KV eviction for this request (docs/EVICTION.md)
 
     def _sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         """SamplingParams from the request; raises ValueError naming a bad field."""
@@ -72,7 +73,7 @@ class _SamplingRequest(_Request):
             n=self.n, seed=self.seed, stop=self.stop, stop_token_ids=self.stop_token_ids,
             max_tokens=max_tokens, min_tokens=self.min_tokens, ignore_eos=self.ignore_eos,
             logprobs=logprobs, skip_special_tokens=self.skip_special_tokens,
-            include_stop_str_in_output=self.include_stop_str_in_output,
+            include_stop_str_in_output=self.include_stop_str_in_output, kv_policy=self.kv_policy,
             **{k: v for k, v in given.items() if v is not None})
 
     @property

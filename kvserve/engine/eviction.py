@@ -1,0 +1,372 @@
+"""KV eviction in the engine: per-request policy state, attention scores, and compaction that frees blocks.
+
+The engine gives every layer its own KV group (`group_layers(..., size=1)`), so every layer has its
+own block table per request and may hold a different set of tokens. For a request with a policy
+(kv/policies.py) the `Evictor` keeps, per layer:
+
+- `evicted[g]`: entries dropped so far. The layer holds `num_computed_tokens - evicted[g]` entries
+  (its *cache length*); the model runner builds slots and gather ranges from it, and the
+  KVCacheManager sizes the table from it (`manager.cache_offsets`).
+- `pos[g]`: the original token position of each entry, in cache order.
+- `scores[g]`: attention the entries received (H2O: summed over heads and queries, every step;
+  SnapKV: per query head, from the last `window` prompt queries), filled by `score_hook` from inside
+  attention (a math-path softmax next to the fused kernel, only for requests that need it).
+
+After every step, `after_step` asks the policy which entries to keep, moves survivors into the
+first ceil(kept / block_size) blocks of the layer's table and frees the blocks behind them.
+Re-indexing policies (window, sinks) keep order and re-rotate every moved key by the positions it
+moved (keys are stored after RoPE; R(p - d) = R(-d) R(p) for rotate-half RoPE), and the next token's
+position is its cache index (`position_shift`). Other policies keep original positions and fill the
+holes with entries from the tail (fewest moves). Moves copy the raw per-token rows of every tensor
+of the storage slot (lossless for any per-token format: float, fp8, int8, scales included);
+re-rotated keys go through `KVStorage.read` / `write` (dequantize, rotate, quantize again: exact for
+floats; for fp8/int8 the per-token absmax scale maps the codes back to themselves up to rounding).
+KIVI formats are refused: their keys are quantized per channel over 32-token groups inside a block,
+so moving single tokens between blocks would re-quantize whole groups.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from kvserve.engine.request import Request
+from kvserve.kv.formats import _flat
+from kvserve.kv.manager import KVCacheManager
+from kvserve.kv.policies import KVPolicy, snapkv_scores
+from kvserve.kv.spec import KVGroup
+from kvserve.kv.storage import KVStorage
+
+SCORE_CHUNK = 256  # prefill queries per math-path softmax (bounds the [heads, chunk, context] tensor)
+
+
+class _State:
+    """One evicting request: its policy and, per KV group (= layer), what the cache holds."""
+
+    def __init__(self, req: Request, policy: KVPolicy, num_groups: int):
+        self.req = req
+        self.policy = policy
+        self.num_groups = num_groups
+        self.generator = torch.Generator().manual_seed(policy.seed)
+        self.reset()
+
+    def reset(self) -> None:
+        """Nothing cached (a new request, or one preempted by recompute)."""
+        g = self.num_groups
+        self.evicted = [0] * g
+        self.pos: list[torch.Tensor] = [torch.zeros(0, dtype=torch.long) for _ in range(g)]
+        self.scores: list[torch.Tensor | None] = [None] * g
+        self.shift = 0          # positions re-indexed away (window, sinks)
+        self.done = False       # one-shot policies: compressed already
+
+
+class Evictor:
+    """Per-request eviction state for one engine; see the module docstring."""
+
+    def __init__(self, kv: KVCacheManager, storage: KVStorage, model: torch.nn.Module, groups: list[KVGroup]):
+        if any(len(g.layers) != 1 for g in groups):
+            raise ValueError("KV eviction needs one layer per KV group (group_layers(..., size=1))")
+        if storage.has_residual:
+            raise ValueError("kv_policy cannot be combined with a KIVI kv_cache_dtype (keys are quantized per "
+                             "channel over 32-token groups, so single tokens cannot move between blocks); "
+                             "use float16/bfloat16, fp8 or int8 with a kv_policy")
+        self.kv, self.storage, self.groups = kv, storage, groups
+        self.layer_group = {g.layers[0]: i for i, g in enumerate(groups)}
+        self.targets = [i for i, g in enumerate(groups) if g.spec.kind == "full"]  # layers policies evict
+        self.target_set = set(self.targets)
+        self.has_other = len(self.targets) < len(groups)
+        self.attn = [layer.self_attn for layer in model.model.layers]
+        cfg = model.config
+        self.num_heads, self.num_kv_heads = cfg.num_heads, cfg.num_kv_heads
+        self.states: dict[str, _State] = {}
+        self.num_evicted_entries = 0
+        self.num_evictions = 0
+        self.num_blocks_freed = 0
+        self.num_entries_moved = 0
+        kv.cache_offsets = self.offsets
+
+    # ---- requests ----------------------------------------------------------------------------
+    def check(self, policy: KVPolicy) -> None:
+        """ValueError when this model cannot run `policy`."""
+        if not policy.evicts:
+            return
+        if not self.targets:
+            raise ValueError(f"kv_policy {policy.spec()!r}: this model has no full-attention layers to evict from")
+        if policy.reindex and (self.has_other or not all(hasattr(a.rope, "shift") for a in self.attn)):
+            raise ValueError(f"kv_policy {policy.spec()!r} re-indexes positions, which needs every layer to be "
+                             "full attention with rotate-half RoPE; use h2o or snapkv with this model")
+
+    def add(self, req: Request, policy: KVPolicy) -> None:
+        """Track a request that runs under `policy` (resolved against its prompt)."""
+        self.states[req.request_id] = _State(req, policy, len(self.groups))
+
+    def drop(self, req_id: str) -> None:
+        """Forget a finished or aborted request."""
+        self.states.pop(req_id, None)
+
+    def _state(self, req_id: str) -> _State | None:
+        st = self.states.get(req_id)
+        if st is not None and st.req.num_computed_tokens == 0:
+            st.reset()  # nothing is cached (new, or preempted by recompute): nothing is evicted
+        return st
+
+    # ---- lookups for the manager and the runner -------------------------------------------------
+    def offsets(self, req_id: str) -> list[int] | None:
+        """Entries dropped per group, or None when the request does not evict (manager hook)."""
+        st = self._state(req_id)
+        return None if st is None else st.evicted
+
+    def cache_len(self, req: Request, g: int) -> int:
+        """Entries group g holds for the request."""
+        st = self._state(req.request_id)
+        return req.num_computed_tokens - (st.evicted[g] if st is not None else 0)
+
+    def position_shift(self, req: Request) -> int:
+        """How far the request's next positions are re-indexed down (window, sinks)."""
+        st = self.states.get(req.request_id)
+        return st.shift if st is not None else 0
+
+    # ---- attention scores ------------------------------------------------------------------------
+    def score_hook(self, decodes: list[tuple[Request, int]], prefills: list[tuple[Request, int]]):
+        """The callback attention calls with every context of this batch, or None if no request needs it."""
+        dec = [(i, st) for i, (r, n) in enumerate(decodes) if (st := self._scoring(r, n)) is not None]
+        pre, row = {}, len(decodes)
+        for r, n in prefills:
+            st = self._scoring(r, n)
+            if st is not None:
+                pre[row] = (st, r.num_computed_tokens, n)
+            row += n
+        if not dec and not pre:
+            return None
+        return lambda layer, ctx, q, ks, scale: self._observe(layer, ctx, q, ks, scale, dec, pre)
+
+    def _scoring(self, req: Request, n: int) -> _State | None:
+        st = self.states.get(req.request_id)
+        if st is None or st.policy.scores is None:
+            return None
+        if st.policy.scores == "all":
+            return st
+        p = req.num_prompt_tokens
+        start = req.num_computed_tokens
+        wants = not st.done and p > st.policy.capacity and start < p and start + n > p - st.policy.window
+        return st if wants else None
+
+    def _observe(self, layer, ctx, q, ks, scale, dec, pre) -> None:
+        g = self.layer_group.get(layer)
+        if g not in self.target_set:
+            return
+        if ctx.batched:
+            if dec:
+                self._observe_decodes(g, q, ks, ctx.mask, scale, dec)
+        elif ctx.rows.start in pre:
+            st, start, n = pre[ctx.rows.start]
+            self._observe_prefill(g, st, start, n, q, ks, ctx.mask, scale)
+
+    def _observe_decodes(self, g, q, ks, mask, scale, dec) -> None:
+        rows = torch.tensor([i for i, _ in dec], device=q.device)
+        m, L = len(dec), ks.shape[1]
+        hkv = ks.shape[2]
+        qg = q[rows].float().view(m, hkv, -1, q.shape[-1])                       # [m, Hkv, G, D]
+        logits = torch.einsum("mhgd,mlhd->mhgl", qg, ks[rows].float()) * scale   # [m, Hkv, G, L]
+        logits = logits.masked_fill(~mask[rows].view(m, 1, 1, L), -math.inf)
+        p = logits.softmax(-1).reshape(m, -1, L)                                  # [m, Hq, L]
+        for j, (_, st) in enumerate(dec):
+            n_ctx = st.req.num_computed_tokens - st.evicted[g] + 1   # this step's context in layer g
+            self._accumulate_rows(st, g, p[j:j + 1, :, :n_ctx])
+
+    def _observe_prefill(self, g, st: _State, start: int, n: int, q, ks, mask, scale) -> None:
+        n_ctx = ks.shape[0]
+        q0 = n_ctx - n                                          # cache index of the first query
+        rows = torch.arange(n, device=q.device)
+        if st.policy.scores == "window":
+            rows = rows[start + rows >= st.req.num_prompt_tokens - st.policy.window]
+        hkv = ks.shape[1]
+        kf = ks.float()
+        cols = torch.arange(n_ctx, device=q.device)
+        for c in range(0, rows.numel(), SCORE_CHUNK):
+            r = rows[c:c + SCORE_CHUNK]
+            qg = q[r].float().view(r.numel(), hkv, -1, q.shape[-1])             # [c, Hkv, G, D]
+            logits = torch.einsum("chgd,lhd->hgcl", qg, kf) * scale               # [Hkv, G, c, L]
+            vis = mask[r] if mask is not None else cols[None, :] <= (q0 + r)[:, None]
+            logits = logits.masked_fill(~vis, -math.inf)
+            p = logits.softmax(-1).reshape(-1, r.numel(), n_ctx).transpose(0, 1)  # [c, Hq, L]
+            self._accumulate_rows(st, g, p)
+
+    def _accumulate_rows(self, st: _State, g: int, p: torch.Tensor) -> None:
+        """p [c, Hq, L]: attention of c queries; H2O sums heads and queries, SnapKV keeps heads."""
+        L = p.shape[-1]
+        add = p.sum((0, 1)) if st.policy.scores == "all" else p.sum(0)
+        st.scores[g] = _grown(st.scores[g], L, add)
+        st.scores[g][..., :L] += add
+
+    # ---- eviction ----------------------------------------------------------------------------------
+    def after_step(self, scheduled: list[tuple[Request, int]]) -> None:
+        """Apply each scheduled request's policy now that its new entries are in the cache."""
+        for req, _ in scheduled:
+            st = self.states.get(req.request_id)
+            if st is None:
+                continue
+            if req.is_finished:
+                self.drop(req.request_id)
+            else:
+                self._apply(st)
+
+    def _apply(self, st: _State) -> None:
+        pol, req = st.policy, st.req
+        if not pol.evicts or req.request_id not in self.kv.reqs:
+            return
+        if pol.one_shot:
+            if st.done or req.num_computed_tokens < req.num_prompt_tokens:
+                return
+            st.done = True
+        evicted = False
+        for g in self.targets:
+            n = self.cache_len(req, g)
+            if n <= pol.capacity:
+                continue
+            pos = self._positions(st, g, n)
+            scores = None
+            if pol.kind == "h2o":
+                scores = _grown(st.scores[g], n)[..., :n].cpu()
+            elif pol.kind == "snapkv":
+                raw = _grown(st.scores[g], n, like=torch.zeros(self.num_heads, 0))[..., :n].cpu()
+                scores = snapkv_scores(raw, pos, self.num_kv_heads, pol.kernel, pol.pool)
+            self._compact(st, g, pos, pol.select(pos, scores, st.generator))
+            evicted = True
+        if pol.one_shot:
+            st.scores = [None] * len(self.groups)
+        if pol.reindex:
+            st.shift = st.evicted[self.targets[0]]
+        self.num_evictions += evicted
+
+    def _positions(self, st: _State, g: int, n: int) -> torch.Tensor:
+        """Original positions of the group's n entries (entries added since the last eviction are the
+        newest tokens, in order)."""
+        tracked = st.pos[g]
+        m = n - tracked.numel()
+        if m > 0:
+            done = st.req.num_computed_tokens
+            st.pos[g] = torch.cat([tracked, torch.arange(done - m, done)])
+        return st.pos[g]
+
+    def _compact(self, st: _State, g: int, pos: torch.Tensor, keep: torch.Tensor) -> None:
+        """Move the kept entries into the first k cache indices, free the blocks behind them."""
+        n, k = pos.numel(), keep.numel()
+        if k == n:
+            return
+        rid = st.req.request_id
+        if st.policy.reindex:
+            dest = torch.arange(k)                     # keep order: rank = cache index = position
+        else:
+            dest = keep.clone()                        # fill holes below k with entries from the tail
+            movers = keep >= k
+            if bool(movers.any()):
+                stays = torch.zeros(k, dtype=torch.bool)
+                stays[keep[~movers]] = True
+                dest[movers] = (~stays).nonzero().flatten()
+        moved = dest != keep
+        if bool(moved.any()):
+            bs = self.kv.block_size
+            table = torch.tensor(self.kv.block_ids(rid, g), dtype=torch.long)
+            src, dst = keep[moved], dest[moved]
+            if any(self.kv.pool.blocks[b].ref_cnt > 1 for b in table[: -(-k // bs)].tolist()):
+                raise RuntimeError(f"request {rid}: eviction would write into a shared KV block")
+            dev = self.storage.slots[0][0].device
+            src_slots = (table[src // bs] * bs + src % bs).to(dev)
+            dst_slots = (table[dst // bs] * bs + dst % bs).to(dev)
+            layer = self.groups[g].layers[0]
+            if st.policy.reindex:
+                self._move_rotated(layer, src_slots, dst_slots, (src - dst).to(dev))
+            else:
+                self._move_raw(layer, src_slots, dst_slots)
+            self.num_entries_moved += int(moved.sum())
+        new_pos = torch.empty(k, dtype=torch.long)
+        new_pos[dest] = pos[keep]
+        st.pos[g] = new_pos
+        if st.scores[g] is not None:
+            sc = _grown(st.scores[g], n)[..., :n]
+            d = dest.to(sc.device)
+            new = torch.zeros((*sc.shape[:-1], k), dtype=sc.dtype, device=sc.device)
+            new[..., d] = sc[..., keep.to(sc.device)]
+            st.scores[g] = new
+        self.num_blocks_freed += self.kv.release_tail(rid, g, -(-k // self.kv.block_size))
+        st.evicted[g] += n - k
+        self.num_evicted_entries += n - k
+
+    def _move_raw(self, layer: int, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Copy whole per-token rows of every tensor of the layer's storage slot (any per-token format)."""
+        for t in self.storage.slots[self.storage.layer_slot[layer]]:
+            flat = _flat(t)
+            flat[dst] = flat[src]
+
+    def _move_rotated(self, layer: int, src: torch.Tensor, dst: torch.Tensor, delta: torch.Tensor) -> None:
+        """Entries at src -> dst with keys re-rotated `delta` positions back."""
+        k, v = self.storage.read(layer, src)                       # [m, kv_heads, head_dim] each
+        rot = self.storage.rotation(layer)
+        if rot is not None:
+            k = k @ rot.mT
+        k = self.attn[layer].rope.shift(k, delta)
+        if rot is not None:
+            k = k @ rot
+        self.storage.write(layer, dst, k, v)
+
+    # ---- numbers -------------------------------------------------------------------------------------
+    def metrics(self) -> dict:
+        """Evicted entries (token x layer), the same in tokens per evicting layer, events, blocks freed."""
+        per_layer = max(1, len(self.targets))
+        return {
+            "kv_evicted_tokens": self.num_evicted_entries // per_layer,
+            "kv_evicted_entries": self.num_evicted_entries,
+            "kv_evictions": self.num_evictions,
+            "kv_eviction_blocks_freed": self.num_blocks_freed,
+            "kv_eviction_entries_moved": self.num_entries_moved,
+            "kv_requests_evicting": sum(1 for s in self.states.values() if s.policy.evicts),
+        }
+
+    def blocks_held(self, req_id: str) -> int:
+        """Blocks the request holds over all layers (the pool's view of its KV memory)."""
+        state = self.kv.reqs.get(req_id)
+        return 0 if state is None else sum(1 for t in state.tables for b in t if b != self.kv.null)
+
+
+def _grown(t: torch.Tensor | None, n: int, add: torch.Tensor | None = None,
+           like: torch.Tensor | None = None) -> torch.Tensor:
+    """`t` zero-padded on its last dim to length >= n (created from `add` / `like` when None)."""
+    if t is None:
+        ref = add if add is not None else like if like is not None else torch.zeros(0)
+        return torch.zeros((*ref.shape[:-1], n), dtype=torch.float32, device=ref.device)
+    if t.shape[-1] >= n:
+        return t
+    pad = torch.zeros((*t.shape[:-1], n - t.shape[-1]), dtype=t.dtype, device=t.device)
+    return torch.cat([t, pad], dim=-1)
+
+
+# ---- engine glue -------------------------------------------------------------------------------------
+
+
+def request_policy(evictor: Evictor | None, engine_policy: KVPolicy | None, params, prompt_len: int) -> KVPolicy | None:
+    """The resolved policy a request runs under (its own, else the engine's), None when it keeps
+    everything; ValueError when it cannot run here."""
+    from kvserve.kv.policies import parse_policy
+    policy = parse_policy(params.kv_policy) if params.kv_policy is not None else engine_policy
+    if policy is None or not policy.evicts:
+        return None
+    if evictor is None:
+        raise ValueError(f"kv_policy {policy.spec()!r} needs an engine started with a kv_policy (any, 'full' "
+                         "included: it gives every layer its own block table) and kv_cache_mode='paged'")
+    if params.n > 1:
+        raise ValueError(f"kv_policy {policy.spec()!r} cannot be combined with n > 1 (forks would share blocks "
+                         "that eviction rewrites); send n separate requests")
+    policy = policy.resolve(prompt_len)
+    evictor.check(policy)
+    return policy
+
+
+def extend_positions(model: torch.nn.Module, max_positions: int) -> None:
+    """Grow every layer's RoPE tables to `max_positions` (a stream under a policy may run past the
+    model's trained context; re-indexing policies never need it)."""
+    for layer in model.model.layers:
+        rope = getattr(layer.self_attn, "rope", None)
+        if hasattr(rope, "extend"):
+            rope.extend(max_positions)

@@ -1,0 +1,76 @@
+"""Swap space and KV tiers wired into the engine: built from EngineConfig, reported in get_metrics."""
+
+from __future__ import annotations
+
+import logging
+
+from kvserve.kv.swap import SwapSpace
+from kvserve.kv.tiers import TierBridge, fingerprint_path, make_tier, tier_namespace
+
+log = logging.getLogger("kvserve")
+
+
+def build_swap(config, storage, kv) -> SwapSpace | None:
+    """The host swap pool of `swap_space` GiB (None when 0 or without a KV cache)."""
+    if not config.swap_space or storage is None:
+        return None
+    per_block = storage.bytes_per_block
+    num_blocks = int(config.swap_space * (1 << 30)) // per_block
+    if num_blocks < 1:
+        raise ValueError(f"swap_space={config.swap_space} GiB cannot hold one KV block ({per_block} bytes): raise it")
+    swap = SwapSpace(storage, kv, num_blocks)
+    log.info("swap space: %d blocks (%.2f GiB%s), preemption mode %s", num_blocks,
+             num_blocks * per_block / (1 << 30), ", pinned" if swap.tensors[0].is_pinned() else "",
+             config.preemption_mode)
+    return swap
+
+
+def kv_format_name(config, storage) -> str:
+    """Everything about the KV storage format that decides what the bytes of a block mean."""
+    fmt = getattr(storage, "format", None)
+    if fmt is None:  # a storage without formats: the configured name is all there is
+        return str(getattr(config, "kv_cache_dtype", "native"))
+    slots = ";".join(",".join(e.name for e in s.entries) + ("+rotation" if s.rotation is not None else "")
+                     for s in fmt.slots)
+    return f"{fmt.description}|{slots}"
+
+
+def build_tiers(engine) -> TierBridge | None:
+    """The prefix-store tiers of `kv_tiers`, attached below the engine's KV cache manager."""
+    specs = engine.config.tier_specs()
+    if not specs or engine.kv is None:
+        return None
+    from kvserve.model.loader import default_cache_root
+    weights = fingerprint_path(engine.model_path, default_cache_root() / "fingerprints")
+    storage = engine.storage
+    namespace = tier_namespace(weights=weights, dtype=engine.dtype,
+                               kv_format=kv_format_name(engine.config, storage),
+                               block_size=engine.kv.block_size, layer_specs=engine.kv_groups,
+                               layout=storage.block_layout())
+    bridge = TierBridge([make_tier(s) for s in specs], storage, namespace,
+                        before_write=lambda: storage.copy_blocks(engine.kv.take_pending_copies()))
+    engine.kv.lower = bridge
+    log.info("KV tiers: %s (namespace %s)", ", ".join(engine.config.kv_tiers), namespace)
+    return bridge
+
+
+def offload_metrics(engine) -> dict:
+    """Swap usage and moves, preemptions by kind, prefix hits by source, per-tier counters."""
+    swap, sched, kv = engine.swap, engine.scheduler, engine.kv
+    m = {
+        "swap_space_bytes": swap.num_blocks * swap.bytes_per_block if swap else 0,
+        "swap_usage_bytes": swap.usage_bytes if swap else 0,
+        "num_swapped_out_blocks": swap.num_swapped_out_blocks if swap else 0,
+        "num_swapped_in_blocks": swap.num_swapped_in_blocks if swap else 0,
+        "num_requests_swapped": len(swap.held) if swap else 0,
+        "num_swap_preemptions": sched.num_swap_preemptions,
+        "num_recompute_preemptions": sched.num_preemptions - sched.num_swap_preemptions,
+    }
+    by_source = {"device": 0}
+    if engine.tiers is not None:
+        by_source.update({t.name: 0 for t in engine.tiers.tiers})
+    if kv is not None:
+        by_source.update(kv.stats.hits_by_source)
+    m["prefix_cache_hits_by_source"] = by_source
+    m["kv_tiers"] = engine.tiers.metrics() if engine.tiers is not None else {}
+    return m

@@ -1,0 +1,521 @@
+"""Where cached KV blocks go when they leave the device: a prefix store on CPU, disk and Redis.
+
+A tier entry is one whole block — every tensor of every storage slot, whatever the KV format —
+keyed by the block's chained hash (with its KV group) under a namespace that names everything
+that makes two caches incompatible (weights, dtype, KV format, block size, layer specs, tensor
+layout). Entries are self-describing and checksummed (CRC-32 over header and payload, plus the
+expected key, tokens, dtypes, shapes and length): a corrupt or truncated entry is dropped,
+counted and never served.
+
+`TierBridge` connects the tiers to a KVCacheManager (`manager.lower`) and its KVStorage: the pool
+hands it cached blocks it is about to overwrite (`save`, while their memory still holds the
+data), and a prefix lookup that misses on the device asks it which tiers hold the next blocks
+(`locate`) and loads them into fresh device blocks (`load`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import struct
+import time
+import zlib
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from kvserve.kv.hashing import BlockHash
+
+log = logging.getLogger("kvserve")
+
+TIER_FORMAT_VERSION = 1
+ENTRY_MAGIC = b"KVT1"
+TIER_KINDS = ("cpu", "disk", "redis")
+
+
+class CorruptEntry(ValueError):
+    """A tier entry that fails its checksum or does not describe the expected block."""
+
+
+# ---- entries ---------------------------------------------------------------------------------
+Layout = list[tuple[torch.dtype, tuple[int, ...]]]  # (dtype, shape of one block) per block tensor
+
+
+def _layout_json(layout: Layout) -> list:
+    return [[str(dtype).removeprefix("torch."), list(shape)] for dtype, shape in layout]
+
+
+def pack_rows(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """[n, ...] tensors (one per block tensor) -> [n, bytes_per_block] uint8 rows on the CPU."""
+    n = tensors[0].shape[0]
+    parts = [t.detach().to("cpu").contiguous().view(n, -1).view(torch.uint8) for t in tensors]
+    return torch.cat(parts, dim=1)
+
+
+def unpack_rows(rows: torch.Tensor, layout: Layout) -> list[torch.Tensor]:
+    """[n, bytes_per_block] uint8 rows -> one [n, *shape] tensor per layout entry."""
+    n, out, off = rows.shape[0], [], 0
+    for dtype, shape in layout:
+        nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+        out.append(rows[:, off:off + nbytes].contiguous().view(dtype).view(n, *shape))
+        off += nbytes
+    return out
+
+
+def pack_entry(key: BlockHash, token_ids: tuple[int, ...], layout: Layout, row: torch.Tensor) -> bytes:
+    """One block's entry: magic | header length | JSON header | payload | CRC-32 of all before."""
+    header = json.dumps({"v": TIER_FORMAT_VERSION, "key": key.hex(), "tokens": list(token_ids),
+                         "layout": _layout_json(layout), "nbytes": row.numel()}).encode()
+    body = ENTRY_MAGIC + struct.pack("<I", len(header)) + header + row.numpy().tobytes()
+    return body + struct.pack("<I", zlib.crc32(body))
+
+
+def unpack_entry(data: bytes, key: BlockHash, token_ids: tuple[int, ...], layout: Layout) -> torch.Tensor:
+    """The payload row [bytes_per_block] of a verified entry; raises CorruptEntry otherwise."""
+    if len(data) < 12 or data[:4] != ENTRY_MAGIC:
+        raise CorruptEntry("bad magic or truncated header")
+    (crc,) = struct.unpack("<I", data[-4:])
+    if zlib.crc32(memoryview(data)[:-4]) != crc:
+        raise CorruptEntry("checksum mismatch (corrupt or truncated)")
+    (hlen,) = struct.unpack("<I", data[4:8])
+    try:
+        header = json.loads(data[8:8 + hlen])
+    except ValueError as e:
+        raise CorruptEntry(f"unreadable header: {e}") from None
+    expected = {"v": TIER_FORMAT_VERSION, "key": key.hex(), "tokens": list(token_ids),
+                "layout": _layout_json(layout)}
+    for name, want in expected.items():
+        if header.get(name) != want:
+            raise CorruptEntry(f"entry {name} does not match the block asked for")
+    payload = bytearray(memoryview(data)[8 + hlen:-4])
+    if len(payload) != header.get("nbytes"):
+        raise CorruptEntry(f"payload has {len(payload)} bytes, header says {header.get('nbytes')}")
+    return torch.frombuffer(payload, dtype=torch.uint8)
+
+
+# ---- namespace -------------------------------------------------------------------------------
+def fingerprint_path(path: str | os.PathLike, memo_dir: str | os.PathLike | None = None) -> str:
+    """SHA-256 of a model's weight files (a file, or a directory's config + weight files).
+
+    Content-based, so engines on different machines agree; memoized under `memo_dir` by
+    (path, size, mtime) so a large model is hashed once.
+    """
+    path = Path(path).resolve()
+    files = [path] if path.is_file() else sorted(
+        p for p in path.iterdir() if p.suffix in (".safetensors", ".gguf", ".bin", ".json"))
+    stamp = "|".join(f"{p}:{p.stat().st_size}:{p.stat().st_mtime_ns}" for p in files)
+    memo = Path(memo_dir) / hashlib.sha256(stamp.encode()).hexdigest()[:32] if memo_dir else None
+    if memo is not None and memo.is_file():
+        return memo.read_text().strip()
+    h = hashlib.sha256()
+    for p in files:
+        h.update(p.name.encode())
+        with open(p, "rb") as f:
+            while chunk := f.read(1 << 24):
+                h.update(chunk)
+    digest = h.hexdigest()
+    if memo is not None:
+        try:
+            memo.parent.mkdir(parents=True, exist_ok=True)
+            _atomic_write(memo, digest.encode())
+        except OSError as e:
+            log.warning("could not memoize the weights fingerprint in %s: %s", memo_dir, e)
+    return digest
+
+
+def tier_namespace(*, weights: str, dtype: object, kv_format: str, block_size: int,
+                   layer_specs: object, layout: Layout) -> str:
+    """Hex name of a cache namespace: entries are only ever shared inside one."""
+    text = "|".join(str(x) for x in (TIER_FORMAT_VERSION, weights, dtype, kv_format, block_size,
+                                      layer_specs, _layout_json(layout)))
+    return hashlib.blake2b(text.encode(), digest_size=16).hexdigest()
+
+
+# ---- tiers -----------------------------------------------------------------------------------
+@dataclass
+class TierStats:
+    """Per-tier counters (entries and bytes)."""
+
+    hits: int = 0
+    misses: int = 0
+    bytes_read: int = 0
+    bytes_written: int = 0
+    entries_written: int = 0
+    evictions: int = 0     # entries dropped by the tier's own size bound
+    corrupt: int = 0       # entries that failed verification (dropped, never served)
+    errors: int = 0        # I/O and connection errors, corrupt entries included
+
+
+@dataclass(frozen=True)
+class TierSpec:
+    """A parsed `cpu:SIZE`, `disk:/path:SIZE` or `redis://host:port/db`."""
+
+    kind: str
+    capacity: int | None = None   # bytes (cpu, disk)
+    location: str | None = None   # directory (disk) or URL (redis)
+
+
+class CpuTier:
+    """Host-memory entries, bounded in bytes, least recently used dropped first."""
+
+    name = "cpu"
+
+    def __init__(self, capacity: int):
+        self.capacity = capacity
+        self.entries: OrderedDict[str, bytes] = OrderedDict()
+        self.usage_bytes = 0
+        self.stats = TierStats()
+
+    def contains(self, keys: list[str]) -> list[bool] | None:
+        """Which keys are present (None when the tier cannot answer now)."""
+        return [k in self.entries for k in keys]
+
+    def get(self, key: str) -> bytes | None:
+        """The entry's bytes (marking it recently used), or None."""
+        data = self.entries.get(key)
+        if data is not None:
+            self.entries.move_to_end(key)
+        return data
+
+    def put_many(self, items: list[tuple[str, bytes]]) -> None:
+        """Store entries, dropping the least recently used ones beyond the bound."""
+        for key, data in items:
+            if len(data) > self.capacity:
+                continue
+            self.delete(key)
+            self.entries[key] = data
+            self.usage_bytes += len(data)
+            self.stats.bytes_written += len(data)
+            self.stats.entries_written += 1
+            while self.usage_bytes > self.capacity:
+                _, old = self.entries.popitem(last=False)
+                self.usage_bytes -= len(old)
+                self.stats.evictions += 1
+
+    def delete(self, key: str) -> None:
+        """Drop one entry if present."""
+        old = self.entries.pop(key, None)
+        if old is not None:
+            self.usage_bytes -= len(old)
+
+
+class DiskTier:
+    """One file per entry under a directory, bounded in bytes, LRU by file mtime (survives restarts).
+
+    Writes go to a temporary file renamed into place, so a reader sees a whole entry or none; a
+    file torn by a crash fails its checksum. Several processes may share the directory; each
+    enforces the bound over the files it knows (those it wrote, read or found at start).
+    """
+
+    name = "disk"
+    SUFFIX = ".kvb"
+
+    def __init__(self, root: str | os.PathLike, capacity: int):
+        self.root = Path(root)
+        self.capacity = capacity
+        self.stats = TierStats()
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.index: OrderedDict[Path, int] = OrderedDict()  # path -> size, least recent first
+        self.usage_bytes = 0
+        self._scan()
+
+    def _scan(self) -> None:
+        found = []
+        for p in self.root.rglob("*"):
+            try:
+                st = p.stat()
+            except OSError:
+                continue
+            if p.name.endswith(".tmp") and time.time() - st.st_mtime > 600:
+                p.unlink(missing_ok=True)  # left by a writer that died
+            elif p.suffix == self.SUFFIX:
+                found.append((st.st_mtime_ns, p, st.st_size))
+        for _, p, size in sorted(found, key=lambda x: x[0]):
+            self.index[p] = size
+            self.usage_bytes += size
+        self._enforce_bound()
+
+    def _path(self, key: str) -> Path:
+        ns, _, name = key.partition("/")
+        return self.root / ns / name[:2] / (name + self.SUFFIX)
+
+    def contains(self, keys: list[str]) -> list[bool] | None:
+        """Which keys have a file (written by any process)."""
+        return [self._path(k).is_file() for k in keys]
+
+    def get(self, key: str) -> bytes | None:
+        """The entry's bytes (touching its mtime, so LRU order survives restarts), or None."""
+        p = self._path(key)
+        try:
+            data = p.read_bytes()
+        except FileNotFoundError:
+            self._forget(p)
+            return None
+        except OSError as e:
+            self.stats.errors += 1
+            log.warning("disk tier: cannot read %s: %s", p, e)
+            return None
+        try:
+            os.utime(p)
+        except OSError:
+            pass  # removed meanwhile by another process: the bytes read are still whole
+        self._forget(p)
+        self.index[p] = len(data)
+        self.usage_bytes += len(data)
+        return data
+
+    def put_many(self, items: list[tuple[str, bytes]]) -> None:
+        """Write entries atomically (temp file + rename), then enforce the size bound."""
+        for key, data in items:
+            if len(data) > self.capacity:
+                continue
+            p = self._path(key)
+            try:
+                p.parent.mkdir(parents=True, exist_ok=True)
+                _atomic_write(p, data)
+            except OSError as e:
+                self.stats.errors += 1
+                log.warning("disk tier: cannot write %s: %s", p, e)
+                continue
+            self._forget(p)
+            self.index[p] = len(data)
+            self.usage_bytes += len(data)
+            self.stats.bytes_written += len(data)
+            self.stats.entries_written += 1
+        self._enforce_bound()
+
+    def delete(self, key: str) -> None:
+        """Remove one entry's file if present."""
+        p = self._path(key)
+        p.unlink(missing_ok=True)
+        self._forget(p)
+
+    def _forget(self, p: Path) -> None:
+        size = self.index.pop(p, None)
+        if size is not None:
+            self.usage_bytes -= size
+
+    def _enforce_bound(self) -> None:
+        while self.usage_bytes > self.capacity and self.index:
+            p, size = self.index.popitem(last=False)
+            self.usage_bytes -= size
+            p.unlink(missing_ok=True)
+            self.stats.evictions += 1
+
+
+class RedisTier:
+    """Entries in a Redis server shared by engine processes (bound it with Redis's maxmemory + LRU).
+
+    Every call has a timeout. When the server is down or slow the tier steps aside — lookups
+    miss, writes are skipped — logs once, counts the errors, and tries again after a backoff
+    (doubling up to `max_backoff` seconds) until a call succeeds.
+    """
+
+    name = "redis"
+    PREFIX = "kvserve:"
+    PIPELINE_BYTES = 8 << 20
+
+    def __init__(self, url: str, timeout: float = 1.0, max_backoff: float = 30.0):
+        import redis
+        from redis.backoff import NoBackoff
+        from redis.retry import Retry
+        self.url = url
+        self._errors = (redis.ConnectionError, redis.TimeoutError, OSError)
+        self._redis_error = redis.RedisError
+        self.client = redis.Redis.from_url(url, socket_timeout=timeout, socket_connect_timeout=timeout,
+                                           retry=Retry(NoBackoff(), 0))
+        self.stats = TierStats()
+        self.usage_bytes = None
+        self.min_backoff, self.max_backoff = 0.5, max_backoff
+        self.backoff = self.min_backoff
+        self.down_until = 0.0
+        self.down = False
+        if self._call(self.client.ping) is not None:
+            log.info("redis tier: connected to %s", url)
+
+    def _call(self, fn: Callable, *args):
+        """fn(*args), or None when the server is down (then back off) or the call fails."""
+        if self.down and time.monotonic() < self.down_until:
+            return None
+        try:
+            out = fn(*args)
+        except self._errors as e:
+            self.stats.errors += 1
+            if not self.down:
+                log.warning("redis tier %s unavailable (%s): serving without it, retrying with backoff",
+                            self.url, e)
+            self.down = True
+            self.down_until = time.monotonic() + self.backoff
+            self.backoff = min(self.backoff * 2, self.max_backoff)
+            return None
+        except self._redis_error as e:  # a server-side refusal (e.g. out of memory): count, go on
+            self.stats.errors += 1
+            log.warning("redis tier %s: %s", self.url, e)
+            return None
+        if self.down:
+            log.info("redis tier %s reachable again", self.url)
+        self.down, self.backoff = False, self.min_backoff
+        return out
+
+    def contains(self, keys: list[str]) -> list[bool] | None:
+        """Which keys exist (one pipelined round trip); None while the server is unavailable."""
+        def run():
+            pipe = self.client.pipeline(transaction=False)
+            for k in keys:
+                pipe.exists(self.PREFIX + k)
+            return [bool(x) for x in pipe.execute()]
+        return self._call(run)
+
+    def get(self, key: str) -> bytes | None:
+        """The entry's bytes, or None (absent or server unavailable)."""
+        return self._call(self.client.get, self.PREFIX + key)
+
+    def put_many(self, items: list[tuple[str, bytes]]) -> None:
+        """Store entries, pipelined in batches of about PIPELINE_BYTES (each within the timeout)."""
+        def run(batch):
+            pipe = self.client.pipeline(transaction=False)
+            for k, data in batch:
+                pipe.set(self.PREFIX + k, data)
+            return pipe.execute()
+        batch, size = [], 0
+        for n, (key, data) in enumerate(items):
+            batch.append((key, data))
+            size += len(data)
+            if size >= self.PIPELINE_BYTES or n == len(items) - 1:
+                if self._call(run, batch) is None:
+                    return
+                self.stats.bytes_written += size
+                self.stats.entries_written += len(batch)
+                batch, size = [], 0
+
+    def delete(self, key: str) -> None:
+        """Remove one entry."""
+        self._call(self.client.delete, self.PREFIX + key)
+
+
+def make_tier(spec: TierSpec):
+    """Build the tier a TierSpec names."""
+    if spec.kind == "cpu":
+        return CpuTier(spec.capacity)
+    if spec.kind == "disk":
+        return DiskTier(spec.location, spec.capacity)
+    if spec.kind == "redis":
+        return RedisTier(spec.location)
+    raise ValueError(f"unknown KV tier kind {spec.kind!r}; use one of {TIER_KINDS}")
+
+
+# ---- the bridge between the device pool and the tiers -----------------------------------------
+@dataclass
+class TierBridge:
+    """Writes evicted cached blocks down to every tier and loads prefix blocks back (see module doc)."""
+
+    tiers: list
+    storage: object                       # KVStorage: block_layout / read_blocks / write_blocks
+    namespace: str
+    before_write: Callable[[], None] = lambda: None  # flush pending copies before overwriting blocks
+    layout: Layout = field(init=False)
+    _warned: set = field(default_factory=set, init=False)
+    _located: dict = field(default_factory=dict, init=False)  # hash -> index of the tier that has it
+
+    def __post_init__(self):
+        self.layout = self.storage.block_layout()
+
+    def key(self, block_hash: BlockHash) -> str:
+        """The tier key of one pool key (chained hash + group) in this namespace."""
+        return f"{self.namespace}/{block_hash.hex()}"
+
+    def save(self, evicted: list[tuple[int, BlockHash, tuple[int, ...]]]) -> None:
+        """Write blocks the device is about to reuse to each tier that lacks them (data still intact)."""
+        keys = [self.key(h) for _, h, _ in evicted]
+        todo = []
+        for tier in self.tiers:
+            present = tier.contains(keys)
+            if present is not None:
+                todo.append((tier, [i for i, p in enumerate(present) if not p]))
+        needed = sorted({i for _, idx in todo for i in idx})
+        if not needed:
+            return
+        rows = pack_rows(self.storage.read_blocks([evicted[i][0] for i in needed]))
+        entries = {i: pack_entry(evicted[i][1], evicted[i][2], self.layout, row)
+                   for i, row in zip(needed, rows)}
+        for tier, idx in todo:
+            if idx:
+                tier.put_many([(keys[i], entries[i]) for i in idx])
+
+    def locate(self, block_hashes: list[BlockHash]) -> list[str | None]:
+        """The first tier (by name) holding each block, None where no tier does."""
+        where: list[str | None] = [None] * len(block_hashes)
+        todo = list(range(len(block_hashes)))
+        self._located.clear()
+        for t, tier in enumerate(self.tiers):
+            if not todo:
+                break
+            present = tier.contains([self.key(block_hashes[i]) for i in todo])
+            if present is None:
+                continue
+            for i, p in zip(todo, present):
+                if p:
+                    where[i] = tier.name
+                    self._located[block_hashes[i]] = t
+                else:
+                    tier.stats.misses += 1
+            todo = [i for i in todo if where[i] is None]
+        return where
+
+    def load(self, items: list[tuple[BlockHash, tuple[int, ...], int]]) -> list[str | None]:
+        """Load (hash, tokens, device block id) from the first tier with a valid entry; source per item."""
+        sources: list[str | None] = [None] * len(items)
+        ids, rows = [], []
+        for n, (block_hash, tokens, block_id) in enumerate(items):
+            for tier in self.tiers[self._located.get(block_hash, 0):]:
+                row = self._read(tier, block_hash, tokens)
+                if row is not None:
+                    sources[n] = tier.name
+                    ids.append(block_id)
+                    rows.append(row)
+                    break
+        if ids:
+            self.before_write()
+            self.storage.write_blocks(ids, unpack_rows(torch.stack(rows), self.layout))
+        return sources
+
+    def _read(self, tier, block_hash: BlockHash, tokens: tuple[int, ...]) -> torch.Tensor | None:
+        key = self.key(block_hash)
+        data = tier.get(key)
+        if data is None:
+            tier.stats.misses += 1
+            return None
+        try:
+            row = unpack_entry(data, block_hash, tokens, self.layout)
+        except CorruptEntry as e:
+            tier.stats.corrupt += 1
+            tier.stats.errors += 1
+            tier.delete(key)
+            if tier.name not in self._warned:
+                self._warned.add(tier.name)
+                log.warning("%s tier: dropped a corrupt entry %s (%s); counting further ones quietly",
+                            tier.name, key, e)
+            return None
+        tier.stats.hits += 1
+        tier.stats.bytes_read += len(data)
+        return row
+
+    def metrics(self) -> dict[str, dict]:
+        """Counters per tier, plus bytes held where the tier knows."""
+        return {t.name: {**asdict(t.stats), "usage_bytes": t.usage_bytes} for t in self.tiers}
+
+
+def _atomic_write(target: Path, data: bytes) -> None:
+    tmp = target.with_name(f".{target.name}.{os.getpid()}.{time.monotonic_ns()}.tmp")
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+        os.replace(tmp, target)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise

@@ -1,0 +1,356 @@
+"""KV eviction (kv/policies.py, engine/eviction.py): selection on hand-built scores, decode equal to a
+no-cache recompute over exactly the kept tokens, blocks given back to the pool, long streams."""
+
+import math
+
+import pytest
+import torch
+from family_checkpoints import make_tiny_checkpoint
+from helpers import all_blocks_free
+
+from kvserve import LLM, SamplingParams
+from kvserve.kv.policies import (
+    KVPolicy,
+    keep_heavy_recent,
+    keep_random,
+    keep_sinks_window,
+    keep_window_and_top,
+    parse_policy,
+    snapkv_scores,
+)
+from kvserve.model import attention
+from kvserve.model.attention import AttentionMetadata, PrefillSpan
+
+BS = 4
+TOKEN_BYTES = 2 * 2 * 16 * 4  # K and V, 2 KV heads x head_dim 16, float32: one layer of the tiny llama
+
+
+@pytest.fixture(scope="module")
+def tiny1(tmp_path_factory):
+    """One-layer tiny llama (max_position_embeddings 64): its K/V depend only on (token, position),
+    so a recompute over the kept tokens is an exact oracle for the cached path after eviction."""
+    return make_tiny_checkpoint("llama", tmp_path_factory.mktemp("one"), num_hidden_layers=1,
+                                max_position_embeddings=64)
+
+
+@pytest.fixture(scope="module")
+def tiny2(tmp_path_factory):
+    """Two-layer tiny llama: layers choose different tokens."""
+    return make_tiny_checkpoint("llama", tmp_path_factory.mktemp("two"), num_hidden_layers=2,
+                                max_position_embeddings=64)
+
+
+def tiny_llm(path, policy, blocks=512, layers=1, **kw):
+    kw.setdefault("max_num_batched_tokens", 32)
+    return LLM(path, kv_cache_memory=blocks * BS * TOKEN_BYTES, block_size=BS, max_model_len=kw.pop("max_model_len", 400),
+               kv_policy=policy, **kw)
+
+
+def greedy(n, **kw):
+    return SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, **kw)
+
+
+# ---- parsing ------------------------------------------------------------------------------------------
+
+
+def test_parse_policy_specs():
+    assert parse_policy("sinks:4,1020") == KVPolicy("sinks", sinks=4, recent=1020)
+    assert parse_policy("sinks:512") == KVPolicy("sinks", sinks=4, recent=512)
+    assert parse_policy("window:256") == KVPolicy("window", recent=256)
+    assert parse_policy("h2o:64,32") == KVPolicy("h2o", heavy=64, recent=32)
+    assert parse_policy("snapkv:1024,16,5,avg") == KVPolicy("snapkv", budget=1024, window=16, kernel=5, pool="avg")
+    assert parse_policy(None) == parse_policy("full") == KVPolicy()
+    half = parse_policy("snapkv:0.5")
+    assert not half.is_resolved and half.resolve(1000).budget == 500 and half.resolve(1000).is_resolved
+    assert parse_policy("h2o:0.1,0.1").resolve(200) == KVPolicy("h2o", heavy=20, recent=20)
+    for text in ("sinks:4,1020", "window:8", "h2o:64,32", "snapkv:100,32,7,max", "random:50,8,3", "full"):
+        assert parse_policy(parse_policy(text).spec()) == parse_policy(text)
+    for bad in ("sink:4,8", "sinks:a,8", "h2o:64", "snapkv:1.5", "snapkv:10,4,3,mean", "window:0", "window:1,2"):
+        with pytest.raises(ValueError, match="kv_policy"):
+            parse_policy(bad)
+    with pytest.raises(ValueError, match="kv_policy"):
+        SamplingParams(kv_policy="sinks:x")
+
+
+def test_cache_bounds():
+    sinks = parse_policy("sinks:4,60")
+    assert sinks.cache_bound(prompt_len=10, total_len=1000, chunk=32) == 64 + 10
+    assert sinks.cache_bound(prompt_len=500, total_len=1000, chunk=32) == 64 + 32
+    assert sinks.cache_bound(prompt_len=5, total_len=20, chunk=32) == 20
+    snap = parse_policy("snapkv:100")
+    assert snap.cache_bound(prompt_len=400, total_len=420, chunk=32) == 400
+    assert snap.cache_bound(prompt_len=400, total_len=800, chunk=32) == 100 + 400
+
+
+# ---- selection on hand-built scores ---------------------------------------------------------------------
+
+
+def test_sinks_and_window_selection():
+    pos = torch.arange(10)
+    assert keep_sinks_window(pos, 2, 3).tolist() == [0, 1, 7, 8, 9]
+    assert keep_sinks_window(pos, 0, 4).tolist() == [6, 7, 8, 9]
+    assert keep_sinks_window(pos, 4, 8).tolist() == list(range(10))     # under budget: everything
+    scrambled = torch.tensor([5, 0, 9, 2, 7, 1])                        # cache order != position order
+    assert keep_sinks_window(scrambled, 1, 2).tolist() == [1, 2, 4]     # positions 0, 9, 7
+
+
+def test_h2o_selection():
+    pos = torch.tensor([0, 1, 2, 3, 4, 5, 6, 7])
+    scores = torch.tensor([5.0, 0.1, 3.0, 0.2, 4.0, 9.0, 0.0, 0.0])
+    # recent = positions 6, 7; heavy = the best two of the rest: 5 (9.0), 0 (5.0)
+    assert keep_heavy_recent(pos, scores, heavy=2, recent=2).tolist() == [0, 5, 6, 7]
+    # recent entries never count as heavy, whatever their score
+    assert keep_heavy_recent(pos, torch.tensor([1.0, 0, 0, 0, 0, 0, 9, 9]), 1, 2).tolist() == [0, 6, 7]
+    # ties go to the earlier position
+    assert keep_heavy_recent(pos, torch.ones(8), heavy=3, recent=1).tolist() == [0, 1, 2, 7]
+    # scrambled cache order: recent by position, not by cache index
+    spos = torch.tensor([7, 0, 6, 1, 5, 2])
+    assert keep_heavy_recent(spos, torch.tensor([0, 1, 0, 8, 0, 2.0]), 1, 2).tolist() == [0, 2, 3]
+
+
+def test_snapkv_selection_pools_and_averages_gqa_groups():
+    # 4 query heads in 2 KV groups over 8 prompt entries; the last 2 are the observation window
+    attn = torch.zeros(4, 8)
+    attn[0, 2] = 1.0   # group 0: one head looks at entry 2 (averaged with its silent partner: 0.5)
+    attn[2, 4] = 0.4   # group 1: both heads look at entry 4 (0.4)
+    attn[3, 4] = 0.4
+    flat = snapkv_scores(attn, torch.arange(8), num_kv_heads=2, kernel=1)
+    assert torch.allclose(flat, torch.tensor([0, 0, 0.25, 0, 0.2, 0, 0, 0]))
+    assert keep_window_and_top(torch.arange(8), flat, budget=3, window=2).tolist() == [2, 6, 7]
+    pooled = snapkv_scores(attn, torch.arange(8), num_kv_heads=2, kernel=3)    # max over neighbours
+    assert torch.allclose(pooled, torch.tensor([0, 0.25, 0.25, 0.45, 0.2, 0.2, 0, 0]))
+    assert keep_window_and_top(torch.arange(8), pooled, budget=4, window=2).tolist() == [1, 3, 6, 7]
+    avg = snapkv_scores(attn, torch.arange(8), num_kv_heads=2, kernel=3, pool="avg")
+    assert torch.allclose(avg[2], torch.tensor(0.25 / 3)) and torch.allclose(avg[0], torch.tensor(0.0))
+    # budget below the window: the newest `budget` entries
+    assert keep_window_and_top(torch.arange(8), pooled, budget=1, window=2).tolist() == [7]
+
+
+def test_random_selection_is_seeded_and_keeps_window():
+    pos = torch.arange(100)
+    a = keep_random(pos, 20, 5, torch.Generator().manual_seed(1))
+    b = keep_random(pos, 20, 5, torch.Generator().manual_seed(1))
+    assert a.tolist() == b.tolist() and len(a) == 20 and set(range(95, 100)) <= set(a.tolist())
+
+
+# ---- the engine: decode over the kept tokens equals a no-cache recompute ---------------------------------
+
+
+class Oracle:
+    """Wraps the runner: before every step, note what each request's cache holds (tokens, the
+    positions their keys are rotated at); after it, recompute the sampled logits without a cache over
+    exactly those tokens plus the new ones, and record the largest difference."""
+
+    def __init__(self, llm):
+        self.eng = llm.engine
+        self.worst = 0.0
+        self.max_position = 0
+        self.checked = 0
+        self._run = self.eng.runner.execute
+        self.eng.runner.execute = self.execute
+
+    def execute(self, scheduled, prompt_logprob_reqs=()):
+        ev = self.eng.evictor
+        before = {}
+        for req, n in scheduled:
+            st = ev.states.get(req.request_id)
+            c = ev.cache_len(req, 0)
+            kept = ev._positions(st, 0, c).clone() if st is not None else torch.arange(c)
+            shift = ev.position_shift(req)
+            reindex = st is not None and st.policy.reindex
+            start = req.num_computed_tokens
+            ids = [req.token_ids[p] for p in kept.tolist()] + req.token_ids[start:start + n]
+            pos = (list(range(c)) if reindex else kept.tolist()) + list(range(start - shift, start - shift + n))
+            before[req.request_id] = (ids, pos)
+        inp, logits, extra = self._run(scheduled, prompt_logprob_reqs)
+        self.max_position = max(self.max_position, int(inp.positions.max()))
+        for req, row in zip(inp.sampling_reqs, logits):
+            ids, pos = before[req.request_id]
+            ref = self.recompute(ids, pos)
+            self.worst = max(self.worst, float((ref - row).abs().max()))
+            self.checked += 1
+        return inp, logits, extra
+
+    @torch.inference_mode()
+    def recompute(self, ids, pos):
+        n = len(ids)
+        hidden = self.eng.model(torch.tensor(ids), torch.tensor(pos), None,
+                                AttentionMetadata(prefills=[PrefillSpan(0, n, n)]))
+        return self.eng.model.compute_logits(hidden[-1:])[0]
+
+
+@pytest.mark.parametrize("policy", ["sinks:4,12", "window:16", "h2o:6,10", "snapkv:16,4,3", "snapkv:0.5",
+                                    "random:16,4"])
+def test_decode_equals_recompute_over_kept_tokens(tiny1, policy):
+    llm = tiny_llm(tiny1, policy)
+    oracle = Oracle(llm)
+    prompts = [list(range(3, 40)), list(range(50, 71))]
+    outs = llm.generate(prompts, greedy(40), use_tqdm=False)
+    assert all(len(o.outputs[0].token_ids) == 40 for o in outs)
+    assert oracle.checked == 80 and oracle.worst < 1e-4, oracle.worst
+    m = llm.get_metrics()
+    assert m["kv_evicted_tokens"] > 0 and m["kv_evictions"] > 0
+    assert all_blocks_free(llm) and not llm.engine.evictor.states
+
+
+def test_reindexed_stream_runs_past_max_position_embeddings_in_a_small_pool(tiny1):
+    # 16 blocks of 4 tokens = 64 slots for a 308-token stream on a model trained for 64 positions
+    llm = tiny_llm(tiny1, "sinks:4,12", blocks=16, max_num_batched_tokens=8)
+    oracle = Oracle(llm)
+    eng = llm.engine
+    eng.add_request(list(range(3, 11)), greedy(300))
+    peak = 0
+    while eng.has_unfinished_requests():
+        eng.step()
+        peak = max(peak, llm.get_metrics()["num_blocks_used"])
+    assert oracle.worst < 1e-4 and oracle.checked == 300
+    assert oracle.max_position <= 16           # positions stay inside the cache: 4 sinks + 12 recent
+    assert peak <= math.ceil(17 / BS)          # capacity + the new token, in blocks
+    m = llm.get_metrics()
+    # 307 tokens were cached (the last sampled one never is); the last step ended the request before
+    # its eviction, so 17 were held at the end
+    assert m["kv_evicted_tokens"] == 307 - 17
+    assert all_blocks_free(llm)
+
+
+def test_h2o_on_kept_positions_past_the_trained_context(tiny1):
+    llm = tiny_llm(tiny1, "h2o:8,8", blocks=16, max_num_batched_tokens=8, max_model_len=200)
+    oracle = Oracle(llm)
+    llm.generate([list(range(3, 13))], greedy(150), use_tqdm=False)
+    assert oracle.worst < 1e-4 and oracle.max_position == 158   # RoPE tables grown past 64
+    assert all_blocks_free(llm)
+
+
+def test_recompute_preemption_with_eviction(tiny1):
+    # two streams in a pool that holds one and a bit: preemption by recompute, then eviction again
+    llm = tiny_llm(tiny1, "sinks:4,20", blocks=12, max_num_batched_tokens=8)
+    oracle = Oracle(llm)
+    outs = llm.generate([list(range(3, 11)), list(range(20, 28))], greedy(80), use_tqdm=False)
+    assert llm.get_metrics()["num_preemptions"] > 0
+    assert all(len(o.outputs[0].token_ids) == 80 for o in outs)
+    assert oracle.worst < 1e-4
+    assert all_blocks_free(llm) and not llm.engine.evictor.states
+
+
+def test_int8_cache_with_rerotation_stays_close(tiny1):
+    # re-rotated keys go through read/write (dequantize, rotate, quantize); moves copy the raw int8 rows
+    llm = tiny_llm(tiny1, "sinks:4,12", kv_cache_dtype="int8")
+    oracle = Oracle(llm)
+    llm.generate([list(range(3, 40))], greedy(30), use_tqdm=False)
+    assert 0 < oracle.worst < 0.05, oracle.worst
+    with pytest.raises(ValueError, match="KIVI"):
+        LLM(tiny1, kv_cache_memory="1MiB", block_size=32, kv_policy="sinks:4,12", kv_cache_dtype="kivi4")
+
+
+# ---- scores, per-layer selection, freed blocks --------------------------------------------------------
+
+
+def test_h2o_scores_equal_attention_from_a_math_path(tiny1):
+    llm = tiny_llm(tiny1, "h2o:100,100")
+    eng = llm.engine
+    prompt = list(range(5, 25))
+    seen = []
+    attention.OBSERVERS.append(lambda layer, q, k, v, scale, window: seen.append((q, k, scale)))
+    try:
+        eng.add_request(prompt, greedy(2))
+        eng.step()  # the prompt, one chunk
+    finally:
+        attention.OBSERVERS.clear()
+    (q, k, scale), = seen
+    st = next(iter(eng.evictor.states.values()))
+    logits = torch.einsum("qhd,khd->hqk", q, k.repeat_interleave(2, dim=1)) * scale
+    causal = torch.ones(20, 20, dtype=torch.bool).tril()
+    probs = logits.masked_fill(~causal, -math.inf).softmax(-1)
+    assert torch.allclose(st.scores[0][:20], probs.sum((0, 1)), atol=1e-5)
+    while eng.has_unfinished_requests():
+        eng.step()
+
+
+def test_one_shot_compression_frees_blocks_and_keeps_entries_per_layer(tiny2):
+    prompt = list(range(3, 40))              # 37 tokens: 10 blocks per layer
+    ref = tiny_llm(tiny2, "full", max_num_batched_tokens=64)
+    ref.engine.add_request(prompt, greedy(4), request_id="r")
+    ref.engine.step()
+    llm = tiny_llm(tiny2, "snapkv:16,6,1", max_num_batched_tokens=64)
+    eng = llm.engine
+    free0 = llm.get_metrics()["num_blocks_free"]
+    eng.add_request(prompt, greedy(4), request_id="r")
+    eng.step()                               # prefill the whole prompt, then evict to 16 per layer
+    m = llm.get_metrics()
+    assert free0 - m["num_blocks_free"] == 2 * 4
+    assert m["kv_eviction_blocks_freed"] == 2 * (10 - 4) and m["kv_evicted_entries"] == 2 * (37 - 16)
+    st = eng.evictor.states["r"]
+    kept = [st.pos[g] for g in range(2)]
+    assert all(len(k) == 16 for k in kept)
+    assert set(range(37 - 6, 37)) <= set(kept[0].tolist()) and set(range(37 - 6, 37)) <= set(kept[1].tolist())
+    assert kept[0].tolist() != kept[1].tolist()   # each layer keeps its own heavy hitters
+    for g in range(2):                            # every kept entry holds exactly the reference K/V
+        table = torch.tensor(eng.kv.block_ids("r", g))
+        idx = torch.arange(16)
+        got = eng.storage.read(g, table[idx // BS] * BS + idx % BS)
+        rtable = torch.tensor(ref.engine.kv.block_ids("r", g))
+        p = kept[g]
+        want = ref.engine.storage.read(g, rtable[p // BS] * BS + p % BS)
+        for a, b in zip(got, want):
+            assert torch.equal(a, b)
+    while eng.has_unfinished_requests():
+        eng.step()
+    assert all_blocks_free(llm)
+
+
+def test_evicting_requests_do_not_touch_the_prefix_cache(tiny1):
+    llm = tiny_llm(tiny1, "full")
+    prompt = list(range(3, 43))
+    llm.generate([prompt], greedy(4, kv_policy="snapkv:16,4"), use_tqdm=False)
+    assert llm.get_metrics()["num_blocks_cached"] == 0        # nothing published
+    first = llm.generate([prompt], greedy(4), use_tqdm=False)    # engine default: full cache
+    assert first[0].num_cached_tokens == 0
+    again = llm.generate([prompt], greedy(4, kv_policy="snapkv:16,4"), use_tqdm=False)
+    assert again[0].num_cached_tokens == 0                     # and takes no hits
+    assert llm.generate([prompt], greedy(4), use_tqdm=False)[0].num_cached_tokens == 36
+    assert all_blocks_free(llm)
+
+
+def test_bad_combinations_are_refused(tiny1, tmp_path):
+    plain = LLM(tiny1, kv_cache_memory="1MiB", block_size=BS)
+    with pytest.raises(ValueError, match="engine started with a kv_policy"):
+        plain.generate([[3, 4, 5]], greedy(2, kv_policy="window:8"), use_tqdm=False)
+    llm = tiny_llm(tiny1, "window:8")
+    with pytest.raises(ValueError, match="n > 1"):
+        llm.generate([[3, 4, 5]], SamplingParams(n=2, max_tokens=2), use_tqdm=False)
+    with pytest.raises(ValueError, match="kv_cache_mode"):
+        LLM(tiny1, kv_cache_mode="none", kv_policy="window:8")
+    gemma = make_tiny_checkpoint("gemma3", tmp_path)      # 3 sliding layers + 1 full layer
+    with pytest.raises(ValueError, match="re-indexes"):
+        LLM(gemma, kv_cache_memory="1MiB", block_size=BS, kv_policy="sinks:4,12")
+    g = LLM(gemma, kv_cache_memory="1MiB", block_size=BS, kv_policy="h2o:6,6", max_num_batched_tokens=8)
+    g.generate([list(range(3, 30))], greedy(20), use_tqdm=False)     # only the full layer evicts
+    assert g.get_metrics()["kv_evicted_entries"] == 27 + 19 - 13   # the last step ends the request first
+    assert all_blocks_free(g)
+
+
+# ---- the bundled model ---------------------------------------------------------------------------------
+
+
+def test_per_layer_tables_are_transparent_on_the_bundled_model(llm):
+    from helpers import assert_same_completions
+    per_layer = LLM(kv_cache_memory="48MiB", max_model_len=1024, kv_policy="full")
+    prompts = ["The capital of France is", "def fibonacci(n):"]
+    params = SamplingParams(temperature=0, max_tokens=8, logprobs=3)
+    assert_same_completions(per_layer.generate(prompts, params, use_tqdm=False),
+                            llm.generate(prompts, params, use_tqdm=False))
+    out = per_layer.generate(["Count: one two three four five six seven eight"],
+                             greedy(40, kv_policy="sinks:4,12"), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 40
+    assert per_layer.get_metrics()["kv_evicted_tokens"] > 0
+    assert all_blocks_free(per_layer)
+
+
+def test_cli_flags():
+    from kvserve.cli import build_parser
+    args = build_parser().parse_args(["generate", "hi", "--kv-policy", "sinks:4,1020"])
+    assert args.kv_policy == "sinks:4,1020"
+    args = build_parser().parse_args(["serve", "--kv-policy", "full"])
+    assert args.kv_policy == "full"
+    args = build_parser().parse_args(["eval", "kv-policy", "--budgets", "256,512", "--parts", "stream"])
+    assert args.budgets == "256,512" and args.func.__module__ == "kvserve.tools.evaluate_policies"

@@ -1,0 +1,416 @@
+"""KV tiers: entries and checksums, each tier's LRU bound, the bridge under the manager, and engines
+sharing a disk or Redis tier across processes, with faults (corrupt entries, Redis down)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvserve import LLM, SamplingParams
+from kvserve.kv.hashing import namespace_hash
+from kvserve.kv.manager import KVCacheManager
+from kvserve.kv.spec import KVGroup, KVSpec
+from kvserve.kv.storage import KVStorage
+from kvserve.kv.tiers import (
+    CorruptEntry,
+    CpuTier,
+    DiskTier,
+    RedisTier,
+    TierBridge,
+    pack_entry,
+    pack_rows,
+    tier_namespace,
+    unpack_entry,
+    unpack_rows,
+)
+
+WORKER = Path(__file__).with_name("tier_worker.py")
+LAYOUT = [(torch.float32, (4, 2, 3)), (torch.bfloat16, (4, 2, 3)), (torch.float8_e4m3fn, (4, 5))]
+KEY = bytes(range(16))
+TOKENS = (1, 2, 3, 4)
+GREEDY = SamplingParams(temperature=0, max_tokens=8)
+
+
+def block(seed: int) -> list[torch.Tensor]:
+    """One block's tensors for LAYOUT, as [1, ...] rows."""
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn((1, *shape), generator=g).to(dtype) for dtype, shape in LAYOUT]
+
+
+def same_bits(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
+    return all(torch.equal(x.contiguous().view(torch.uint8), y.contiguous().view(torch.uint8)) for x, y in zip(a, b))
+
+
+def entry(seed: int = 0, key: bytes = KEY, tokens=TOKENS) -> bytes:
+    return pack_entry(key, tokens, LAYOUT, pack_rows(block(seed))[0])
+
+
+# ---- entries ---------------------------------------------------------------------------------
+def test_entry_roundtrip_is_bit_exact():
+    data = entry(3)
+    row = unpack_entry(data, KEY, TOKENS, LAYOUT)
+    assert same_bits(unpack_rows(row[None], LAYOUT), block(3))
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate", "empty", "append"])
+def test_damaged_entry_is_detected(damage):
+    data = bytearray(entry())
+    if damage == "flip":
+        data[len(data) // 2] ^= 0x10
+    elif damage == "truncate":
+        data = data[:len(data) - 100]
+    elif damage == "empty":
+        data = bytearray()
+    else:
+        data += b"\0"
+    with pytest.raises(CorruptEntry):
+        unpack_entry(bytes(data), KEY, TOKENS, LAYOUT)
+
+
+def test_entry_for_another_block_or_layout_is_refused():
+    data = entry()
+    with pytest.raises(CorruptEntry):
+        unpack_entry(data, bytes(16), TOKENS, LAYOUT)            # another key
+    with pytest.raises(CorruptEntry):
+        unpack_entry(data, KEY, (1, 2, 3, 5), LAYOUT)            # a hash collision: other tokens
+    with pytest.raises(CorruptEntry):
+        unpack_entry(data, KEY, TOKENS, LAYOUT[:2] + [(torch.int8, (4, 5))])  # another format
+
+
+def test_namespace_names_what_makes_caches_incompatible():
+    base = dict(weights="abc", dtype=torch.float32, kv_format="auto", block_size=16,
+                layer_specs="full x30", layout=LAYOUT)
+    ns = tier_namespace(**base)
+    assert tier_namespace(**base) == ns
+    for change in (dict(weights="abd"), dict(dtype=torch.bfloat16), dict(kv_format="int8"),
+                   dict(block_size=32), dict(layer_specs="full x29"), dict(layout=LAYOUT[:2])):
+        assert tier_namespace(**{**base, **change}) != ns, change
+
+
+# ---- each tier's bound -----------------------------------------------------------------------
+def test_cpu_tier_lru_bound():
+    size = len(entry())
+    tier = CpuTier(capacity=3 * size)
+    tier.put_many([(f"ns/{i}", entry(i)) for i in range(3)])
+    assert tier.get("ns/0") is not None                         # 0 becomes the most recent
+    tier.put_many([("ns/3", entry(3))])
+    assert tier.contains(["ns/0", "ns/1", "ns/2", "ns/3"]) == [True, False, True, True]
+    assert tier.usage_bytes == 3 * size <= tier.capacity and tier.stats.evictions == 1
+    tier.put_many([("ns/big", b"x" * (4 * size))])              # larger than the whole tier: skipped
+    assert tier.contains(["ns/big"]) == [False]
+
+
+def test_disk_tier_lru_bound_and_restart(tmp_path):
+    size = len(entry())
+    tier = DiskTier(tmp_path, capacity=3 * size)
+    for i in range(3):
+        tier.put_many([(f"ns/{i:02x}", entry(i))])
+        time.sleep(0.01)  # distinct mtimes
+    assert tier.get("ns/00") == entry(0)                         # touched: most recent
+    time.sleep(0.01)
+    tier.put_many([("ns/03", entry(3))])
+    assert tier.contains(["ns/00", "ns/01", "ns/02", "ns/03"]) == [True, False, True, True]
+    files = sorted(p.name for p in tmp_path.rglob("*") if p.is_file())
+    assert files == ["00.kvb", "02.kvb", "03.kvb"]               # no temporary files left behind
+    # a new process (here: a new tier) sees the entries and their LRU order from the files' mtimes
+    again = DiskTier(tmp_path, capacity=2 * size)
+    assert again.usage_bytes == 2 * size
+    assert again.contains(["ns/00", "ns/02", "ns/03"]) == [True, False, True]
+    assert again.get("ns/03") == entry(3)
+
+
+def test_redis_tier_bound_is_redis_lru(make_redis):
+    server = make_redis("--maxmemory", "4mb", "--maxmemory-policy", "allkeys-lru")
+    tier = RedisTier(server.url)
+    big = b"x" * 200_000
+    for i in range(60):                                           # 12 MB into a 4 MB server
+        tier.put_many([(f"ns/{i}", big)])
+    present = tier.contains([f"ns/{i}" for i in range(60)])
+    assert present[-1] and sum(present) < 25 and not present[0]
+    assert tier.stats.errors == 0
+
+
+# ---- the bridge: save on eviction, load on a device miss, never serve a bad entry ------------
+def small_cache(num_blocks=8, block_size=4, groups=None):
+    groups = groups or [KVGroup(KVSpec("full", num_kv_heads=2, head_dim=3), [0, 1])]
+    kv = KVCacheManager(num_blocks, block_size, namespace_hash("unit", "tiers"), groups=groups)
+    storage = KVStorage(groups, num_blocks, block_size, torch.float32)
+    return kv, storage
+
+
+def fill(storage: KVStorage, blocks: list[int], seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    tensors = [torch.randn((len(blocks), *shape), generator=g).to(dtype) for dtype, shape in storage.block_layout()]
+    storage.write_blocks(blocks, tensors)
+
+
+def run_request(kv: KVCacheManager, storage: KVStorage, rid: str, tokens: list[int], seed: int):
+    """Admit a request, 'compute' its blocks (random data), register them, free it; hits and blocks."""
+    hits, num_hit = kv.get_computed_blocks(rid, tokens)
+    assert kv.allocate_slots(rid, num_hit, len(tokens) - num_hit, hits)
+    kv.record_prefix_query(len(tokens), num_hit, hits)
+    tables = [list(kv.block_ids(rid, g)) for g in range(len(kv.groups))]
+    new = [b for t, h in zip(tables, hits) for b in t[len(h):] if b != kv.null]
+    fill(storage, new, seed)
+    kv.cache_blocks(rid, tokens, len(tokens))
+    contents = {b: [t[b].clone() for t in storage.block_tensors()] for t in tables for b in t if b != kv.null}
+    kv.free(rid)
+    return num_hit, tables, contents
+
+
+def attach(kv, storage, tiers):
+    bridge = TierBridge(tiers, storage, "ns", before_write=lambda: storage.copy_blocks(kv.take_pending_copies()))
+    kv.lower = bridge
+    return bridge
+
+
+def test_evicted_blocks_come_back_from_the_tier_bit_exact():
+    kv, storage = small_cache()
+    tier = CpuTier(1 << 20)
+    attach(kv, storage, [tier])
+    prompt = list(range(100, 117))                        # 4 full blocks + 1 token
+    _, tables, contents = run_request(kv, storage, "a", prompt, seed=1)
+    run_request(kv, storage, "b", list(range(500, 532)), seed=2)  # 8 blocks: evicts all of a's
+    assert tier.stats.entries_written == 4
+    num_hit, new_tables, _ = run_request(kv, storage, "c", prompt, seed=3)
+    assert num_hit == 16 and tier.stats.hits == 4
+    assert kv.stats.hits_by_source == {"device": 0, "cpu": 16}
+    for old, new in zip(tables[0][:4], new_tables[0][:4]):
+        assert same_bits([t[new] for t in storage.block_tensors()], contents[old])
+    # loaded blocks are registered: the next request finds them on the device
+    assert run_request(kv, storage, "d", prompt, seed=4)[0] == 16
+    assert kv.stats.hits_by_source == {"device": 16, "cpu": 16}
+
+
+def test_corrupt_entry_is_dropped_and_the_prefix_stops_there(tmp_path):
+    kv, storage = small_cache()
+    tier = DiskTier(tmp_path, 1 << 20)
+    bridge = attach(kv, storage, [tier])
+    prompt = list(range(100, 117))
+    run_request(kv, storage, "a", prompt, seed=1)
+    kv.reset_prefix_cache(offload=True)
+    third = tier._path(bridge.key(_chain_hash(kv, prompt, 2)))
+    data = bytearray(third.read_bytes())
+    data[-50] ^= 0xFF
+    third.write_bytes(bytes(data))
+    num_hit, _, _ = run_request(kv, storage, "c", prompt, seed=3)
+    assert num_hit == 8                                   # blocks 0 and 1; block 2 was corrupt
+    assert tier.stats.corrupt == 1 and tier.stats.errors == 1 and not third.exists()
+
+
+def _chain_hash(kv: KVCacheManager, tokens: list[int], index: int) -> bytes:
+    from kvserve.kv.hashing import hash_full_blocks
+    return hash_full_blocks(kv.namespace, tokens, kv.block_size)[index]
+
+
+def test_hybrid_groups_load_only_the_window_of_sliding_layers():
+    full = KVGroup(KVSpec("full", num_kv_heads=2, head_dim=3), [0])
+    sliding = KVGroup(KVSpec("sliding", num_kv_heads=2, head_dim=3, window=6), [1])
+    kv, storage = small_cache(num_blocks=24, groups=[full, sliding])
+    tier = CpuTier(1 << 20)
+    attach(kv, storage, [tier])
+    prompt = list(range(100, 121))                        # 5 full blocks + 1 token
+    run_request(kv, storage, "a", prompt, seed=1)
+    kv.reset_prefix_cache(offload=True)
+    written = tier.stats.entries_written
+    num_hit, tables, _ = run_request(kv, storage, "c", prompt, seed=3)
+    assert num_hit == 20
+    assert all(b != kv.null for b in tables[0][:5])       # every full-attention block came back
+    assert tables[1][:3] == [kv.null] * 3                 # only the window of the sliding group
+    assert tier.stats.hits == 5 + 2 and written >= 5 + 2
+
+
+# ---- engines ---------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def corpus_ids(llm):
+    from pydoc_data.topics import topics
+    return llm.get_tokenizer().encode(topics["assignment"] + topics["compound"])
+
+
+@pytest.fixture(scope="module")
+def doc(corpus_ids):
+    """A 401-token document prompt: 25 full blocks, all of them prefix hits when it comes again."""
+    return corpus_ids[:401]
+
+
+@pytest.fixture(scope="module")
+def filler(corpus_ids):
+    """A prompt that, with 8 new tokens, needs all 32 blocks of a max_model_len=512 pool."""
+    return corpus_ids[1000:1490]
+
+
+@pytest.fixture(scope="module")
+def reference(llm, doc):
+    """Greedy tokens for `doc` from an engine without tiers."""
+    return llm.generate([doc], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+
+
+POOL_32 = 32 * 16 * 46080    # exactly one max_model_len=512 sequence of SmolLM2 in float32
+
+
+def run_worker(engine: dict, prompts: list, offload: bool = False) -> dict:
+    job = json.dumps({"engine": engine, "prompts": prompts, "offload": offload})
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, str(WORKER), job], capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_cpu_tier_serves_blocks_the_device_evicted(doc, filler, reference):
+    llm = LLM(kv_cache_memory=POOL_32, max_model_len=512, kv_tiers=["cpu:256MiB"])
+    first = llm.generate([doc], GREEDY, use_tqdm=False)[0]
+    llm.generate([filler], GREEDY, use_tqdm=False)         # needs the whole pool: evicts every doc block
+    again = llm.generate([doc], GREEDY, use_tqdm=False)[0]
+    m = llm.get_metrics()
+    assert first.num_cached_tokens == 0 and again.num_cached_tokens == 400
+    assert m["prefix_cache_hits_by_source"]["cpu"] == again.num_cached_tokens
+    assert again.outputs[0].token_ids == first.outputs[0].token_ids == reference
+    assert m["kv_tiers"]["cpu"]["hits"] == 25 and m["kv_tiers"]["cpu"]["errors"] == 0
+
+
+def test_disk_tier_across_processes(tmp_path, doc, filler, reference):
+    engine = dict(kv_cache_memory=POOL_32, max_model_len=512, kv_tiers=[f"disk:{tmp_path}:1GiB"])
+    a = run_worker(engine, [doc, filler])                 # A computes doc; the filler evicts it to disk
+    assert a["cached"] == [0, 0] and a["kv_tiers"]["disk"]["entries_written"] >= 25
+    b = run_worker(engine, [doc])                         # B: a new process, the same directory
+    assert b["cached"][0] == 400               # every full block of the prompt from disk
+    assert b["hits_by_source"]["disk"] == b["cached"][0]
+    assert b["outputs"][0] == a["outputs"][0] == reference
+
+
+def test_redis_tier_shared_by_two_processes(redis_server, doc, reference):
+    engine = dict(kv_cache_memory="64MiB", max_model_len=512, kv_tiers=[redis_server.url])
+    a = run_worker(engine, [doc], offload=True)           # A writes its cached prefix down at the end
+    b = run_worker(engine, [doc])
+    assert a["kv_tiers"]["redis"]["entries_written"] == 25
+    assert b["cached"][0] == 400 and b["hits_by_source"]["redis"] == 400
+    assert b["kv_tiers"]["redis"]["hits"] == 25 and b["kv_tiers"]["redis"]["errors"] == 0
+    assert b["outputs"][0] == a["outputs"][0] == reference
+
+
+@pytest.mark.parametrize("other", [dict(dtype="bfloat16"), dict(kv_cache_dtype="int8")], ids=["dtype", "format"])
+def test_other_dtype_or_format_gets_no_hits(tmp_path, doc, other):
+    tiers = [f"disk:{tmp_path}:1GiB"]
+    writer = LLM(kv_cache_memory="32MiB", max_model_len=512, kv_tiers=tiers)
+    writer.generate([doc[:100]], GREEDY, use_tqdm=False)
+    assert writer.reset_prefix_cache(offload=True) == 6
+    del writer
+    reader = LLM(kv_cache_memory="32MiB", max_model_len=512, kv_tiers=tiers, **other)
+    out = reader.generate([doc[:100]], GREEDY, use_tqdm=False)[0]
+    m = reader.get_metrics()
+    assert out.num_cached_tokens == 0 and m["kv_tiers"]["disk"]["hits"] == 0
+    assert m["kv_tiers"]["disk"]["corrupt"] == 0          # never even read: other keys
+    # the same engine again (same options) does hit its own entries
+    same = LLM(kv_cache_memory="32MiB", max_model_len=512, kv_tiers=tiers)
+    assert same.generate([doc[:100]], GREEDY, use_tqdm=False)[0].num_cached_tokens == 96
+
+
+def test_corrupt_disk_entries_are_never_served(tmp_path, doc, reference):
+    tiers = [f"disk:{tmp_path}:1GiB"]
+    writer = LLM(kv_cache_memory="64MiB", max_model_len=512, kv_tiers=tiers)
+    writer.generate([doc], GREEDY, use_tqdm=False)
+    writer.reset_prefix_cache(offload=True)
+    files = sorted(tmp_path.rglob("*.kvb"), key=lambda p: p.stat().st_size)
+    assert len(files) == 25
+    damaged = files[:3]
+    data = bytearray(damaged[0].read_bytes())
+    data[len(data) // 2] ^= 0x01                          # one flipped bit in the payload
+    damaged[0].write_bytes(bytes(data))
+    damaged[1].write_bytes(damaged[1].read_bytes()[:1000])  # truncated
+    damaged[2].write_bytes(b"")                           # empty
+    out = writer.generate([doc], GREEDY, use_tqdm=False)[0]
+    disk = writer.get_metrics()["kv_tiers"]["disk"]
+    assert out.outputs[0].token_ids == reference
+    assert disk["corrupt"] == 3 and disk["errors"] == 3   # each read once, dropped
+    assert out.num_cached_tokens < 400                    # the prefix stops at the first bad block
+    assert not any(p.exists() for p in damaged)
+
+
+def test_redis_killed_mid_run_then_back(make_redis, doc, filler, reference, caplog):
+    server = make_redis()
+    llm = LLM(kv_cache_memory=POOL_32, max_model_len=512, kv_tiers=[server.url])
+    tier = llm.engine.tiers.tiers[0]
+    assert llm.generate([doc], GREEDY, use_tqdm=False)[0].outputs[0].token_ids == reference
+    server.stop()                                         # Redis dies
+    with caplog.at_level(logging.WARNING, logger="kvserve"):
+        for _ in range(2):
+            llm.generate([filler], GREEDY, use_tqdm=False)  # evicts doc: writes fail
+            out = llm.generate([doc], GREEDY, use_tqdm=False)[0]
+            assert out.outputs[0].token_ids == reference
+    m = llm.get_metrics()["kv_tiers"]["redis"]
+    assert m["errors"] >= 1 and m["hits"] == 0
+    assert sum("unavailable" in r.message for r in caplog.records) == 1   # logged once
+    make_redis(port=server.port)                          # back (empty) on the same port
+    time.sleep(tier.backoff + 0.1)
+    llm.generate([filler], GREEDY, use_tqdm=False)        # evicts doc again: now written down
+    assert llm.get_metrics()["kv_tiers"]["redis"]["entries_written"] >= 25
+    out = llm.generate([doc], GREEDY, use_tqdm=False)[0]
+    assert out.num_cached_tokens == 400 and out.outputs[0].token_ids == reference
+
+
+def test_redis_unreachable_at_start(make_redis, doc, reference):
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]                          # nothing listens there
+    llm = LLM(kv_cache_memory="64MiB", max_model_len=512, kv_tiers=[f"redis://127.0.0.1:{port}/0"])
+    out = llm.generate([doc], GREEDY, use_tqdm=False)[0]
+    assert out.outputs[0].token_ids == reference
+    llm.reset_prefix_cache(offload=True)
+    m = llm.get_metrics()["kv_tiers"]["redis"]
+    assert m["errors"] >= 1 and m["hits"] == 0 and m["entries_written"] == 0
+
+
+@pytest.mark.parametrize("fmt", ["int8", "kivi4"])
+def test_quantized_format_round_trips_through_a_tier(doc, fmt):
+    llm = LLM(kv_cache_memory="32MiB", max_model_len=512, kv_cache_dtype=fmt, block_size=32, kv_tiers=["cpu:64MiB"])
+    first = llm.generate([doc[:100]], GREEDY, use_tqdm=False)[0]
+    llm.reset_prefix_cache(offload=True)
+    again = llm.generate([doc[:100]], GREEDY, use_tqdm=False)[0]
+    assert again.num_cached_tokens == 96 and llm.get_metrics()["prefix_cache_hits_by_source"]["cpu"] == 96
+    assert again.outputs[0].token_ids == first.outputs[0].token_ids
+
+
+def test_prometheus_exports_swap_and_tier_metrics():
+    from kvserve.server.metrics import ServerMetrics
+    snap = {"swap_usage_bytes": 1024, "num_requests_swapped": 1, "num_swapped_out_blocks": 3,
+            "num_swapped_in_blocks": 2, "prefix_cache_hits_by_source": {"device": 32, "disk": 16},
+            "kv_tiers": {"disk": {"hits": 1, "misses": 2, "bytes_read": 10, "bytes_written": 20,
+                                  "errors": 1, "corrupt": 1, "usage_bytes": 20}}}
+    text = ServerMetrics("m", 512).render(snap).decode()
+    for line in ('kvserve:swap_usage_bytes{model_name="m"} 1024.0',
+                 'kvserve:num_requests_swapped{model_name="m"} 1.0',
+                 'kvserve:num_swapped_out_blocks_total{model_name="m"} 3.0',
+                 'kvserve:prefix_cache_hits_by_source_total{model_name="m",source="disk"} 16.0',
+                 'kvserve:kv_tier_hits_total{model_name="m",tier="disk"} 1.0',
+                 'kvserve:kv_tier_errors_total{model_name="m",tier="disk"} 1.0',
+                 'kvserve:kv_tier_usage_bytes{model_name="m",tier="disk"} 20.0'):
+        assert line in text, line
+
+
+def test_tier_specs_from_config_and_cli(tmp_path):
+    from kvserve.cli import build_parser
+    from kvserve.config import EngineConfig, parse_tier_spec
+    from kvserve.kv.tiers import TierSpec
+    assert parse_tier_spec("cpu:4GiB") == TierSpec("cpu", 4 << 30)
+    assert parse_tier_spec("disk:/a:b/c:20GiB") == TierSpec("disk", 20 << 30, "/a:b/c")
+    assert parse_tier_spec("redis://127.0.0.1:6379/0") == TierSpec("redis", None, "redis://127.0.0.1:6379/0")
+    for bad in ("cpu", "cpu:lots", "disk:/x", "disk::1GiB", "s3://bucket", "cpu:0"):
+        with pytest.raises(ValueError, match="KV tier"):
+            parse_tier_spec(bad)
+    with pytest.raises(ValueError, match="once"):
+        EngineConfig(kv_tiers=["cpu:1GiB", "cpu:2GiB"]).validate()
+    with pytest.raises(ValueError, match="prefix caching"):
+        EngineConfig(kv_tiers=["cpu:1GiB"], enable_prefix_caching=False).validate()
+    args = build_parser().parse_args(["generate", "hi", "--kv-tier", "cpu:1GiB", "--kv-tier",
+                                      f"disk:{tmp_path}:1GiB", "--swap-space", "2", "--preemption-mode", "swap"])
+    assert args.kv_tiers == ["cpu:1GiB", f"disk:{tmp_path}:1GiB"]
+    assert (args.swap_space, args.preemption_mode) == (2.0, "swap")
