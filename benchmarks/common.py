@@ -79,6 +79,7 @@ def machine_facts() -> dict[str, str]:
         "python": platform.python_version(),
         "device": "cuda: " + torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
     }
+    facts["kvserve tree"] = git_state()
     try:
         import transformers
         facts["transformers"] = transformers.__version__
@@ -90,6 +91,19 @@ def machine_facts() -> dict[str, str]:
     except ImportError:
         pass
     return facts
+
+
+def git_state() -> str:
+    """The commit the numbers were measured at, '+ local changes' when the tree was dirty."""
+    import subprocess
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO_ROOT, capture_output=True,
+                              text=True, timeout=10).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO_ROOT,
+                               capture_output=True, text=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return (head or "unknown") + (" + local changes" if dirty else "")
 
 
 def command_line() -> str:
@@ -124,3 +138,30 @@ def replace_section(title: str, body: str, path: Path = BENCHMARKS_MD) -> None:
 def fmt(x: float | None, scale: float = 1.0, digits: int = 2) -> str:
     """A number for a table, or an em dash when not measured."""
     return "—" if x is None else f"{x * scale:.{digits}f}"
+
+
+class OtherLoad:
+    """CPU cores that other processes kept busy between start() and stop(): contention, measured."""
+
+    def __init__(self):
+        self._start = self._sample()
+
+    @staticmethod
+    def _sample() -> tuple[float, float, float]:
+        import time
+        with open("/proc/stat") as f:
+            fields = [int(x) for x in f.readline().split()[1:]]
+        busy = sum(fields[:8]) - fields[3] - fields[4]  # all but idle and iowait (guest is in user)
+        t = os.times()
+        return time.monotonic(), busy / os.sysconf("SC_CLK_TCK"), t.user + t.system
+
+    def stop(self) -> float | None:
+        """Mean number of cores busy with other processes since construction."""
+        try:
+            end = self._sample()
+        except OSError:
+            return None
+        wall = end[0] - self._start[0]
+        if wall <= 0:
+            return None
+        return max(0.0, ((end[1] - self._start[1]) - (end[2] - self._start[2])) / wall)

@@ -25,6 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
 from common import (  # noqa: E402
+    OtherLoad,
     command_line,
     fmt,
     load_average,
@@ -56,6 +57,7 @@ class Result:
     outputs: list[list[int]] | None = None            # generated token ids, request order
     load_s: float | None = None
     notes: list[str] = field(default_factory=list)
+    other_cores: float | None = None                 # CPU cores other processes used meanwhile
 
     @property
     def output_tps(self) -> float:
@@ -85,6 +87,7 @@ class LayoutResult:
     peak_running: int            # most requests running at once
     num_preemptions: int
     seq_tokens: list[int]        # prompt + output tokens per request
+    other_cores: float | None = None
 
     @property
     def pool_tokens(self) -> int:
@@ -134,9 +137,9 @@ def run_kvserve(prompts: list[list[int]], output_len: int, args) -> tuple[Result
     llm = LLM(kv_cache_memory=args.kv_cache_memory, max_model_len=args.max_model_len)
     load_s = time.perf_counter() - t0
     warm_up(llm, prompts[0])
-    start = time.perf_counter()
+    mon, start = OtherLoad(), time.perf_counter()
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], greedy(output_len))
-    wall = time.perf_counter() - start
+    wall, other = time.perf_counter() - start, mon.stop()
     ttft, tpot, tokens = [], [], []
     for o in outs:
         m, toks = o.metrics, o.outputs[0].token_ids
@@ -146,7 +149,7 @@ def run_kvserve(prompts: list[list[int]], output_len: int, args) -> tuple[Result
             tpot.append((m.last_token_time - m.first_token_time) / (len(toks) - 1))
     met = llm.get_metrics()
     res = Result("kvserve (float32, paged)", len(prompts), sum(map(len, prompts)), sum(map(len, tokens)),
-                 wall, ttft, tpot, tokens, load_s)
+                 wall, ttft, tpot, tokens, load_s, other_cores=other)
     res.notes.append(f"kvserve: {met['num_steps']} engine steps, {met['num_preemptions']} preemptions, "
                      f"prefix-cache hits {met['prefix_cache_hits']} of {met['prefix_cache_queries']} "
                      f"queried tokens, pool {met['num_blocks_total']} blocks x {met['block_size']} tokens "
@@ -207,7 +210,7 @@ def run_transformers(prompts: list[list[int]], output_len: int, gguf: str, pad_i
     ttft: list[float] = []
     tpot: list[float] = []
     bar = tqdm(total=len(prompts) * output_len, desc="transformers generate (tokens)", dynamic_ncols=True)
-    start = time.perf_counter()
+    mon, start = OtherLoad(), time.perf_counter()
     for b in range(0, len(order), bs):
         idx = order[b:b + bs]
         timer = _StepTimer(bar)
@@ -218,10 +221,10 @@ def run_transformers(prompts: list[list[int]], output_len: int, gguf: str, pad_i
         ttft += [first - start] * len(idx)
         if len(timer.times) > 1:
             tpot += [(last - first) / (len(timer.times) - 1)] * len(idx)
-    wall = time.perf_counter() - start
+    wall, other = time.perf_counter() - start, mon.stop()
     bar.close()
     res = Result("transformers generate (float32, batched)", len(prompts), sum(map(len, prompts)),
-                 sum(map(len, tokens)), wall, ttft, tpot, tokens, load_s)
+                 sum(map(len, tokens)), wall, ttft, tpot, tokens, load_s, other_cores=other)
     res.notes.append(
         f"transformers: {math.ceil(len(prompts) / bs)} batches of up to {bs}, prompts sorted by length "
         "(least padding), left padding, greedy, min_new_tokens = max_new_tokens. Batched generate "
@@ -260,7 +263,7 @@ def run_llamacpp(prompts: list[list[int]], output_len: int, gguf: str, eos_ids: 
 
     complete(prompts[0][:48], 4)  # warm-up
     ttft, ttft_queued, tpot, reasons = [], [], [], set()
-    start = time.perf_counter()
+    mon, start = OtherLoad(), time.perf_counter()
     for p in tqdm(prompts, desc="llama-cpp-python (requests)", dynamic_ncols=True):
         t = time.perf_counter()
         first, last, reason = complete(p, output_len)
@@ -268,9 +271,10 @@ def run_llamacpp(prompts: list[list[int]], output_len: int, gguf: str, eos_ids: 
         ttft.append(first - t)
         ttft_queued.append(first - start)
         tpot.append((last - first) / (output_len - 1) if output_len > 1 else 0.0)
-    wall = time.perf_counter() - start
+    wall, other = time.perf_counter() - start, mon.stop()
     res = Result(f"llama-cpp-python (Q4_1, sequential, {args.llamacpp_threads} threads)", len(prompts),
-                 sum(map(len, prompts)), len(prompts) * output_len, wall, ttft, tpot, None, load_s)
+                 sum(map(len, prompts)), len(prompts) * output_len, wall, ttft, tpot, None, load_s,
+                 other_cores=other)
     res.notes.append(
         "llama-cpp-python: one request at a time (its Python API serves one sequence per Llama "
         "object); it runs the GGUF's Q4_1 weights directly, kvserve and transformers run them "
@@ -299,7 +303,7 @@ def run_layout(prompts: list[list[int]], output_len: int, mode: str, args) -> La
     peak_blocks = peak_live = peak_running = 0
     outputs: dict[str, int] = {}
     bar = tqdm(total=len(prompts), desc=f"{mode} layout (requests)", dynamic_ncols=True)
-    start = time.perf_counter()
+    mon, start = OtherLoad(), time.perf_counter()
     while engine.has_unfinished_requests():
         for out in engine.step():
             if out.finished:
@@ -313,11 +317,11 @@ def run_layout(prompts: list[list[int]], output_len: int, mode: str, args) -> La
             peak_blocks, peak_live = m["num_blocks_used"], live
         elif m["num_blocks_used"] == peak_blocks:
             peak_live = max(peak_live, live)
-    wall = time.perf_counter() - start
+    wall, other = time.perf_counter() - start, mon.stop()
     bar.close()
     return LayoutResult(mode, m["kv_cache_bytes"], m["block_size"], m["num_blocks_total"], llm.kv_bytes_per_token,
                         wall, sum(outputs.values()), sum(map(len, prompts)), peak_blocks, peak_live,
-                        peak_running, m["num_preemptions"] - pre0, [len(p) + output_len for p in prompts])
+                        peak_running, m["num_preemptions"] - pre0, [len(p) + output_len for p in prompts], other)
 
 
 # ---------------------------------------------------------------------------- profile
@@ -379,8 +383,8 @@ def profile_breakdown(prof: cProfile.Profile | str) -> tuple[float, dict[str, fl
     parts = {
         "linear_body": max(0.0, linear_all - lm_head),
         "lm_head": lm_head,
-        # tensor indexing is a slot wrapper cProfile does not see: read()'s own time is the gather
-        "gather": sum(st[k][2] for k in _find(st, "kvserve/kv/storage.py", "read")),
+        # tensor indexing is a slot wrapper cProfile does not see: all of read() is the gather
+        "gather": _cum(st, "kvserve/kv/storage.py", "read"),
         "sdpa": _tottime_from(st, lambda k: "scaled_dot_product_attention" in k[2]),
         "kv_write": _tottime_from(st, lambda k: "index_copy_" in k[2]),
         "prepare": _cum(st, "kvserve/engine/model_runner.py", "prepare"),
@@ -423,9 +427,9 @@ def results_table(results: list[Result]) -> str:
         rows.append([r.name, str(r.num_requests), f"{r.output_tps:.1f}", f"{r.total_tps:.1f}",
                      fmt(percentile(r.ttft, 50)), fmt(percentile(r.ttft, 99)),
                      fmt(percentile(r.tpot, 50), 1000, 1), fmt(percentile(r.tpot, 99), 1000, 1),
-                     f"{r.wall_s:.1f}", fmt(r.load_s, 1, 1)])
+                     f"{r.wall_s:.1f}", fmt(r.load_s, 1, 1), fmt(r.other_cores)])
     return md_table(["engine", "requests", "output tok/s", "total tok/s", "TTFT p50 (s)", "TTFT p99 (s)",
-                     "TPOT p50 (ms)", "TPOT p99 (ms)", "wall (s)", "load (s)"], rows)
+                     "TPOT p50 (ms)", "TPOT p99 (ms)", "wall (s)", "model load (s)", "others' CPU (cores)"], rows)
 
 
 def ratio_lines(results: list[Result]) -> list[str]:
@@ -462,11 +466,11 @@ def layout_table(rs: list[LayoutResult], max_model_len: int) -> str:
             f"{r.reserved_bytes_workload / mib:.0f} / {r.used_bytes_workload / mib:.0f} "
             f"({r.used_bytes_workload / r.reserved_bytes_workload:.0%})",
             f"{r.peak_blocks * r.block_size * r.bytes_per_token / mib:.0f} / {r.peak_live_tokens * r.bytes_per_token / mib:.0f}",
-            str(r.num_preemptions), f"{r.output_tps:.1f}", f"{r.wall_s:.1f}"])
+            str(r.num_preemptions), f"{r.output_tps:.1f}", f"{r.wall_s:.1f}", fmt(r.other_cores)])
     return md_table(["layout", "blocks x tokens", "KV MiB", f"seqs of {max_model_len} at once",
                      "seqs of this workload at once", "peak running (measured)",
                      "workload KV reserved / used MiB (used %)", "at peak: held / in-use MiB",
-                     "preemptions", "output tok/s", "wall (s)"], rows)
+                     "preemptions", "output tok/s", "wall (s)", "others' CPU (cores)"], rows)
 
 
 def plot_layouts(rs: list[LayoutResult], path: Path) -> None:
@@ -486,7 +490,8 @@ def plot_layouts(rs: list[LayoutResult], path: Path) -> None:
     ax[1].bar([i + 0.2 for i in x], live, width=0.4, label="holding tokens")
     ax[1].set_xticks(list(x), names)
     ax[1].set_title("KV MiB at peak")
-    ax[1].legend()
+    ax[1].set_ylim(0, max(held + live) * 1.35)
+    ax[1].legend(loc="upper right", fontsize=8)
     ax[2].bar(names, [r.output_tps for r in rs], color=["tab:blue", "tab:orange"])
     ax[2].set_title("output tokens/s")
     fig.suptitle(f"same KV budget ({rs[0].kv_cache_bytes / mib:.0f} MiB), {len(rs[0].seq_tokens)} requests")
@@ -521,6 +526,7 @@ def parse_args(argv=None):
                    help="run the kvserve workload once more under cProfile and print where time goes")
     p.add_argument("--plot", default=str(HERE / "paged_vs_contiguous.png"))
     p.add_argument("--no-write", action="store_true", help="print only; leave BENCHMARKS.md alone")
+    p.add_argument("--note", action="append", default=[], help="a line to add under the results (repeatable)")
     args = p.parse_args(argv)
     if args.quick:
         args.num_requests, args.output_len = 8, 32
@@ -584,7 +590,10 @@ def main(argv=None) -> None:
             body.append(f"- {agreement(results[0], hf)}")
         body.append("- TTFT for kvserve counts from `generate()` (all requests arrive at once), so it "
                     "includes queueing behind the token budget; TPOT = (last token - first token) / "
-                    "(tokens - 1) per request. Load (s) is model construction, not counted in wall.")
+                    "(tokens - 1) per request. Model load (s) is engine construction, not counted in wall. "
+                    "Others' CPU: cores other processes kept busy during that engine's timed run "
+                    "(/proc/stat minus this process); above ~0.2 the machine was shared and that row is slowed.")
+        body += [f"- {n}" for n in args.note]
         if profile is not None:
             total, parts, wall = profile
             rows = [[label, f"{parts[key]:.1f}", f"{parts[key] / total:.0%}"] for label, key in PROFILE_ROWS]
