@@ -24,7 +24,7 @@ install: $(STAMP)
 
 run: $(STAMP)
 	$(BIN)/kvserve generate "The three most useful things to know about a KV cache are" --max-tokens 48
-	$(BIN)/kvserve generate "Write a haiku about memory." "def fibonacci(n):" --max-tokens 32
+	$(BIN)/kvserve generate "A haiku about memory:" "def fibonacci(n):" --max-tokens 32
 
 test: $(STAMP)
 	$(BIN)/pytest -q -x --durations=15

@@ -108,7 +108,8 @@ def cmd_generate(args) -> int:
             print(out.prompt + c.text)
     m = llm.get_metrics()
     print(f"--- load {load:.2f} s, cold start to first token {load + first:.2f} s, "
-          f"{m['generation_tokens']} tokens generated, KV blocks used at peak: see `kvserve analyze`",
+          f"{m['generation_tokens']} tokens generated, {m['prefix_cache_hits']} prompt tokens from "
+          f"the prefix cache, KV pool {m['num_blocks_total']} blocks x {m.get('block_size', 0)} tokens",
           file=sys.stderr)
     return 0
 
