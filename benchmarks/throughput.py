@@ -134,7 +134,7 @@ def warm_up(llm: LLM, prompt: list[int]) -> None:
 def run_kvserve(prompts: list[list[int]], output_len: int, args) -> tuple[Result, LLM]:
     """All requests at once through LLM.generate."""
     t0 = time.perf_counter()
-    llm = LLM(kv_cache_memory=args.kv_cache_memory, max_model_len=args.max_model_len)
+    llm = LLM(kv_cache_memory=args.kv_cache_memory, max_model_len=args.max_model_len, dtype=args.dtype)
     load_s = time.perf_counter() - t0
     warm_up(llm, prompts[0])
     mon, start = OtherLoad(), time.perf_counter()
@@ -148,7 +148,7 @@ def run_kvserve(prompts: list[list[int]], output_len: int, args) -> tuple[Result
         if len(toks) > 1:
             tpot.append((m.last_token_time - m.first_token_time) / (len(toks) - 1))
     met = llm.get_metrics()
-    res = Result("kvserve (float32, paged)", len(prompts), sum(map(len, prompts)), sum(map(len, tokens)),
+    res = Result(f"kvserve ({args.dtype}, paged)", len(prompts), sum(map(len, prompts)), sum(map(len, tokens)),
                  wall, ttft, tpot, tokens, load_s, other_cores=other)
     res.notes.append(f"kvserve: {met['num_steps']} engine steps, {met['num_preemptions']} preemptions, "
                      f"prefix-cache hits {met['prefix_cache_hits']} of {met['prefix_cache_queries']} "
@@ -278,7 +278,7 @@ def run_llamacpp(prompts: list[list[int]], output_len: int, gguf: str, eos_ids: 
     res.notes.append(
         "llama-cpp-python: one request at a time (its Python API serves one sequence per Llama "
         "object); it runs the GGUF's Q4_1 weights directly, kvserve and transformers run them "
-        "dequantized to float32. EOS is masked with logit_bias so every request makes exactly "
+        f"dequantized (kvserve {args.dtype}, transformers float32). EOS is masked with logit_bias so every request makes exactly "
         f"{output_len} tokens (finish reasons seen: {sorted(map(str, reasons))}). TTFT is measured "
         "from each request's own submission; counted from the start of the run, as if all requests "
         f"arrived at once like kvserve's, TTFT p50/p99 would be {fmt(percentile(ttft_queued, 50))} / "
@@ -292,7 +292,8 @@ def run_llamacpp(prompts: list[list[int]], output_len: int, gguf: str, eos_ids: 
 
 def run_layout(prompts: list[list[int]], output_len: int, mode: str, args) -> LayoutResult:
     """Step the engine by hand under one KV budget, tracking the peak of blocks held."""
-    llm = LLM(kv_cache_mode=mode, kv_cache_memory=args.layout_kv_memory, max_model_len=args.layout_max_model_len)
+    llm = LLM(kv_cache_mode=mode, kv_cache_memory=args.layout_kv_memory, max_model_len=args.layout_max_model_len,
+              dtype=args.dtype)
     warm_up(llm, prompts[0])
     engine = llm.engine
     m = llm.get_metrics()
@@ -444,14 +445,14 @@ def ratio_lines(results: list[Result]) -> list[str]:
 
 
 def agreement(a: Result, b: Result) -> str | None:
-    """How many greedy outputs of two float32 engines agree, token for token."""
+    """How many greedy outputs of two engines agree, token for token."""
     if a.outputs is None or b.outputs is None:
         return None
     same = sum(x == y for x, y in zip(a.outputs, b.outputs))
     prefix = [next((i for i, (s, t) in enumerate(zip(x, y)) if s != t), len(x)) for x, y in zip(a.outputs, b.outputs)]
     return (f"Greedy outputs of kvserve and transformers: {same} of {len(a.outputs)} requests identical over all "
             f"{len(a.outputs[0])} tokens; median first divergence at token {sorted(prefix)[len(prefix) // 2]} "
-            "(float32 in both; batch shapes change summation order, so near-ties can flip).")
+            "(batch shapes change summation order, so near-ties can flip).")
 
 
 def layout_table(rs: list[LayoutResult], max_model_len: int) -> str:
@@ -518,6 +519,8 @@ def parse_args(argv=None):
     p.add_argument("--skip-layout", action="store_true", help="no paged-vs-contiguous comparison")
     p.add_argument("--kv-cache-memory", default="2GiB", help="kvserve KV pool for the throughput run")
     p.add_argument("--max-model-len", type=int, default=2048, help="kvserve max_model_len for the throughput run")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                   help="kvserve weights/activations/KV (transformers stays float32)")
     p.add_argument("--hf-batch-size", type=int, default=16)
     p.add_argument("--llamacpp-threads", type=int, default=2)
     p.add_argument("--layout-kv-memory", default="512MiB")
@@ -607,7 +610,7 @@ def main(argv=None) -> None:
         p, c = layouts
         body = header + [
             "", f"Same KV budget for both layouts: kv_cache_memory={args.layout_kv_memory}, "
-            f"max_model_len={args.layout_max_model_len}, {p.bytes_per_token} KV bytes per token (float32). "
+            f"max_model_len={args.layout_max_model_len}, {p.bytes_per_token} KV bytes per token ({args.dtype}). "
             "The contiguous layout reserves max_model_len tokens per sequence up front; the paged one "
             f"takes {p.block_size}-token blocks as sequences grow. The engine was stepped by hand "
             "(`engine.step()`), reading `num_blocks_used` after every step.", "",
