@@ -131,10 +131,10 @@ def warm_up(llm: LLM, prompt: list[int]) -> None:
     llm.reset_prefix_cache()
 
 
-def run_kvserve(prompts: list[list[int]], output_len: int, args) -> tuple[Result, LLM]:
+def run_kvserve(prompts: list[list[int]], output_len: int, args, dtype: str) -> tuple[Result, LLM]:
     """All requests at once through LLM.generate."""
     t0 = time.perf_counter()
-    llm = LLM(kv_cache_memory=args.kv_cache_memory, max_model_len=args.max_model_len, dtype=args.dtype)
+    llm = LLM(kv_cache_memory=args.kv_cache_memory, max_model_len=args.max_model_len, dtype=dtype)
     load_s = time.perf_counter() - t0
     warm_up(llm, prompts[0])
     mon, start = OtherLoad(), time.perf_counter()
@@ -148,9 +148,9 @@ def run_kvserve(prompts: list[list[int]], output_len: int, args) -> tuple[Result
         if len(toks) > 1:
             tpot.append((m.last_token_time - m.first_token_time) / (len(toks) - 1))
     met = llm.get_metrics()
-    res = Result(f"kvserve ({args.dtype}, paged)", len(prompts), sum(map(len, prompts)), sum(map(len, tokens)),
+    res = Result(f"kvserve ({dtype}, paged)", len(prompts), sum(map(len, prompts)), sum(map(len, tokens)),
                  wall, ttft, tpot, tokens, load_s, other_cores=other)
-    res.notes.append(f"kvserve: {met['num_steps']} engine steps, {met['num_preemptions']} preemptions, "
+    res.notes.append(f"kvserve ({dtype}): {met['num_steps']} engine steps, {met['num_preemptions']} preemptions, "
                      f"prefix-cache hits {met['prefix_cache_hits']} of {met['prefix_cache_queries']} "
                      f"queried tokens, pool {met['num_blocks_total']} blocks x {met['block_size']} tokens "
                      f"({met['kv_cache_bytes'] / 2**20:.0f} MiB).")
@@ -184,14 +184,14 @@ def _left_pad(batch: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.
     return ids, mask
 
 
-def run_transformers(prompts: list[list[int]], output_len: int, gguf: str, pad_id: int, args) -> Result:
+def run_transformers(prompts: list[list[int]], output_len: int, gguf: str, pad_id: int, args, dtype: str) -> Result:
     """Batched greedy generate, left padding, prompts grouped by length into a few batches."""
     from transformers import AutoModelForCausalLM, StoppingCriteriaList
     from transformers.utils import logging as hf_logging
     hf_logging.set_verbosity_error()
     folder, name = os.path.split(gguf)
     t0 = time.perf_counter()
-    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=getattr(torch, dtype)).eval()
     load_s = time.perf_counter() - t0
     gen_kwargs = dict(do_sample=False, pad_token_id=pad_id, temperature=None, top_p=None, top_k=None)
 
@@ -223,7 +223,7 @@ def run_transformers(prompts: list[list[int]], output_len: int, gguf: str, pad_i
             tpot += [(last - first) / (len(timer.times) - 1)] * len(idx)
     wall, other = time.perf_counter() - start, mon.stop()
     bar.close()
-    res = Result("transformers generate (float32, batched)", len(prompts), sum(map(len, prompts)),
+    res = Result(f"transformers generate ({dtype}, batched)", len(prompts), sum(map(len, prompts)),
                  sum(map(len, tokens)), wall, ttft, tpot, tokens, load_s, other_cores=other)
     res.notes.append(
         f"transformers: {math.ceil(len(prompts) / bs)} batches of up to {bs}, prompts sorted by length "
@@ -278,7 +278,7 @@ def run_llamacpp(prompts: list[list[int]], output_len: int, gguf: str, eos_ids: 
     res.notes.append(
         "llama-cpp-python: one request at a time (its Python API serves one sequence per Llama "
         "object); it runs the GGUF's Q4_1 weights directly, kvserve and transformers run them "
-        f"dequantized (kvserve {args.dtype}, transformers float32). EOS is masked with logit_bias so every request makes exactly "
+        f"dequantized (in the dtype their row names). EOS is masked with logit_bias so every request makes exactly "
         f"{output_len} tokens (finish reasons seen: {sorted(map(str, reasons))}). TTFT is measured "
         "from each request's own submission; counted from the start of the run, as if all requests "
         f"arrived at once like kvserve's, TTFT p50/p99 would be {fmt(percentile(ttft_queued, 50))} / "
@@ -293,7 +293,7 @@ def run_llamacpp(prompts: list[list[int]], output_len: int, gguf: str, eos_ids: 
 def run_layout(prompts: list[list[int]], output_len: int, mode: str, args) -> LayoutResult:
     """Step the engine by hand under one KV budget, tracking the peak of blocks held."""
     llm = LLM(kv_cache_mode=mode, kv_cache_memory=args.layout_kv_memory, max_model_len=args.layout_max_model_len,
-              dtype=args.dtype)
+              dtype=args.dtypes[0])
     warm_up(llm, prompts[0])
     engine = llm.engine
     m = llm.get_metrics()
@@ -434,13 +434,14 @@ def results_table(results: list[Result]) -> str:
 
 
 def ratio_lines(results: list[Result]) -> list[str]:
-    """kvserve / peer for each peer."""
-    ours, lines = results[0], []
-    for peer in results[1:]:
-        t50o, t50p = percentile(ours.tpot, 50), percentile(peer.tpot, 50)
-        lines.append(f"- kvserve / {peer.name}: output tok/s **{ours.output_tps / peer.output_tps:.2f}x**, "
-                     f"total tok/s **{ours.total_tps / peer.total_tps:.2f}x**, TPOT p50 "
-                     f"{t50o / t50p:.2f}x (lower is better)")
+    """Each kvserve row / each peer row."""
+    lines = []
+    for ours in [r for r in results if r.name.startswith("kvserve")]:
+        for peer in [r for r in results if not r.name.startswith("kvserve")]:
+            t50o, t50p = percentile(ours.tpot, 50), percentile(peer.tpot, 50)
+            lines.append(f"- {ours.name} / {peer.name}: output tok/s **{ours.output_tps / peer.output_tps:.2f}x**, "
+                         f"total tok/s **{ours.total_tps / peer.total_tps:.2f}x**, TPOT p50 "
+                         f"{t50o / t50p:.2f}x (lower is better)")
     return lines
 
 
@@ -519,8 +520,8 @@ def parse_args(argv=None):
     p.add_argument("--skip-layout", action="store_true", help="no paged-vs-contiguous comparison")
     p.add_argument("--kv-cache-memory", default="2GiB", help="kvserve KV pool for the throughput run")
     p.add_argument("--max-model-len", type=int, default=2048, help="kvserve max_model_len for the throughput run")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
-                   help="kvserve weights/activations/KV (transformers stays float32)")
+    p.add_argument("--dtypes", default="float32,bfloat16", type=lambda v: [d.strip() for d in v.split(",") if d.strip()],
+                   help="comma-separated dtypes; kvserve and transformers run once in each")
     p.add_argument("--hf-batch-size", type=int, default=16)
     p.add_argument("--llamacpp-threads", type=int, default=2)
     p.add_argument("--layout-kv-memory", default="512MiB")
@@ -553,16 +554,18 @@ def main(argv=None) -> None:
     results: list[Result] = []
     profile = None
     if not args.skip_throughput:
-        res, tok_llm = run_kvserve(prompts, args.output_len, args)
-        results.append(res)
-        eos_ids = tok_llm.engine.sampler.eos_token_ids
-        eos_ids = list(eos_ids) if eos_ids is not None else []
-        pad_id = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else 0
-        if args.profile:
-            profile = run_profile(prompts, args.output_len, tok_llm, Path(tempfile.gettempdir()) / "kvserve_throughput.prof")
-        del tok_llm
+        eos_ids, pad_id = [], tokenizer.eos_token_id if tokenizer.eos_token_id is not None else 0
+        for i, dtype in enumerate(args.dtypes):
+            res, tok_llm = run_kvserve(prompts, args.output_len, args, dtype)
+            results.append(res)
+            eos_ids = list(tok_llm.engine.sampler.eos_token_ids or [])
+            if args.profile and i == len(args.dtypes) - 1:
+                profile = run_profile(prompts, args.output_len, tok_llm,
+                                      Path(tempfile.gettempdir()) / "kvserve_throughput.prof")
+            del tok_llm
         if not args.skip_transformers:
-            results.append(run_transformers(prompts, args.output_len, gguf, pad_id, args))
+            for dtype in args.dtypes:
+                results.append(run_transformers(prompts, args.output_len, gguf, pad_id, args, dtype))
         if not args.skip_llamacpp:
             r = run_llamacpp(prompts, args.output_len, gguf, eos_ids, args)
             if r is None:
@@ -588,9 +591,11 @@ def main(argv=None) -> None:
         body = header + ["", results_table(results), ""]
         body += ["Ratios:"] + ratio_lines(results) if len(results) > 1 else []
         body += [""] + [f"- {n}" for r in results for n in r.notes]
-        hf = next((r for r in results if r.name.startswith("transformers")), None)
-        if hf is not None and agreement(results[0], hf):
-            body.append(f"- {agreement(results[0], hf)}")
+        for ours in [r for r in results if r.name.startswith("kvserve")]:
+            dtype = ours.name.split("(")[1].split(",")[0]
+            hf = next((r for r in results if r.name.startswith(f"transformers generate ({dtype}")), None)
+            if hf is not None and agreement(ours, hf):
+                body.append(f"- {dtype}: {agreement(ours, hf)}")
         body.append("- TTFT for kvserve counts from `generate()` (all requests arrive at once), so it "
                     "includes queueing behind the token budget; TPOT = (last token - first token) / "
                     "(tokens - 1) per request. Model load (s) is engine construction, not counted in wall. "
@@ -600,8 +605,9 @@ def main(argv=None) -> None:
         if profile is not None:
             total, parts, wall = profile
             rows = [[label, f"{parts[key]:.1f}", f"{parts[key] / total:.0%}"] for label, key in PROFILE_ROWS]
-            body += ["", f"cProfile of the same kvserve run (`--profile`; {total:.1f} s under the profiler "
-                     f"vs {results[0].wall_s:.1f} s without; the profiler inflates Python-heavy parts):", "",
+            kv_rows = [r for r in results if r.name.startswith("kvserve")]
+            body += ["", f"cProfile of the {kv_rows[-1].name} run (`--profile`; {total:.1f} s under the profiler "
+                     f"vs {kv_rows[-1].wall_s:.1f} s without; the profiler inflates Python-heavy parts):", "",
                      md_table(["where", "seconds", "share"], rows)]
         sections["Throughput"] = "\n".join(body)
         print("\n" + sections["Throughput"])
@@ -610,7 +616,7 @@ def main(argv=None) -> None:
         p, c = layouts
         body = header + [
             "", f"Same KV budget for both layouts: kv_cache_memory={args.layout_kv_memory}, "
-            f"max_model_len={args.layout_max_model_len}, {p.bytes_per_token} KV bytes per token ({args.dtype}). "
+            f"max_model_len={args.layout_max_model_len}, {p.bytes_per_token} KV bytes per token ({args.dtypes[0]}). "
             "The contiguous layout reserves max_model_len tokens per sequence up front; the paged one "
             f"takes {p.block_size}-token blocks as sequences grow. The engine was stepped by hand "
             "(`engine.step()`), reading `num_blocks_used` after every step.", "",

@@ -91,16 +91,17 @@ class LLM:
         bar = tqdm(total=len(ids), desc="Processed prompts", disable=not use_tqdm, dynamic_ncols=True)
         start = time.perf_counter()
         stats = self.engine.stats
-        p0, g0 = stats.prompt_tokens, stats.generation_tokens
+        g0, prompt_done = stats.generation_tokens, 0   # prompt tokens of finished requests (as vLLM counts)
         try:
             while len(done) < len(ids):
                 for out in self.engine.step():
                     if out.finished:
                         done[out.request_id] = out
+                        prompt_done += len(out.prompt_token_ids)
                         bar.update(1)
                 if use_tqdm:
                     dt = max(time.perf_counter() - start, 1e-9)
-                    bar.set_postfix_str(f"input: {(stats.prompt_tokens - p0) / dt:.1f} toks/s, "
+                    bar.set_postfix_str(f"input: {prompt_done / dt:.1f} toks/s, "
                                         f"output: {(stats.generation_tokens - g0) / dt:.1f} toks/s")
                 if not self.engine.has_unfinished_requests() and len(done) < len(ids):
                     raise RuntimeError("engine stopped with unfinished requests")

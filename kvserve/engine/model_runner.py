@@ -10,7 +10,14 @@ from kvserve.engine.request import Request
 from kvserve.kv.manager import KVCacheManager
 from kvserve.kv.spec import KVSpec
 from kvserve.kv.storage import KVStorage
-from kvserve.model.attention import AttentionMetadata, GroupView, PrefillSpan, window_mask
+from kvserve.model.attention import (
+    AttentionMetadata,
+    GroupView,
+    PagedDecode,
+    PrefillSpan,
+    paged_decode_plan,
+    window_mask,
+)
 
 
 @dataclass
@@ -25,6 +32,9 @@ class ModelInput:
     sampling_reqs: list[Request]       # requests owning those rows
 
 
+DECODE_CHUNK_TOKENS = 64
+
+
 class ModelRunner:
     """Owns the model and the KV storage; one `execute` per engine step."""
 
@@ -35,6 +45,9 @@ class ModelRunner:
         self.storage = storage
         self.device = device
         self.block_size = kv.block_size if kv is not None else 1
+        self._in_place: dict[int, bool] = {}
+        # decode attention reads blocks in chunks of about DECODE_CHUNK_TOKENS (model/attention.py)
+        self.blocks_per_chunk = max(1, DECODE_CHUNK_TOKENS // self.block_size)
         self.evictor = None  # engine/eviction.py: cache lengths, positions and scores of evicting requests
 
     @torch.inference_mode()
@@ -80,7 +93,11 @@ class ModelRunner:
                  for r, n in order]
         view = GroupView(slot_mapping=torch.cat(slots))
         if decodes:
-            view.decode_idx, view.decode_mask = self._decode_view([r for r, _ in decodes], tables, spec, g)
+            reqs = [r for r, _ in decodes]
+            if self.reads_blocks_in_place(g):
+                view.paged = self._paged_decode(reqs, tables, spec, g)
+            else:
+                view.decode_idx, view.decode_mask = self._decode_view(reqs, tables, spec, g)
         for req, n in prefills:
             idx, mask = self._prefill_view(req, n, tables[req.request_id], spec, g)
             view.prefill_idx.append(idx)
@@ -94,6 +111,21 @@ class ModelRunner:
     def _cache_len(self, req: Request, g: int) -> int:
         """Entries group g holds for the request: num_computed_tokens unless eviction dropped some."""
         return self.evictor.cache_len(req, g) if self.evictor is not None else req.num_computed_tokens
+
+    def reads_blocks_in_place(self, g: int) -> bool:
+        """True when every layer of group g keeps native K/V, so decodes use `paged_decode`
+        (KV eviction observes attention over padded contexts, so it keeps the padded path)."""
+        if g not in self._in_place:
+            layers = self.kv.groups[g].layers
+            self._in_place[g] = all(self.storage.native_kv(layer) is not None for layer in layers)
+        return self._in_place[g] and self.evictor is None
+
+    def _paged_decode(self, reqs: list[Request], tables: dict, spec: KVSpec, g: int) -> PagedDecode:
+        """Each decode attends over [start, ctx): all of it, or the last `window` tokens."""
+        ends = [self._cache_len(r, g) + 1 for r in reqs]
+        starts = [max(0, e - spec.window) if spec.kind == "sliding" else 0 for e in ends]
+        return paged_decode_plan([tables[r.request_id] for r in reqs], starts, ends,
+                                 self.block_size, self.blocks_per_chunk)
 
     def _decode_view(self, reqs: list[Request], tables: dict, spec: KVSpec, g: int = 0):
         """Each decode attends over [start, ctx): all of it, or the last `window` tokens."""

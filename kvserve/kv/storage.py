@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvserve.kv.formats import KVCacheFormat, _flat, build_kv_format
+from kvserve.kv.formats import KVCacheFormat, NativeCodec, _flat, build_kv_format
 from kvserve.kv.spec import KVGroup
 
 log = logging.getLogger("kvserve")
@@ -61,6 +61,7 @@ class KVStorage:
             self.slots.append(tensors)
             self.parts.append(entries)
         self._init_residual(residual_rows if self.format.has_residual else 0, device)
+        self._native: list[bool | None] = [None] * len(self.slots)
 
     # ---- residual rows (KIVI: still-filling blocks in full precision) -------------------------
     def _init_residual(self, rows: int, device) -> None:
@@ -193,6 +194,17 @@ class KVStorage:
     def _flat(self, layer: int) -> list[torch.Tensor]:
         """Flat views [num_blocks * block_size, ...] of the layer's per-token tensors."""
         return [_flat(t) for t in self.slots[self.layer_slot[layer]]]
+
+    def native_kv(self, layer: int) -> list[torch.Tensor] | None:
+        """[K pool, V pool], each [num_blocks, block_size, kv_heads, head_dim], when the layer keeps K
+        and V as plain model-dtype floats (attention can then read blocks in place); else None."""
+        j = self.layer_slot[layer]
+        if self._native[j] is None:
+            entries = self.parts[j]
+            self._native[j] = len(entries) == 2 and all(
+                len(e) == 1 and e[0][1] is None and isinstance(e[0][0].codec, NativeCodec)
+                and e[0][0].codec.store == self.dtype and not e[0][0].codec.residual for e in entries)
+        return [entry[0][2][0] for entry in self.parts[j]] if self._native[j] else None
 
     def rotation(self, layer: int) -> torch.Tensor | None:
         """The orthonormal matrix applied to q, k, v of this layer (None: no rotation)."""

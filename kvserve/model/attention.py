@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -20,6 +21,40 @@ class PrefillSpan:
 
 
 @dataclass
+class PagedDecode:
+    """The decode rows of one KV group as a ragged list of (row, chunk) pairs, a chunk being up to
+    `blocks_per_chunk` consecutive blocks of one row: attention reads the blocks straight from the
+    pool, with no padding to the longest context (see `paged_decode`)."""
+
+    blocks: torch.Tensor     # [P * blocks_per_chunk] block ids, chunk by chunk (a short last chunk is padded)
+    row: torch.Tensor        # [P] the decode row each chunk belongs to
+    bias: torch.Tensor       # [P, 1, 1, blocks_per_chunk * block_size] float32: 0 visible, -inf not
+
+
+def paged_decode_plan(tables: list[torch.Tensor], starts: list[int], ends: list[int], block_size: int,
+                      blocks_per_chunk: int) -> PagedDecode:
+    """Decode row i attends over positions [starts[i], ends[i]) of the blocks in tables[i]:
+    cut its visible blocks into chunks, pad the last chunk with a repeat of its first block, and
+    mask every slot outside the range (the unwritten tail, out-of-window positions, padding)."""
+    bs, per = block_size, blocks_per_chunk
+    device = tables[0].device
+    blocks, rows, first = [], [], []
+    for i, (table, start, end) in enumerate(zip(tables, starts, ends)):
+        b0, b1 = start // bs, (end - 1) // bs + 1
+        chunks = -(-(b1 - b0) // per)
+        visible = table[b0:b1]
+        blocks.append(F.pad(visible, (0, chunks * per - len(visible)), value=int(visible[0])))
+        rows += [i] * chunks
+        first += range(b0 * bs, (b0 + chunks * per) * bs, per * bs)
+    row = torch.tensor(rows, dtype=torch.long, device=device)
+    pos = torch.tensor(first, device=device)[:, None] + torch.arange(per * bs, device=device)[None, :]
+    lo = torch.tensor(starts, device=device)[row][:, None]
+    hi = torch.tensor(ends, device=device)[row][:, None]
+    bias = torch.zeros(pos.shape, device=device).masked_fill_((pos < lo) | (pos >= hi), -math.inf)
+    return PagedDecode(torch.cat(blocks), row, bias[:, None, None, :])
+
+
+@dataclass
 class GroupView:
     """Where one KV group's layers write and read this step."""
 
@@ -28,6 +63,7 @@ class GroupView:
     decode_mask: torch.Tensor | None = None    # [num_decodes, 1, 1, L] bool
     prefill_idx: list[torch.Tensor] = field(default_factory=list)          # per span: [ctx_g] slots
     prefill_mask: list[torch.Tensor | None] = field(default_factory=list)  # per span: [n, ctx_g] or None = causal
+    paged: PagedDecode | None = None           # the decode rows' blocks, for native K/V layers
 
 
 @dataclass
@@ -49,7 +85,8 @@ class Context:
     rows: slice
     entries: list[torch.Tensor]   # decode: [B, L, ...]; prefill: [ctx, ...]
     mask: torch.Tensor | None
-    batched: bool                 # True for the padded decode batch
+    batched: bool                 # True for the decode batch
+    paged: PagedDecode | None = None  # set: entries are the whole K and V pools [num_blocks, block_size, Hkv, D]
 
 
 def window_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None) -> torch.Tensor:
@@ -69,7 +106,10 @@ def contexts(layer: int, storage: KVStorage | None, meta: AttentionMetadata,
     storage.write(layer, view.slot_mapping, *new)
     own = storage.has_own_block_view(layer)  # KIVI: a query sees its own block's keys exact
     out = []
-    if meta.num_decodes:
+    pools = storage.native_kv(layer) if view.paged is not None and meta.score_hook is None else None
+    if meta.num_decodes and pools is not None:
+        out.append(Context(slice(0, meta.num_decodes), pools, None, True, view.paged))
+    elif meta.num_decodes:
         own_blocks = view.slot_mapping[:meta.num_decodes] // storage.block_size if own else None
         out.append(Context(slice(0, meta.num_decodes), storage.read(layer, view.decode_idx, own_blocks),
                            view.decode_mask, True))
@@ -127,7 +167,9 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, storag
     out = torch.empty_like(q)
     for ctx in contexts(layer, storage, meta, [k, v], window):
         ks, vs = ctx.entries
-        if ctx.batched:
+        if ctx.paged is not None:
+            out[ctx.rows] = paged_decode(q[ctx.rows], ks, vs, ctx.paged, scale)
+        elif ctx.batched:
             out[ctx.rows] = _decode(q[ctx.rows], ks, vs, ctx.mask, scale)
         else:
             out[ctx.rows] = _prefill(q[ctx.rows], ks, vs, ctx.mask, scale)
@@ -142,6 +184,34 @@ def _decode(q, ks, vs, mask, scale):
         ks.transpose(1, 2), vs.transpose(1, 2),           # [B, Hkv, L, D]
         attn_mask=mask, scale=scale, enable_gqa=True)
     return o.squeeze(2)
+
+
+def paged_decode(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, paged: PagedDecode,
+                 scale: float) -> torch.Tensor:
+    """One query token per row over its blocks in the pool: q [B, Hq, D] -> [B, Hq, D].
+
+    Scores are computed chunk by chunk for the ragged (row, chunk) pairs, so no row pays for the
+    longest context and nothing is gathered token by token. Within a chunk, one matmul scores every
+    query head against every KV head ([span * Hkv, D] x [D, Hq]) and the matching KV head's scores
+    are kept: a few wasted multiply-adds buy one dense matmul instead of many tiny ones. The
+    softmax is exact: the per-row maximum is taken over all of the row's chunks before
+    exponentiating, and per-chunk partial sums are added up per row."""
+    b, hq, d = q.shape
+    num, hkv = paged.row.numel(), k_pool.shape[2]
+    g, span = hq // hkv, paged.bias.shape[-1]
+    keys = k_pool.index_select(0, paged.blocks).view(num, span * hkv, d)
+    values = v_pool.index_select(0, paged.blocks).view(num, span, hkv * d)
+    qp = q.index_select(0, paged.row).transpose(1, 2)                               # [P, D, Hq]
+    cross = torch.bmm(keys, qp).view(num, span, hkv, hkv, g).diagonal(0, 2, 3)      # [P, span, G, Hkv]
+    s = torch.add(paged.bias, cross.permute(0, 3, 2, 1), alpha=scale)               # [P, Hkv, G, span] float32
+    row = paged.row.view(-1, 1, 1).expand(-1, hkv, g)
+    peak = s.new_full((b, hkv, g), -math.inf).scatter_reduce(0, row, s.amax(-1), "amax")
+    e = torch.exp(s - peak.index_select(0, paged.row).unsqueeze(-1))                 # [P, Hkv, G, bs]
+    total = e.new_zeros(b, hq).index_add_(0, paged.row, e.sum(-1).view(num, hq))
+    part = torch.bmm(e.to(v_pool.dtype).view(num, hq, span), values)                # [P, Hq, Hkv * D]
+    part = part.view(num, hkv, g, hkv, d).diagonal(0, 1, 3).permute(0, 3, 1, 2)     # [P, Hkv, G, D]
+    out = e.new_zeros(b, hq * d).index_add_(0, paged.row, part.reshape(num, hq * d).float())
+    return (out.view(b, hq, d) / total.unsqueeze(-1)).to(q.dtype)
 
 
 def _prefill(q, k, v, mask, scale):
