@@ -25,6 +25,7 @@ from kvserve.kv.manager import KVCacheManager
 from kvserve.kv.policies import parse_policy
 from kvserve.kv.spec import group_layers
 from kvserve.kv.storage import KVStorage
+from kvserve.model.layers import fuse_projections
 from kvserve.model.loader import load_weights, resolve_model_path
 from kvserve.model.registry import build_model
 from kvserve.model.tokenizer import Tokenizer
@@ -67,7 +68,9 @@ class LLMEngine:
         missing = [k for k in missing if not (k == "lm_head.weight" and self.model_config.tie_word_embeddings)]
         if missing or unexpected:
             raise ValueError(f"checkpoint does not match the model: missing {missing[:5]}, unexpected {unexpected[:5]}")
-        return model.to(device=self.device, dtype=self.dtype).eval()
+        model = model.to(device=self.device, dtype=self.dtype).eval()
+        fuse_projections(model)
+        return model
 
     def _max_model_len(self) -> int:
         limit = self.model_config.max_position_embeddings

@@ -46,6 +46,7 @@ class ModelRunner:
         self.device = device
         self.block_size = kv.block_size if kv is not None else 1
         self._in_place: dict[int, bool] = {}
+        self._buffers: dict[tuple, torch.Tensor] = {}
         # decode attention reads blocks in chunks of about DECODE_CHUNK_TOKENS (model/attention.py)
         self.blocks_per_chunk = max(1, DECODE_CHUNK_TOKENS // self.block_size)
         self.evictor = None  # engine/eviction.py: cache lengths, positions and scores of evicting requests
@@ -124,8 +125,21 @@ class ModelRunner:
         """Each decode attends over [start, ctx): all of it, or the last `window` tokens."""
         ends = [self._cache_len(r, g) + 1 for r in reqs]
         starts = [max(0, e - spec.window) if spec.kind == "sliding" else 0 for e in ends]
-        return paged_decode_plan([tables[r.request_id] for r in reqs], starts, ends,
+        plan = paged_decode_plan([tables[r.request_id] for r in reqs], starts, ends,
                                  self.block_size, self.blocks_per_chunk)
+        pool = self.storage.native_kv(self.kv.groups[g].layers[0])[0]
+        plan.workspace = [self._buffer(i, pool, plan.blocks.numel()) for i in range(2)]
+        return plan
+
+    def _buffer(self, i: int, pool: torch.Tensor, n: int) -> torch.Tensor:
+        """Buffer i shaped [n, *pool.shape[1:]] (grown by doubling, reused across layers and steps)."""
+        key = (i, pool.shape[1:], pool.dtype)
+        buf = self._buffers.get(key)
+        if buf is None or buf.shape[0] < n:
+            buf = torch.empty((max(n, 2 * (buf.shape[0] if buf is not None else 0)), *pool.shape[1:]),
+                              dtype=pool.dtype, device=pool.device)
+            self._buffers[key] = buf
+        return buf[:n]
 
     def _decode_view(self, reqs: list[Request], tables: dict, spec: KVSpec, g: int = 0):
         """Each decode attends over [start, ctx): all of it, or the last `window` tokens."""

@@ -29,6 +29,9 @@ class PagedDecode:
     blocks: torch.Tensor     # [P * blocks_per_chunk] block ids, chunk by chunk (a short last chunk is padded)
     row: torch.Tensor        # [P] the decode row each chunk belongs to
     bias: torch.Tensor       # [P, 1, 1, blocks_per_chunk * block_size] float32: 0 visible, -inf not
+    # Reused output buffers for the gathered K and V blocks ([P * blocks_per_chunk, *block shape]):
+    # a fresh tens-of-MB tensor per layer would be mmapped and page-faulted in at every call.
+    workspace: list[torch.Tensor] | None = None
 
 
 def paged_decode_plan(tables: list[torch.Tensor], starts: list[int], ends: list[int], block_size: int,
@@ -199,8 +202,9 @@ def paged_decode(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, pa
     b, hq, d = q.shape
     num, hkv = paged.row.numel(), k_pool.shape[2]
     g, span = hq // hkv, paged.bias.shape[-1]
-    keys = k_pool.index_select(0, paged.blocks).view(num, span * hkv, d)
-    values = v_pool.index_select(0, paged.blocks).view(num, span, hkv * d)
+    k_out, v_out = paged.workspace if paged.workspace is not None else (None, None)
+    keys = torch.index_select(k_pool, 0, paged.blocks, out=k_out).view(num, span * hkv, d)
+    values = torch.index_select(v_pool, 0, paged.blocks, out=v_out).view(num, span, hkv * d)
     qp = q.index_select(0, paged.row).transpose(1, 2)                               # [P, D, Hq]
     cross = torch.bmm(keys, qp).view(num, span, hkv, hkv, g).diagonal(0, 2, 3)      # [P, span, G, Hkv]
     s = torch.add(paged.bias, cross.permute(0, 3, 2, 1), alpha=scale)               # [P, Hkv, G, span] float32

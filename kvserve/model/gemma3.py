@@ -9,7 +9,7 @@ from kvserve.kv.spec import KVSpec
 from kvserve.model.attention import attend
 from kvserve.model.base import CausalLM
 from kvserve.model.config import ModelConfig
-from kvserve.model.layers import RotaryEmbedding
+from kvserve.model.layers import Fused, RotaryEmbedding
 
 
 class GemmaRMSNorm(nn.Module):
@@ -34,9 +34,12 @@ class GemmaMLP(nn.Module):
         self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
         self.up_proj = nn.Linear(hidden, intermediate, bias=False)
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+        self.gate_up = Fused(self.gate_proj, self.up_proj)
+        self.fused = [self.gate_up]
 
     def forward(self, x):
-        return self.down_proj(nn.functional.gelu(self.gate_proj(x), approximate="tanh") * self.up_proj(x))
+        gate, up = self.gate_up(x)
+        return self.down_proj(nn.functional.gelu(gate, approximate="tanh") * up)
 
 
 class Gemma3Attention(nn.Module):
@@ -51,6 +54,8 @@ class Gemma3Attention(nn.Module):
         self.k_proj = nn.Linear(h, cfg.num_kv_heads * d, bias=cfg.attention_bias)
         self.v_proj = nn.Linear(h, cfg.num_kv_heads * d, bias=cfg.attention_bias)
         self.o_proj = nn.Linear(cfg.num_heads * d, h, bias=cfg.attention_bias)
+        self.qkv = Fused(self.q_proj, self.k_proj, self.v_proj)
+        self.fused = [self.qkv]
         self.q_norm = GemmaRMSNorm(d, cfg.rms_norm_eps)
         self.k_norm = GemmaRMSNorm(d, cfg.rms_norm_eps)
         self.rope = rope
@@ -62,9 +67,10 @@ class Gemma3Attention(nn.Module):
 
     def forward(self, x, positions, storage, meta):
         n = x.shape[0]
-        q = self.q_norm(self.q_proj(x).view(n, self.num_heads, self.head_dim))
-        k = self.k_norm(self.k_proj(x).view(n, self.num_kv_heads, self.head_dim))
-        v = self.v_proj(x).view(n, self.num_kv_heads, self.head_dim)
+        q, k, v = self.qkv(x)
+        q = self.q_norm(q.view(n, self.num_heads, self.head_dim))
+        k = self.k_norm(k.view(n, self.num_kv_heads, self.head_dim))
+        v = v.view(n, self.num_kv_heads, self.head_dim)
         self.kv_rows += n
         q, k = self.rope(positions, q, k)
         o = attend(q, k, v, self.layer, storage, meta, self.scale, self.window)

@@ -89,6 +89,42 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
 
 
+class Fused:
+    """Linears over the same input run as one matmul (q/k/v, gate/up): their weights are
+    concatenated once, after the model is loaded and moved, and each linear's weight becomes a
+    view of its rows, so nothing is stored twice and the checkpoint names stay as they are."""
+
+    def __init__(self, *linears: nn.Linear):
+        self.linears = linears
+        self.sizes = [m.out_features for m in linears]
+        self.weight = self.bias = None
+
+    def fuse(self) -> None:
+        """Concatenate the weights (call after loading and after any .to())."""
+        if any(m.bias is None for m in self.linears) != all(m.bias is None for m in self.linears):
+            return  # bias on some only: keep them separate
+        with torch.no_grad():
+            self.weight = torch.cat([m.weight for m in self.linears])
+            for m, w in zip(self.linears, self.weight.split(self.sizes)):
+                m.weight.data = w
+            if self.linears[0].bias is not None:
+                self.bias = torch.cat([m.bias for m in self.linears])
+                for m, b in zip(self.linears, self.bias.split(self.sizes)):
+                    m.bias.data = b
+
+    def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        if self.weight is None:
+            return tuple(m(x) for m in self.linears)
+        return nn.functional.linear(x, self.weight, self.bias).split(self.sizes, dim=-1)
+
+
+def fuse_projections(model: nn.Module) -> None:
+    """Fuse every module's `Fused` groups (modules list them in `fused`)."""
+    for module in model.modules():
+        for group in getattr(module, "fused", ()):
+            group.fuse()
+
+
 class GatedMLP(nn.Module):
     """SwiGLU feed-forward: down(silu(gate(x)) * up(x))."""
 
@@ -97,6 +133,9 @@ class GatedMLP(nn.Module):
         self.gate_proj = nn.Linear(hidden, intermediate, bias=bias)
         self.up_proj = nn.Linear(hidden, intermediate, bias=bias)
         self.down_proj = nn.Linear(intermediate, hidden, bias=bias)
+        self.gate_up = Fused(self.gate_proj, self.up_proj)
+        self.fused = [self.gate_up]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_up(x)
+        return self.down_proj(nn.functional.silu(gate) * up)

@@ -9,7 +9,7 @@ from kvserve.kv.storage import KVStorage
 from kvserve.model.attention import AttentionMetadata, attend
 from kvserve.model.base import CausalLM
 from kvserve.model.config import ModelConfig
-from kvserve.model.layers import GatedMLP, RMSNorm, RotaryEmbedding
+from kvserve.model.layers import Fused, GatedMLP, RMSNorm, RotaryEmbedding
 
 
 def layer_spec(cfg: ModelConfig, layer: int) -> KVSpec:
@@ -34,6 +34,8 @@ class LlamaAttention(nn.Module):
         self.k_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=qkv_bias)
         self.v_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=qkv_bias)
         self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=o_bias)
+        self.qkv = Fused(self.q_proj, self.k_proj, self.v_proj)
+        self.fused = [self.qkv]
         if getattr(cfg, "qk_norm", False):
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
@@ -44,9 +46,10 @@ class LlamaAttention(nn.Module):
 
     def forward(self, x, positions, storage: KVStorage | None, meta: AttentionMetadata):
         n = x.shape[0]
-        q = self.q_proj(x).view(n, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(n, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(n, self.num_kv_heads, self.head_dim)
+        q, k, v = self.qkv(x)
+        q = q.view(n, self.num_heads, self.head_dim)
+        k = k.view(n, self.num_kv_heads, self.head_dim)
+        v = v.view(n, self.num_kv_heads, self.head_dim)
         self.kv_rows += n
         if hasattr(self, "q_norm"):
             q, k = self.q_norm(q), self.k_norm(k)
