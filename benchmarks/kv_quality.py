@@ -49,6 +49,10 @@ def parse_args(argv=None):
     p.add_argument("--samples", type=int, default=2)
     p.add_argument("--passkey-lengths", default="1024,2048")
     p.add_argument("--passkey-cases", type=int, default=5)
+    p.add_argument("--dtype", default="float32", help="model dtype (the 'auto' reference cache is kept in it)")
+    p.add_argument("--kv-cache-memory", default="1GiB")
+    p.add_argument("--passkey-grid", action="store_true",
+                   help="passkey only (no KL/PPL scoring), kept apart in kv_quality.json under '<model>/passkey'")
     p.add_argument("--render", action="store_true", help="only redraw the table and plot from kv_quality.json")
     p.add_argument("--results", type=Path, default=RESULTS, help="JSON file the results are merged into")
     return p.parse_args(argv)
@@ -93,6 +97,8 @@ def plot(store: dict, path: Path) -> None:
 
 
 def render(store: dict) -> None:
+    grids = {k: v for k, v in store.items() if k.endswith("/passkey")}
+    store = {k: v for k, v in store.items() if k not in grids}
     rows, notes = [], []
     for model, entry in store.items():
         rows += table_rows([to_result(r) for r in entry["results"]])
@@ -116,8 +122,28 @@ Runs:
 
 Machine: {facts}
 """
-    replace_section("KV cache quantization", body + "\n" + targets(store) + "\n" + NOTES)
+    replace_section("KV cache quantization", body + "\n" + passkey_grid(grids) + targets(store) + "\n" + NOTES)
     plot(store, PLOT)
+
+
+def passkey_grid(grids: dict) -> str:
+    """The full-size passkey runs: accuracy per format and prompt length, cases per cell."""
+    if not grids:
+        return ""
+    lengths = sorted({int(k) for e in grids.values() for r in e["results"] for k in r["passkey"]})
+    rows = []
+    for key, entry in grids.items():
+        cases = entry["settings"]["passkey_cases"]
+        for r in entry["results"]:
+            row = [key.split("/")[0], r["spec"], f"{r['bytes_per_token']:,}"]
+            acc = {int(k): v for k, v in r["passkey"].items()}
+            row += [f"{acc[n]:.0%}" if n in acc else "—" for n in lengths]
+            rows.append(row + [str(cases), entry["settings"].get("dtype", "float32")])
+    cmds = "\n".join(f"- {k}: `{e['command']}`, {e['seconds']:.0f} s" for k, e in grids.items())
+    return ("Passkey retrieval at full size (same template; cases spread over depths 0..1; the "
+            "'auto' row is the reference cache in the model dtype of the run):\n\n"
+            + md_table(["model", "format", "B/token", *[f"{n // 1024}K" if n % 1024 == 0 else str(n) for n in lengths],
+                        "cases per cell", "model dtype"], rows) + "\n\n" + cmds + "\n\n")
 
 
 def _setting(store, key):
@@ -183,12 +209,15 @@ def main(argv=None) -> None:
                 context=args.context, score_tokens=args.score_tokens, samples=args.samples,
                 passkey_lengths=[int(x) for x in args.passkey_lengths.split(",") if x],
                 passkey_cases=args.passkey_cases,
-                passkey_formats=[f for f in args.passkey_formats.split(";") if f])
+                passkey_formats=[f for f in args.passkey_formats.split(";") if f],
+                dtype=args.dtype, kv_cache_memory=args.kv_cache_memory)
+            if args.passkey_grid:
+                settings.formats, settings.score_tokens = settings.passkey_formats, 0
             t0 = time.perf_counter()
             print(" | ".join(HEADER), flush=True)
             results = evaluate(settings, log=lambda line: print(line, flush=True))
             store = load(args.results)  # merge: another run may have written another model meanwhile
-            store[name] = {"results": [asdict(r) for r in results], "command": command_line(),
+            store[name + ("/passkey" if args.passkey_grid else "")] = {"results": [asdict(r) for r in results], "command": command_line(),
                            "seconds": time.perf_counter() - t0, "machine": machine_facts(),
                            "settings": {k: v for k, v in asdict(settings).items() if k not in ("formats", "model")}}
             args.results.write_text(json.dumps(store, indent=1))

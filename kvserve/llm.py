@@ -91,17 +91,16 @@ class LLM:
         bar = tqdm(total=len(ids), desc="Processed prompts", disable=not use_tqdm, dynamic_ncols=True)
         start = time.perf_counter()
         stats = self.engine.stats
-        g0, prompt_done = stats.generation_tokens, 0   # prompt tokens of finished requests (as vLLM counts)
+        p0, g0 = stats.prompt_tokens_computed, stats.generation_tokens
         try:
             while len(done) < len(ids):
                 for out in self.engine.step():
                     if out.finished:
                         done[out.request_id] = out
-                        prompt_done += len(out.prompt_token_ids)
                         bar.update(1)
                 if use_tqdm:
                     dt = max(time.perf_counter() - start, 1e-9)
-                    bar.set_postfix_str(f"input: {prompt_done / dt:.1f} toks/s, "
+                    bar.set_postfix_str(f"input: {(stats.prompt_tokens_computed - p0) / dt:.1f} toks/s, "
                                         f"output: {(stats.generation_tokens - g0) / dt:.1f} toks/s")
                 if not self.engine.has_unfinished_requests() and len(done) < len(ids):
                     raise RuntimeError("engine stopped with unfinished requests")

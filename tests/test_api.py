@@ -98,3 +98,15 @@ def test_cli_chat_keeps_conversation_and_reports_cache():
     assert len(counts) == 2
     cached_second = int(counts[1].split(",")[1].split()[0])
     assert cached_second >= 16
+
+
+def test_progress_bar_shows_live_prompt_and_output_rates(llm, capsys):
+    import re
+    llm.reset_prefix_cache()
+    before = llm.engine.stats.prompt_tokens_computed
+    out = llm.generate(["The capital of France is", "A short poem about the sea:"],
+                       SamplingParams(temperature=0, max_tokens=4), use_tqdm=True)
+    computed = sum(len(o.prompt_token_ids) - o.num_cached_tokens for o in out)
+    assert llm.engine.stats.prompt_tokens_computed - before == computed
+    rates = re.findall(r"input: ([\d.]+) toks/s, output: ([\d.]+) toks/s", capsys.readouterr().err)
+    assert rates and float(rates[-1][0]) > 0 and float(rates[-1][1]) > 0

@@ -294,6 +294,8 @@ class LLMEngine:
         inp, logits, prompt_logits = self.runner.execute(sched.scheduled, pl_reqs)
         self.scheduler.observe_step(sched.num_tokens, time.perf_counter() - t0)
         for req, n in sched.scheduled:
+            done = req.num_computed_tokens
+            self.stats.prompt_tokens_computed += max(0, min(done + n, req.num_prompt_tokens) - done)
             req.num_computed_tokens += n
             if self.kv is not None:
                 self.kv.cache_blocks(req.request_id, req.token_ids, req.num_computed_tokens)

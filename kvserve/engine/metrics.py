@@ -17,6 +17,7 @@ class EngineStats:
     """Cumulative counters and the most recent per-request latency samples (seconds)."""
 
     prompt_tokens: int = 0
+    prompt_tokens_computed: int = 0   # prompt positions run through the model (prefill, recompute)
     generation_tokens: int = 0
     num_steps: int = 0
     request_success: dict[str, int] = field(default_factory=dict)  # by finish reason

@@ -203,6 +203,7 @@ class EvalSettings:
     kv_cache_memory: str = "1GiB"
     budget_for_capacity: str = "1GiB"
     seed: int = 0
+    dtype: str = "float32"    # model dtype; 'auto' formats store the cache in it (the reference)
 
 
 def evaluate(settings: EvalSettings, log=print) -> list[FormatResult]:
@@ -220,7 +221,7 @@ def evaluate(settings: EvalSettings, log=print) -> list[FormatResult]:
         t0 = time.perf_counter()
         llm = LLM(settings.model, max_model_len=max_len, block_size=settings.block_size,
                   kv_cache_memory=settings.kv_cache_memory, max_num_seqs=max(settings.passkey_cases, 8),
-                  seed=settings.seed, **parse_format_spec(spec))
+                  seed=settings.seed, dtype=settings.dtype, **parse_format_spec(spec))
         eng = llm.engine
         tok = eng.tokenizer
         if data is None:
@@ -327,6 +328,8 @@ def register(subparsers) -> argparse.ArgumentParser:
     q.add_argument("--passkey-cases", type=int, default=20, help="cases per length")
     q.add_argument("--block-size", type=int, default=32)
     q.add_argument("--kv-cache-memory", default="1GiB")
+    q.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                   help="model dtype; the 'auto' reference cache is stored in it")
     q.add_argument("--json", action="store_true", help="print JSON")
     q.set_defaults(func=run)
     from kvserve.tools.evaluate_policies import register as register_kv_policy
@@ -341,7 +344,7 @@ def settings_from_args(args) -> EvalSettings:
                         score_tokens=args.score_tokens, samples=args.samples,
                         passkey_lengths=[int(x) for x in args.passkey_lengths.split(",") if x.strip()],
                         passkey_cases=args.passkey_cases, block_size=args.block_size,
-                        kv_cache_memory=args.kv_cache_memory)
+                        kv_cache_memory=args.kv_cache_memory, dtype=args.dtype)
 
 
 def _split_specs(text: str) -> list[str]:
