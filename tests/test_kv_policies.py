@@ -151,11 +151,12 @@ class Oracle:
 
     def execute(self, scheduled, prompt_logprob_reqs=()):
         ev = self.eng.evictor
+        g = ev.targets[0]   # the (first) layer policies evict from: what the recompute keeps
         before = {}
         for req, n in scheduled:
             st = ev.states.get(req.request_id)
-            c = ev.cache_len(req, 0)
-            kept = ev._positions(st, 0, c).clone() if st is not None else torch.arange(c)
+            c = ev.cache_len(req, g)
+            kept = ev._positions(st, g, c).clone() if st is not None else torch.arange(c)
             shift = ev.position_shift(req)
             reindex = st is not None and st.policy.reindex
             start = req.num_computed_tokens
@@ -320,13 +321,54 @@ def test_bad_combinations_are_refused(tiny1, tmp_path):
         llm.generate([[3, 4, 5]], SamplingParams(n=2, max_tokens=2), use_tqdm=False)
     with pytest.raises(ValueError, match="kv_cache_mode"):
         LLM(tiny1, kv_cache_mode="none", kv_policy="window:8")
-    gemma = make_tiny_checkpoint("gemma3", tmp_path)      # 3 sliding layers + 1 full layer
-    with pytest.raises(ValueError, match="re-indexes"):
-        LLM(gemma, kv_cache_memory="1MiB", block_size=BS, kv_policy="sinks:4,12")
+    gemma = make_tiny_checkpoint("gemma3", tmp_path)      # 3 sliding layers (window 8) + 1 full layer
+    with pytest.raises(ValueError, match="sliding window"):
+        LLM(gemma, kv_cache_memory="1MiB", block_size=BS, kv_policy="sinks:4,6")
     g = LLM(gemma, kv_cache_memory="1MiB", block_size=BS, kv_policy="h2o:6,6", max_num_batched_tokens=8)
     g.generate([list(range(3, 30))], greedy(20), use_tqdm=False)     # only the full layer evicts
     assert g.get_metrics()["kv_evicted_entries"] == 27 + 19 - 13   # the last step ends the request first
     assert all_blocks_free(g)
+
+
+def test_reindexing_on_a_hybrid_sliding_model_keeps_relative_positions(tmp_path):
+    """Gemma 3 layout (3 sliding layers, window 8, + 1 full layer). A recompute over the kept tokens is
+    no oracle past one layer (deeper K/V remember evicted tokens), but RoPE is: scores depend only on
+    query-key distance. `window:8` re-indexes every layer's keys (the full layer's by compaction, the
+    sliding layers' by `_shift_sliding`); `h2o:0,8` keeps the same last 8 tokens at their original
+    positions. Same distances everywhere, so the same logits; skipping the sliding layers' shift
+    would change them."""
+    gemma = make_tiny_checkpoint("gemma3", tmp_path, max_position_embeddings=64)
+    prompts = [list(range(3, 30)), list(range(40, 52))]
+    params = greedy(60, logprobs=0)
+    runs = {}
+    for policy in ("window:8", "h2o:0,8"):
+        llm = LLM(gemma, kv_cache_memory="1MiB", block_size=BS, kv_policy=policy, max_num_batched_tokens=8,
+                  max_model_len=200)
+        runs[policy] = llm.generate(prompts, params, use_tqdm=False)
+        assert llm.get_metrics()["kv_evicted_tokens"] > 0
+        assert all_blocks_free(llm) and not llm.engine.evictor.states
+    for a, b in zip(runs["window:8"], runs["h2o:0,8"]):
+        ta, tb = a.outputs[0].token_ids, b.outputs[0].token_ids
+        assert ta == tb
+        lpa = [d[t].logprob for d, t in zip(a.outputs[0].logprobs, ta)]
+        lpb = [d[t].logprob for d, t in zip(b.outputs[0].logprobs, tb)]
+        assert max(abs(x - y) for x, y in zip(lpa, lpb)) < 1e-4
+
+
+def test_sinks_stream_on_a_hybrid_sliding_model_runs_with_bounded_memory(tmp_path):
+    gemma = make_tiny_checkpoint("gemma3", tmp_path, max_position_embeddings=64)
+    llm = LLM(gemma, kv_cache_memory="1MiB", block_size=BS, kv_policy="sinks:2,10", max_num_batched_tokens=8,
+              max_model_len=400)
+    eng = llm.engine
+    eng.add_request(list(range(3, 20)), greedy(300))
+    peak = 0
+    while eng.has_unfinished_requests():
+        eng.step()
+        peak = max(peak, llm.get_metrics()["num_blocks_used"])
+    # full layer: 2 sinks + 10 recent + the new token; 3 sliding layers: 8 + the new token, each
+    assert peak <= math.ceil(13 / BS) + 3 * (math.ceil(9 / BS) + 1)
+    assert llm.get_metrics()["kv_evicted_tokens"] > 250
+    assert all_blocks_free(llm)
 
 
 # ---- the bundled model ---------------------------------------------------------------------------------

@@ -93,9 +93,19 @@ class Evictor:
             return
         if not self.targets:
             raise ValueError(f"kv_policy {policy.spec()!r}: this model has no full-attention layers to evict from")
-        if policy.reindex and (self.has_other or not all(hasattr(a.rope, "shift") for a in self.attn)):
-            raise ValueError(f"kv_policy {policy.spec()!r} re-indexes positions, which needs every layer to be "
-                             "full attention with rotate-half RoPE; use h2o or snapkv with this model")
+        if not policy.reindex:
+            return
+        if not all(hasattr(getattr(a, "rope", None), "shift") for a in self.attn):
+            raise ValueError(f"kv_policy {policy.spec()!r} re-indexes positions, which needs rotate-half RoPE "
+                             "on every layer (MLA keeps RoPE inside its latent); use h2o or snapkv with this model")
+        others = [self.groups[g].spec for g in range(len(self.groups)) if g not in self.target_set]
+        if any(s.kind != "sliding" for s in others):
+            raise ValueError(f"kv_policy {policy.spec()!r}: every layer must be full or sliding-window attention")
+        widest = max((s.window for s in others), default=0)
+        if policy.recent < widest:
+            raise ValueError(f"kv_policy {policy.spec()!r} keeps {int(policy.recent)} recent tokens, fewer than this "
+                             f"model's sliding window ({widest}): its sliding layers would still see tokens the "
+                             f"policy dropped; use a window of at least {widest}")
 
     def add(self, req: Request, policy: KVPolicy) -> None:
         """Track a request that runs under `policy` (resolved against its prompt)."""
@@ -237,7 +247,10 @@ class Evictor:
         if pol.one_shot:
             st.scores = [None] * len(self.groups)
         if pol.reindex:
-            st.shift = st.evicted[self.targets[0]]
+            shift = st.evicted[self.targets[0]]
+            if shift > st.shift and self.has_other:
+                self._shift_sliding(st, shift - st.shift)
+            st.shift = shift
         self.num_evictions += evicted
 
     def _positions(self, st: _State, g: int, n: int) -> torch.Tensor:
@@ -293,6 +306,22 @@ class Evictor:
         self.num_blocks_freed += self.kv.release_tail(rid, g, -(-k // self.kv.block_size))
         st.evicted[g] += n - k
         self.num_evicted_entries += n - k
+
+    def _shift_sliding(self, st: _State, delta: int) -> None:
+        """Re-index the keys sliding-window layers still attend over by `delta` positions, as the
+        full layers' compaction just did for theirs (hybrid models: window/sinks policies)."""
+        bs, req = self.kv.block_size, st.req
+        dev = self.storage.slots[0][0].device
+        for g in range(len(self.groups)):
+            if g in self.target_set:
+                continue
+            n = self.cache_len(req, g)
+            start = max(0, n + 1 - self.groups[g].spec.window)   # what the next query will see
+            table = torch.tensor(self.kv.block_ids(req.request_id, g), dtype=torch.long)
+            p = torch.arange(start, n)
+            slots = (table[p // bs] * bs + p % bs).to(dev)
+            self._move_rotated(self.groups[g].layers[0], slots, slots, torch.full((n - start,), delta, device=dev))
+            self.num_entries_moved += n - start
 
     def _move_raw(self, layer: int, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Copy whole per-token rows of every tensor of the layer's storage slot (any per-token format)."""
