@@ -46,6 +46,16 @@ def tiny_llm(path, policy, blocks=512, layers=1, **kw):
                kv_policy=policy, **kw)
 
 
+def stream_peak_blocks(llm, prompt, n) -> int:
+    """Run one request of n greedy tokens step by step; the most blocks the pool had in use."""
+    eng, peak = llm.engine, 0
+    eng.add_request(prompt, greedy(n))
+    while eng.has_unfinished_requests():
+        eng.step()
+        peak = max(peak, llm.get_metrics()["num_blocks_used"])
+    return peak
+
+
 def greedy(n, **kw):
     return SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, **kw)
 
@@ -198,12 +208,7 @@ def test_reindexed_stream_runs_past_max_position_embeddings_in_a_small_pool(tiny
     # 16 blocks of 4 tokens = 64 slots for a 308-token stream on a model trained for 64 positions
     llm = tiny_llm(tiny1, "sinks:4,12", blocks=16, max_num_batched_tokens=8)
     oracle = Oracle(llm)
-    eng = llm.engine
-    eng.add_request(list(range(3, 11)), greedy(300))
-    peak = 0
-    while eng.has_unfinished_requests():
-        eng.step()
-        peak = max(peak, llm.get_metrics()["num_blocks_used"])
+    peak = stream_peak_blocks(llm, list(range(3, 11)), 300)
     assert oracle.worst < 1e-4 and oracle.checked == 300
     assert oracle.max_position <= 16           # positions stay inside the cache: 4 sinks + 12 recent
     assert peak <= math.ceil(17 / BS)          # capacity + the new token, in blocks
@@ -359,12 +364,7 @@ def test_sinks_stream_on_a_hybrid_sliding_model_runs_with_bounded_memory(tmp_pat
     gemma = make_tiny_checkpoint("gemma3", tmp_path, max_position_embeddings=64)
     llm = LLM(gemma, kv_cache_memory="1MiB", block_size=BS, kv_policy="sinks:2,10", max_num_batched_tokens=8,
               max_model_len=400)
-    eng = llm.engine
-    eng.add_request(list(range(3, 20)), greedy(300))
-    peak = 0
-    while eng.has_unfinished_requests():
-        eng.step()
-        peak = max(peak, llm.get_metrics()["num_blocks_used"])
+    peak = stream_peak_blocks(llm, list(range(3, 20)), 300)
     # full layer: 2 sinks + 10 recent + the new token; 3 sliding layers: 8 + the new token, each
     assert peak <= math.ceil(13 / BS) + 3 * (math.ceil(9 / BS) + 1)
     assert llm.get_metrics()["kv_evicted_tokens"] > 250
