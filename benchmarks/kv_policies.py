@@ -130,7 +130,7 @@ def plot(res: dict, path: Path) -> bool:
 
 
 def report(res: dict) -> str:
-    parts = [f"Model: {res.get('model', 'SmolLM2-135M-Instruct')} (float32, CPU). Command(s): "
+    parts = [f"Model: {res.get('model', 'SmolLM2-135M-Instruct')} (CPU; model dtype per part below). Command(s): "
              + "; ".join(f"`{c}`" for c in sorted({v['command'] for v in res.values() if isinstance(v, dict)
                                                      and 'command' in v}))]
     facts = res.get("machine")
@@ -143,7 +143,8 @@ def report(res: dict) -> str:
         "`kvserve eval kv-policy --help`, docs/EVICTION.md.")
     if "stream" in res:
         s = res["stream"]
-        parts.append(f"### Streaming perplexity\n\n{s['tokens']} tokens of `pydoc_data.topics` fed one token at a "
+        parts.append(f"### Streaming perplexity\n\nModel dtype {s['settings'].get('dtype', 'float32')}. "
+                     f"{s['tokens']} tokens of `pydoc_data.topics` fed one token at a "
                      "time (every step evicts once the cache is full). StreamingLLM's result — window-only "
                      "explodes, four sink tokens bring it back — is the check. *Once evicting*: the windows of "
                      f"{s['rows'][0]['ppl_curve'][0][0]} tokens from the budget on (the first ones are the full "
@@ -152,7 +153,8 @@ def report(res: dict) -> str:
     if "compression" in res:
         c = res["compression"]
         st = c["settings"]
-        parts.append(f"### Long-prompt compression\n\nGreedy answer after the prompt, {st['cases']} case(s) per "
+        parts.append(f"### Long-prompt compression\n\nModel dtype {st.get('dtype', 'float32')}. "
+                     f"Greedy answer after the prompt, {st['cases']} case(s) per "
                      f"kind and length (depths spread over the prompt); cells: accuracy (cases). `snapkv`: the "
                      "question ends the prompt, inside the 32-token observation window; `snapkv-qafter`: the "
                      "context alone is compressed, then the question is fed token by token; `h2o` half heavy "
@@ -163,7 +165,8 @@ def report(res: dict) -> str:
     if "fidelity" in res:
         f = res["fidelity"]
         st = f["settings"]
-        parts.append(f"### Fidelity after compression\n\nA context of {st['context']} tokens compressed, then "
+        parts.append(f"### Fidelity after compression\n\nModel dtype {st.get('dtype', 'float32')}. "
+                     f"A context of {st['context']} tokens compressed, then "
                      f"{st['score_tokens']} tokens forced one at a time; compared with the full cache step by "
                      "step.\n\n" + fidelity_table(f["rows"]))
     if PLOT.exists():
@@ -184,6 +187,9 @@ def main(argv=None) -> int:
     p.add_argument("--context", type=int, default=1024)
     p.add_argument("--score-tokens", type=int, default=32)
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    p.add_argument("--dtype", default="float32", help="model dtype")
+    p.add_argument("--kv-cache-memory", default="1GiB")
+    p.add_argument("--max-num-seqs", type=int, default=16)
     p.add_argument("--notes", default=None, help="a paragraph appended to the section")
     p.add_argument("--report-only", action="store_true")
     args = p.parse_args(argv)
@@ -199,7 +205,8 @@ def main(argv=None) -> int:
                                lengths=[int(x) for x in args.lengths.split(",")],
                                ratios=[float(x) for x in args.ratios.split(",")], cases=args.cases,
                                context=args.context, score_tokens=args.score_tokens,
-                               parts=args.parts.split(","))
+                               parts=args.parts.split(","), dtype=args.dtype,
+                               kv_cache_memory=args.kv_cache_memory, max_num_seqs=args.max_num_seqs)
         out = evaluate_policies(s, log=lambda line: print(line, file=sys.stderr, flush=True))
         res = json.loads(RESULTS.read_text()) if RESULTS.exists() else {}  # parts may run in parallel
         res["model"] = out["model"]

@@ -53,6 +53,8 @@ def parse_args(argv=None):
     p.add_argument("--kv-cache-memory", default="1GiB")
     p.add_argument("--passkey-grid", action="store_true",
                    help="passkey only (no KL/PPL scoring), kept apart in kv_quality.json under '<model>/passkey'")
+    p.add_argument("--merge", action="store_true",
+                   help="add these formats to the model's stored run (same scoring settings) instead of replacing it")
     p.add_argument("--render", action="store_true", help="only redraw the table and plot from kv_quality.json")
     p.add_argument("--results", type=Path, default=RESULTS, help="JSON file the results are merged into")
     return p.parse_args(argv)
@@ -178,7 +180,7 @@ NOTES = """What the numbers say (read by hand from the run above):
 
 def targets(store: dict) -> str:
     """The issue's targets, checked against the table: met or not, per model."""
-    lines = ["Targets (issue 5), checked per model:"]
+    lines = ["Targets, checked per model:"]
     for model, entry in store.items():
         rs = {r["spec"]: to_result(r) for r in entry["results"]}
 
@@ -200,6 +202,24 @@ def targets(store: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+SCORING = ("context", "score_tokens", "samples", "dtype", "block_size")
+
+
+def merged(old: dict | None, new: dict) -> dict:
+    """`new`'s formats added to (or replacing the same specs in) `old`, whose scoring settings must match."""
+    if old is None:
+        return new
+    differ = [k for k in SCORING if old["settings"].get(k, "float32" if k == "dtype" else None) != new["settings"].get(k)]
+    if differ:
+        raise SystemExit(f"--merge needs the stored run's scoring settings; these differ: {differ}")
+    specs = {r["spec"] for r in new["results"]}
+    results = [r for r in old["results"] if r["spec"] not in specs] + [r for r in new["results"] if r["spec"] != "auto"]
+    if not any(r["spec"] == "auto" for r in results):
+        results.insert(0, next(r for r in new["results"] if r["spec"] == "auto"))
+    return {**new, "results": results, "command": f"{old['command']}; then {new['command']}",
+            "seconds": old["seconds"] + new["seconds"], "settings": old["settings"]}
+
+
 def main(argv=None) -> None:
     args = parse_args(argv)
     if not args.render:
@@ -217,9 +237,11 @@ def main(argv=None) -> None:
             print(" | ".join(HEADER), flush=True)
             results = evaluate(settings, log=lambda line: print(line, flush=True))
             store = load(args.results)  # merge: another run may have written another model meanwhile
-            store[name + ("/passkey" if args.passkey_grid else "")] = {"results": [asdict(r) for r in results], "command": command_line(),
-                           "seconds": time.perf_counter() - t0, "machine": machine_facts(),
-                           "settings": {k: v for k, v in asdict(settings).items() if k not in ("formats", "model")}}
+            key = name + ("/passkey" if args.passkey_grid else "")
+            entry = {"results": [asdict(r) for r in results], "command": command_line(),
+                     "seconds": time.perf_counter() - t0, "machine": machine_facts(),
+                     "settings": {k: v for k, v in asdict(settings).items() if k not in ("formats", "model")}}
+            store[key] = merged(store.get(key), entry) if args.merge else entry
             args.results.write_text(json.dumps(store, indent=1))
     render(load(args.results))
     print(f"wrote {RESULTS.name}, BENCHMARKS.md and {PLOT.relative_to(HERE.parent)}")

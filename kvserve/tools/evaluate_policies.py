@@ -284,13 +284,14 @@ class PolicyEvalSettings:
     kv_cache_memory: str = "1GiB"
     max_num_seqs: int = 16
     parts: list[str] = field(default_factory=lambda: ["stream", "compression", "fidelity"])
+    dtype: str = "float32"
 
 
 def make_llm(s: PolicyEvalSettings, max_len: int):
     """An engine with per-layer block tables and no eviction by default (requests bring their policy)."""
     from kvserve.llm import LLM
     return LLM(s.model, max_model_len=max_len, kv_cache_memory=s.kv_cache_memory, max_num_seqs=s.max_num_seqs,
-               kv_policy="full", enable_prefix_caching=False)
+               kv_policy="full", enable_prefix_caching=False, dtype=s.dtype)
 
 
 def evaluate_policies(s: PolicyEvalSettings, log=print) -> dict:
@@ -329,6 +330,7 @@ def register(sub) -> argparse.ArgumentParser:
     p.add_argument("--score-tokens", type=int, default=64, help="fidelity: forced tokens scored")
     p.add_argument("--kv-cache-memory", default="1GiB")
     p.add_argument("--max-num-seqs", type=int, default=16)
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="model dtype")
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(func=run)
     return p
@@ -340,7 +342,7 @@ def run(args) -> int:
                            lengths=_ints(args.lengths), ratios=[float(x) for x in args.ratios.split(",") if x],
                            cases=args.cases, context=args.context, score_tokens=args.score_tokens,
                            kv_cache_memory=args.kv_cache_memory, max_num_seqs=args.max_num_seqs,
-                           parts=[x.strip() for x in args.parts.split(",") if x.strip()])
+                           parts=[x.strip() for x in args.parts.split(",") if x.strip()], dtype=args.dtype)
     out = evaluate_policies(s, log=lambda line: print(line, file=sys.stderr))
     if args.json:
         print(json.dumps(out, indent=2))
