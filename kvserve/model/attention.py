@@ -46,7 +46,7 @@ def paged_decode_plan(tables: list[torch.Tensor], starts: list[int], ends: list[
         b0, b1 = start // bs, (end - 1) // bs + 1
         chunks = -(-(b1 - b0) // per)
         visible = table[b0:b1]
-        blocks.append(F.pad(visible, (0, chunks * per - len(visible)), value=int(visible[0])))
+        blocks.append(torch.cat([visible, visible[:1].expand(chunks * per - len(visible))]))
         rows += [i] * chunks
         first += range(b0 * bs, (b0 + chunks * per) * bs, per * bs)
     row = torch.tensor(rows, dtype=torch.long, device=device)
@@ -210,7 +210,7 @@ def paged_decode(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, pa
     s = torch.add(paged.bias, cross.permute(0, 3, 2, 1), alpha=scale)               # [P, Hkv, G, span] float32
     row = paged.row.view(-1, 1, 1).expand(-1, hkv, g)
     peak = s.new_full((b, hkv, g), -math.inf).scatter_reduce(0, row, s.amax(-1), "amax")
-    e = torch.exp(s - peak.index_select(0, paged.row).unsqueeze(-1))                 # [P, Hkv, G, bs]
+    e = torch.exp(s - peak.index_select(0, paged.row).unsqueeze(-1))                 # [P, Hkv, G, span]
     total = e.new_zeros(b, hq).index_add_(0, paged.row, e.sum(-1).view(num, hq))
     part = torch.bmm(e.to(v_pool.dtype).view(num, hq, span), values)                # [P, Hq, Hkv * D]
     part = part.view(num, hkv, g, hkv, d).diagonal(0, 1, 3).permute(0, 3, 1, 2)     # [P, Hkv, G, D]
