@@ -129,7 +129,26 @@ def plot(res: dict, path: Path) -> bool:
     return True
 
 
-def report(res: dict) -> str:
+def paths(model: str | None) -> tuple[Path, Path]:
+    """(results file, plot) of a model: the bundled one in kv_policies.json, others beside it."""
+    if model in (None, "smollm2"):
+        return RESULTS, PLOT
+    return HERE / f"kv_policies-{model}.json", PLOT.with_name(f"kv_eviction-{model}.png")
+
+
+def section() -> str:
+    """The whole `## KV eviction` section: the bundled model, then every other model's file."""
+    res = json.loads(RESULTS.read_text()) if RESULTS.exists() else {}
+    text = [report(res, PLOT)]
+    for extra in sorted(HERE.glob("kv_policies-*.json")):
+        other = json.loads(extra.read_text())
+        tag = extra.stem.removeprefix("kv_policies-")
+        body = report(other, PLOT.with_name(f"kv_eviction-{tag}.png")).replace("\n### ", "\n#### ")
+        text.append(f"### {other.get('model', tag)}\n\n" + body)
+    return "\n\n".join(text)
+
+
+def report(res: dict, plot_path: Path = PLOT) -> str:
     parts = [f"Model: {res.get('model', 'SmolLM2-135M-Instruct')} (CPU; model dtype per part below). Command(s): "
              + "; ".join(f"`{c}`" for c in sorted({v['command'] for v in res.values() if isinstance(v, dict)
                                                      and 'command' in v}))]
@@ -169,8 +188,8 @@ def report(res: dict) -> str:
                      f"A context of {st['context']} tokens compressed, then "
                      f"{st['score_tokens']} tokens forced one at a time; compared with the full cache step by "
                      "step.\n\n" + fidelity_table(f["rows"]))
-    if PLOT.exists():
-        parts.append("![KV eviction](docs/kv_eviction.png)")
+    if plot_path.exists():
+        parts.append(f"![KV eviction](docs/{plot_path.name})")
     if res.get("notes"):
         parts.append(res["notes"])
     return "\n\n".join(parts)
@@ -178,6 +197,7 @@ def report(res: dict) -> str:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default=None, help="alias or path (default: the bundled SmolLM2)")
     p.add_argument("--parts", default="stream,compression,fidelity")
     p.add_argument("--stream-tokens", type=int, default=4096)
     p.add_argument("--budgets", default="256,512")
@@ -193,14 +213,15 @@ def main(argv=None) -> int:
     p.add_argument("--notes", default=None, help="a paragraph appended to the section")
     p.add_argument("--report-only", action="store_true")
     args = p.parse_args(argv)
-    res = json.loads(RESULTS.read_text()) if RESULTS.exists() else {}
+    results, plot_path = paths(args.model)
+    res = json.loads(results.read_text()) if results.exists() else {}
     if not args.report_only:
         import torch
 
         from kvserve.tools.evaluate_policies import PolicyEvalSettings, evaluate_policies
         if args.threads:
             torch.set_num_threads(args.threads)
-        s = PolicyEvalSettings(stream_tokens=args.stream_tokens,
+        s = PolicyEvalSettings(model=args.model, stream_tokens=args.stream_tokens,
                                budgets=[int(x) for x in args.budgets.split(",")],
                                lengths=[int(x) for x in args.lengths.split(",")],
                                ratios=[float(x) for x in args.ratios.split(",")], cases=args.cases,
@@ -208,7 +229,7 @@ def main(argv=None) -> int:
                                parts=args.parts.split(","), dtype=args.dtype,
                                kv_cache_memory=args.kv_cache_memory, max_num_seqs=args.max_num_seqs)
         out = evaluate_policies(s, log=lambda line: print(line, file=sys.stderr, flush=True))
-        res = json.loads(RESULTS.read_text()) if RESULTS.exists() else {}  # parts may run in parallel
+        res = json.loads(results.read_text()) if results.exists() else {}  # parts may run in parallel
         res["model"] = out["model"]
         res["machine"] = machine_facts()
         for part in s.parts:
@@ -217,10 +238,10 @@ def main(argv=None) -> int:
             res["stream"]["tokens"] = s.stream_tokens
     if args.notes is not None:
         res["notes"] = args.notes
-    RESULTS.write_text(json.dumps(res, indent=1))
-    plot(res, PLOT)
-    replace_section("KV eviction", report(res))
-    print(report(res))
+    results.write_text(json.dumps(res, indent=1))
+    plot(res, plot_path)
+    replace_section("KV eviction", section())
+    print(section())
     return 0
 
 
