@@ -197,6 +197,10 @@ def targets(store: dict) -> str:
             check("fp8_e4m3", lambda r: r.top1 >= 0.98, "fp8_e4m3 top-1 >= 98%"),
             check("kivi4", lambda r: abs(r.ppl_change) <= 0.01, "kivi4 perplexity within 1%"),
         ]
+        for spec in ("int8+rot", "fp8_e4m3+rot"):   # the same checks with the Hadamard rotation, where run
+            r = rs.get(spec)
+            if r is not None and r.top1 is not None:
+                items.append(f"{spec}: top-1 {r.top1:.1%}, KL {r.mean_kl:.3g}, PPL {r.ppl_change:+.2%}")
         k2, k2r = rs.get("kivi2"), rs.get("kivi2+rot")
         if k2 and k2r and k2.top1 is not None and k2r.top1 is not None:
             items.append(f"kivi2 without / with rotation: top-1 {k2.top1:.1%} / {k2r.top1:.1%}, "
