@@ -327,32 +327,33 @@ def test_bad_combinations_are_refused(tiny1, tmp_path):
     with pytest.raises(ValueError, match="kv_cache_mode"):
         LLM(tiny1, kv_cache_mode="none", kv_policy="window:8")
     gemma = make_tiny_checkpoint("gemma3", tmp_path)      # 3 sliding layers (window 8) + 1 full layer
-    with pytest.raises(ValueError, match="sliding window"):
-        LLM(gemma, kv_cache_memory="1MiB", block_size=BS, kv_policy="sinks:4,6")
     g = LLM(gemma, kv_cache_memory="1MiB", block_size=BS, kv_policy="h2o:6,6", max_num_batched_tokens=8)
     g.generate([list(range(3, 30))], greedy(20), use_tqdm=False)     # only the full layer evicts
     assert g.get_metrics()["kv_evicted_entries"] == 27 + 19 - 13   # the last step ends the request first
     assert all_blocks_free(g)
 
 
-def test_reindexing_on_a_hybrid_sliding_model_keeps_relative_positions(tmp_path):
+@pytest.mark.parametrize("recent", [8, 5])   # = and < the sliding window
+def test_reindexing_on_a_hybrid_sliding_model_keeps_relative_positions(tmp_path, recent):
     """Gemma 3 layout (3 sliding layers, window 8, + 1 full layer). A recompute over the kept tokens is
     no oracle past one layer (deeper K/V remember evicted tokens), but RoPE is: scores depend only on
     query-key distance. `window:8` re-indexes every layer's keys (the full layer's by compaction, the
     sliding layers' by `_shift_sliding`); `h2o:0,8` keeps the same last 8 tokens at their original
     positions. Same distances everywhere, so the same logits; skipping the sliding layers' shift
-    would change them."""
+    would change them. With a window below the sliding one, the sliding layers still see their own
+    last 8 tokens, the oldest re-indexed below the full layer's first kept position: distances stay
+    right (only differences of positions enter RoPE scores)."""
     gemma = make_tiny_checkpoint("gemma3", tmp_path, max_position_embeddings=64)
     prompts = [list(range(3, 30)), list(range(40, 52))]
     params = greedy(60, logprobs=0)
     runs = {}
-    for policy in ("window:8", "h2o:0,8"):
+    for policy in (f"window:{recent}", f"h2o:0,{recent}"):
         llm = LLM(gemma, kv_cache_memory="1MiB", block_size=BS, kv_policy=policy, max_num_batched_tokens=8,
                   max_model_len=200)
         runs[policy] = llm.generate(prompts, params, use_tqdm=False)
         assert llm.get_metrics()["kv_evicted_tokens"] > 0
         assert all_blocks_free(llm) and not llm.engine.evictor.states
-    for a, b in zip(runs["window:8"], runs["h2o:0,8"]):
+    for a, b in zip(runs[f"window:{recent}"], runs[f"h2o:0,{recent}"]):
         ta, tb = a.outputs[0].token_ids, b.outputs[0].token_ids
         assert ta == tb
         lpa = [d[t].logprob for d, t in zip(a.outputs[0].logprobs, ta)]

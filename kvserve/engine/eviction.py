@@ -98,14 +98,8 @@ class Evictor:
         if not all(hasattr(getattr(a, "rope", None), "shift") for a in self.attn):
             raise ValueError(f"kv_policy {policy.spec()!r} re-indexes positions, which needs rotate-half RoPE "
                              "on every layer (MLA keeps RoPE inside its latent); use h2o or snapkv with this model")
-        others = [self.groups[g].spec for g in range(len(self.groups)) if g not in self.target_set]
-        if any(s.kind != "sliding" for s in others):
+        if any(self.groups[g].spec.kind != "sliding" for g in range(len(self.groups)) if g not in self.target_set):
             raise ValueError(f"kv_policy {policy.spec()!r}: every layer must be full or sliding-window attention")
-        widest = max((s.window for s in others), default=0)
-        if policy.recent < widest:
-            raise ValueError(f"kv_policy {policy.spec()!r} keeps {int(policy.recent)} recent tokens, fewer than this "
-                             f"model's sliding window ({widest}): its sliding layers would still see tokens the "
-                             f"policy dropped; use a window of at least {widest}")
 
     def add(self, req: Request, policy: KVPolicy) -> None:
         """Track a request that runs under `policy` (resolved against its prompt)."""
