@@ -158,6 +158,11 @@ NOTES = """What the numbers say (read by hand from the runs above):
   format (256 steps: top-1 moves in steps of 0.4%); its passkey column is the earlier small run
   (5 cases per length). The full-size passkey grid (20 cases per cell at 1K/2K/4K) ran afterwards
   in bfloat16 on both cores (float32 would have taken hours here): the table just above.
+- Rotation fixes int8: with `kv_cache_rotation` int8 meets the target on SmolLM2 (top-1 99.2%, KL
+  2.3e-4, 4x lower than without) and cuts Gemma's KL 10x (9.7e-3 -> 1.0e-3, top-1 96.1% -> 97.7%:
+  still short of 99%). It does not rescue fp8_e4m3 (96.5% SmolLM2, 93.8% Gemma): fp8's error is
+  relative (3 mantissa bits per value), so spreading outliers does not shrink it.
+- Passkey at full size, Gemma-3-270M: 100% in every cell for auto, int8, fp8_e4m3 and kivi4.
 - Passkey at full size, SmolLM2: int8 matches the reference in every cell (100/100/90%); fp8_e4m3
   and kivi4 lose one case of 20 at 1K and 2K and match at 4K; kivi2 collapses (20/15/25%);
   rotation brings kivi2 back to 80/60/60%. The reference misses 2 of 20 at 4K, so 4K is judged
@@ -197,10 +202,12 @@ def targets(store: dict) -> str:
             check("fp8_e4m3", lambda r: r.top1 >= 0.98, "fp8_e4m3 top-1 >= 98%"),
             check("kivi4", lambda r: abs(r.ppl_change) <= 0.01, "kivi4 perplexity within 1%"),
         ]
-        for spec in ("int8+rot", "fp8_e4m3+rot"):   # the same checks with the Hadamard rotation, where run
+        rotated = [("int8+rot", lambda r: r.top1 >= 0.99 and r.mean_kl < 1e-3, "top-1 >= 99% and KL < 1e-3"),
+                   ("fp8_e4m3+rot", lambda r: r.top1 >= 0.98, "top-1 >= 98%")]
+        for spec, ok, goal in rotated:   # the same targets with the Hadamard rotation, where run
             r = rs.get(spec)
             if r is not None and r.top1 is not None:
-                items.append(f"{spec}: top-1 {r.top1:.1%}, KL {r.mean_kl:.3g}, PPL {r.ppl_change:+.2%}")
+                items.append(check(spec, ok, f"{spec} {goal}") + f" (top-1 {r.top1:.1%}, KL {r.mean_kl:.3g})")
         k2, k2r = rs.get("kivi2"), rs.get("kivi2+rot")
         if k2 and k2r and k2.top1 is not None and k2r.top1 is not None:
             items.append(f"kivi2 without / with rotation: top-1 {k2.top1:.1%} / {k2r.top1:.1%}, "
