@@ -129,6 +129,20 @@ def plot(res: dict, path: Path) -> bool:
     return True
 
 
+def merge_part(old: dict | None, new: dict) -> dict:
+    """Compression rows of `new` over those of `old` (a row per kind, length, policy and ratio)."""
+    if not old:
+        return new
+    key = lambda r: (r["kind"], r["length"], r["policy"], r["evicted"])  # noqa: E731
+    rows = {key(r): r for r in old["rows"]}
+    rows.update({key(r): r for r in new["rows"]})
+    settings = dict(old["settings"])
+    settings["lengths"] = sorted({r["length"] for r in rows.values()})
+    commands = old.get("commands", [old["command"]])
+    return {"rows": sorted(rows.values(), key=lambda r: (r["kind"], r["length"])), "settings": settings,
+            "command": new["command"], "commands": [*commands, new["command"]]}
+
+
 def paths(model: str | None) -> tuple[Path, Path]:
     """(results file, plot) of a model: the bundled one in kv_policies.json, others beside it."""
     if model in (None, "smollm2"):
@@ -150,8 +164,8 @@ def section() -> str:
 
 def report(res: dict, plot_path: Path = PLOT) -> str:
     parts = [f"Model: {res.get('model', 'SmolLM2-135M-Instruct')} (CPU; model dtype per part below). Command(s): "
-             + "; ".join(f"`{c}`" for c in sorted({v['command'] for v in res.values() if isinstance(v, dict)
-                                                     and 'command' in v}))]
+             + "; ".join(f"`{c}`" for c in sorted({c for v in res.values() if isinstance(v, dict)
+                                                     for c in v.get("commands", [v.get("command")]) if c}))]
     facts = res.get("machine")
     if facts:
         parts.append("Machine: " + ", ".join(f"{k} {v}" for k, v in facts.items()) + ".")
@@ -173,8 +187,8 @@ def report(res: dict, plot_path: Path = PLOT) -> str:
         c = res["compression"]
         st = c["settings"]
         parts.append(f"### Long-prompt compression\n\nModel dtype {st.get('dtype', 'float32')}. "
-                     f"Greedy answer after the prompt, {st['cases']} case(s) per "
-                     f"kind and length (depths spread over the prompt); cells: accuracy (cases). `snapkv`: the "
+                     "Greedy answer after the prompt, depths spread over the prompt; cells: accuracy "
+                     "(cases; longer prompts may have been run with fewer). `snapkv`: the "
                      "question ends the prompt, inside the 32-token observation window; `snapkv-qafter`: the "
                      "context alone is compressed, then the question is fed token by token; `h2o` half heavy "
                      "half recent; `sinks` 4 + the rest; `random` the window + random others.\n\n"
@@ -212,6 +226,9 @@ def main(argv=None) -> int:
     p.add_argument("--max-num-seqs", type=int, default=16)
     p.add_argument("--notes", default=None, help="a paragraph appended to the section")
     p.add_argument("--report-only", action="store_true")
+    p.add_argument("--merge", action="store_true",
+                   help="merge compression rows into the stored ones (same kind/length/policy/ratio replaced) "
+                        "instead of replacing the part: run more lengths or cases separately")
     args = p.parse_args(argv)
     results, plot_path = paths(args.model)
     res = json.loads(results.read_text()) if results.exists() else {}
@@ -233,7 +250,8 @@ def main(argv=None) -> int:
         res["model"] = out["model"]
         res["machine"] = machine_facts()
         for part in s.parts:
-            res[part] = {"rows": out[part], "settings": out["settings"], "command": command_line()}
+            new = {"rows": out[part], "settings": out["settings"], "command": command_line()}
+            res[part] = merge_part(res.get(part), new) if args.merge and part == "compression" else new
         if "stream" in s.parts:
             res["stream"]["tokens"] = s.stream_tokens
     if args.notes is not None:

@@ -40,6 +40,16 @@ def tiny2(tmp_path_factory):
                                 max_position_embeddings=64)
 
 
+@pytest.fixture(scope="module", params=["deepseek_v2", "deepseek_v3"])
+def tiny_mla(request, tmp_path_factory):
+    """One MLA layer (cache entry: the latent [c_kv, k_pe]); V2 stores k_pe pairs interleaved, V3 as
+    two halves, here with yarn (cos/sin carry the mscale factor 1.07)."""
+    extra = {} if request.param == "deepseek_v2" else dict(rope_scaling={
+        "type": "yarn", "factor": 2.0, "original_max_position_embeddings": 32, "mscale": 1.0, "mscale_all_dim": 0})
+    return make_tiny_checkpoint(request.param, tmp_path_factory.mktemp(request.param), num_hidden_layers=1,
+                                max_position_embeddings=64, **extra)
+
+
 def tiny_llm(path, policy, blocks=512, layers=1, **kw):
     kw.setdefault("max_num_batched_tokens", 32)
     return LLM(path, kv_cache_memory=blocks * BS * TOKEN_BYTES, block_size=BS, max_model_len=kw.pop("max_model_len", 400),
@@ -204,6 +214,34 @@ def test_decode_equals_recompute_over_kept_tokens(tiny1, policy):
     assert all_blocks_free(llm) and not llm.engine.evictor.states
 
 
+@pytest.mark.parametrize("policy", ["sinks:4,12", "window:16", "h2o:6,10", "snapkv:16,4,3"])
+def test_mla_decode_equals_recompute_over_kept_tokens(tiny_mla, policy):
+    # re-indexing policies re-rotate only the k_pe part of each cached latent
+    llm = tiny_llm(tiny_mla, policy)
+    oracle = Oracle(llm)
+    outs = llm.generate([list(range(3, 40)), list(range(50, 71))], greedy(40), use_tqdm=False)
+    assert all(len(o.outputs[0].token_ids) == 40 for o in outs)
+    assert oracle.checked == 80 and oracle.worst < 1e-4, oracle.worst
+    assert llm.get_metrics()["kv_evicted_tokens"] > 0
+    assert all_blocks_free(llm) and not llm.engine.evictor.states
+
+
+def test_mla_scores_are_attention_probabilities(tiny_mla):
+    # every query row of every head hands out probability 1 over the latents it sees
+    llm = tiny_llm(tiny_mla, "h2o:100,100")
+    eng = llm.engine
+    eng.add_request(list(range(5, 25)), greedy(3))
+    eng.step()                                       # the 20-token prompt
+    st = next(iter(eng.evictor.states.values()))
+    heads = eng.model.config.num_heads
+    assert st.scores[0].shape == (20,) and float(st.scores[0].sum()) == pytest.approx(heads * 20, rel=1e-5)
+    assert float(st.scores[0][0]) > float(st.scores[0][-1])   # the first latent is seen by all 20 queries
+    eng.step()
+    assert float(st.scores[0].sum()) == pytest.approx(heads * 21, rel=1e-5)  # + one decode query
+    while eng.has_unfinished_requests():
+        eng.step()
+
+
 def test_reindexed_stream_runs_past_max_position_embeddings_in_a_small_pool(tiny1):
     # 16 blocks of 4 tokens = 64 slots for a 308-token stream on a model trained for 64 positions
     llm = tiny_llm(tiny1, "sinks:4,12", blocks=16, max_num_batched_tokens=8)
@@ -359,6 +397,20 @@ def test_reindexing_on_a_hybrid_sliding_model_keeps_relative_positions(tmp_path,
         lpa = [d[t].logprob for d, t in zip(a.outputs[0].logprobs, ta)]
         lpb = [d[t].logprob for d, t in zip(b.outputs[0].logprobs, tb)]
         assert max(abs(x - y) for x, y in zip(lpa, lpb)) < 1e-4
+
+
+def test_reindexing_every_mla_layer_keeps_relative_positions(tmp_path):
+    # three MLA layers (one dense, two MoE): `window:8` re-indexed == `h2o:0,8` at original positions
+    ds = make_tiny_checkpoint("deepseek_v3", tmp_path, max_position_embeddings=64)
+    runs = {}
+    for policy in ("window:8", "h2o:0,8"):
+        llm = LLM(ds, kv_cache_memory="1MiB", block_size=BS, kv_policy=policy, max_num_batched_tokens=8,
+                  max_model_len=200)
+        runs[policy] = llm.generate([list(range(3, 30))], greedy(50, logprobs=0), use_tqdm=False)[0].outputs[0]
+        assert llm.get_metrics()["kv_evicted_tokens"] > 0 and all_blocks_free(llm)
+    a, b = runs["window:8"], runs["h2o:0,8"]
+    assert a.token_ids == b.token_ids
+    assert max(abs(x[t].logprob - y[t].logprob) for x, y, t in zip(a.logprobs, b.logprobs, a.token_ids)) < 1e-4
 
 
 def test_sinks_stream_on_a_hybrid_sliding_model_runs_with_bounded_memory(tmp_path):

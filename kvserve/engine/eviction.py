@@ -38,6 +38,7 @@ from kvserve.kv.policies import KVPolicy, snapkv_scores
 from kvserve.kv.spec import KVGroup
 from kvserve.kv.storage import KVStorage
 
+EVICTABLE = ("full", "mla")  # attention kinds whose entries policies drop (sliding layers keep their window)
 SCORE_CHUNK = 256  # prefill queries per math-path softmax (bounds the [heads, chunk, context] tensor)
 
 
@@ -73,12 +74,14 @@ class Evictor:
                              "use float16/bfloat16, fp8 or int8 with a kv_policy")
         self.kv, self.storage, self.groups = kv, storage, groups
         self.layer_group = {g.layers[0]: i for i, g in enumerate(groups)}
-        self.targets = [i for i, g in enumerate(groups) if g.spec.kind == "full"]  # layers policies evict
+        self.targets = [i for i, g in enumerate(groups) if g.spec.kind in EVICTABLE]  # layers policies evict
         self.target_set = set(self.targets)
         self.has_other = len(self.targets) < len(groups)
         self.attn = [layer.self_attn for layer in model.model.layers]
         cfg = model.config
-        self.num_heads, self.num_kv_heads = cfg.num_heads, cfg.num_kv_heads
+        self.num_heads = cfg.num_heads
+        # SnapKV averages scores over the query heads that share a key: all of them under MLA
+        self.num_kv_heads = 1 if any(g.spec.kind == "mla" for g in groups) else cfg.num_kv_heads
         self.states: dict[str, _State] = {}
         self.num_evicted_entries = 0
         self.num_evictions = 0
@@ -95,9 +98,9 @@ class Evictor:
             raise ValueError(f"kv_policy {policy.spec()!r}: this model has no full-attention layers to evict from")
         if not policy.reindex:
             return
-        if not all(hasattr(getattr(a, "rope", None), "shift") for a in self.attn):
-            raise ValueError(f"kv_policy {policy.spec()!r} re-indexes positions, which needs rotate-half RoPE "
-                             "on every layer (MLA keeps RoPE inside its latent); use h2o or snapkv with this model")
+        if not all(hasattr(a, "shift_keys") for a in self.attn):
+            raise ValueError(f"kv_policy {policy.spec()!r} re-indexes positions, which needs RoPE keys that can "
+                             "be re-rotated on every layer; use h2o or snapkv with this model")
         if any(self.groups[g].spec.kind != "sliding" for g in range(len(self.groups)) if g not in self.target_set):
             raise ValueError(f"kv_policy {policy.spec()!r}: every layer must be full or sliding-window attention")
 
@@ -325,14 +328,14 @@ class Evictor:
 
     def _move_rotated(self, layer: int, src: torch.Tensor, dst: torch.Tensor, delta: torch.Tensor) -> None:
         """Entries at src -> dst with keys re-rotated `delta` positions back."""
-        k, v = self.storage.read(layer, src)                       # [m, kv_heads, head_dim] each
+        k, *rest = self.storage.read(layer, src)     # K [m, kv_heads, head_dim] and V, or the MLA latent
         rot = self.storage.rotation(layer)
         if rot is not None:
             k = k @ rot.mT
-        k = self.attn[layer].rope.shift(k, delta)
+        k = self.attn[layer].shift_keys(k, delta)
         if rot is not None:
             k = k @ rot
-        self.storage.write(layer, dst, k, v)
+        self.storage.write(layer, dst, k, *rest)
 
     # ---- numbers -------------------------------------------------------------------------------------
     def metrics(self) -> dict:

@@ -107,6 +107,20 @@ class DeepseekRope:
         out = torch.stack([r1, r2], dim=-1).flatten(-2) if self.interleaved_out else torch.cat([r1, r2], dim=-1)
         return out.to(x.dtype)
 
+    def shift(self, x: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
+        """Rotated k_pe [m, rope_dim] (output layout) at p -> at p - delta: a pure rotation by
+        -delta * inv_freq per pair (the yarn scale is already in x)."""
+        xf = x.float()
+        if self.interleaved_out:
+            x1, x2 = xf[..., 0::2], xf[..., 1::2]
+        else:
+            x1, x2 = xf.chunk(2, dim=-1)
+        angle = delta.float()[:, None] * self.inv_freq.to(x.device)[None, :]
+        cos, sin = angle.cos(), angle.sin()
+        r1, r2 = x1 * cos + x2 * sin, x2 * cos - x1 * sin
+        out = torch.stack([r1, r2], dim=-1).flatten(-2) if self.interleaved_out else torch.cat([r1, r2], dim=-1)
+        return out.to(x.dtype)
+
 
 # ---- attention -------------------------------------------------------------------------
 class MLAttention(nn.Module):
@@ -135,6 +149,11 @@ class MLAttention(nn.Module):
         self.spec = KVSpec("mla", latent_dim=m.kv_lora_rank, rope_dim=m.qk_rope_head_dim)
         self.kv_rows = 0  # token rows pushed through kv_a_proj_with_mqa (instrumented, for `analyze`)
 
+    def shift_keys(self, latent: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
+        """Cached latents [m, r + rope] whose k_pe was rotated at p -> rotated at p - delta (KV eviction)."""
+        c_kv, k_pe = latent.split([self.rank, self.rope_dim], dim=-1)
+        return torch.cat([c_kv, self.rope.shift(k_pe, delta)], dim=-1)
+
     def absorbed_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
         """W_UK [H, nope, r] and W_UV [H, v, r]: views of kv_b_proj.weight (no copy, never stale)."""
         w = self.kv_b_proj.weight.view(self.num_heads, self.nope + self.v_dim, self.rank)
@@ -162,6 +181,8 @@ class MLAttention(nn.Module):
             (kv,) = ctx.entries
             attend = _decode if ctx.batched else _prefill
             out[ctx.rows] = attend(q[ctx.rows], kv, ctx.mask, self.rank, self.scale)
+            if meta.score_hook is not None:  # KV eviction scores: one shared "KV head", all heads in its group
+                meta.score_hook(self.layer, ctx, q[ctx.rows], kv.unsqueeze(-2), self.scale)
         o = torch.einsum("thr,hvr->thv", out, w_uv)                             # [n, H, v]
         return self.o_proj(o.reshape(n, h * self.v_dim))
 

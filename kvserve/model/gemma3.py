@@ -65,6 +65,10 @@ class Gemma3Attention(nn.Module):
                      else KVSpec("full", cfg.num_kv_heads, d))
         self.kv_rows = 0
 
+    def shift_keys(self, k: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
+        """Cached keys [m, kv_heads, head_dim] rotated at p -> rotated at p - delta (KV eviction)."""
+        return self.rope.shift(k, delta)
+
     def forward(self, x, positions, storage, meta):
         n = x.shape[0]
         q, k, v = self.qkv(x)

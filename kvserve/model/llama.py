@@ -44,6 +44,10 @@ class LlamaAttention(nn.Module):
         self.rope = rope
         self.kv_rows = 0  # token rows pushed through k_proj/v_proj (instrumented, for `analyze`)
 
+    def shift_keys(self, k: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
+        """Cached keys [m, kv_heads, head_dim] rotated at p -> rotated at p - delta (KV eviction)."""
+        return self.rope.shift(k, delta)
+
     def forward(self, x, positions, storage: KVStorage | None, meta: AttentionMetadata):
         n = x.shape[0]
         q, k, v = self.qkv(x)
