@@ -242,6 +242,68 @@ def test_mla_scores_are_attention_probabilities(tiny_mla):
         eng.step()
 
 
+@pytest.mark.parametrize("policy", ["sinks:4,12", "window:16", "h2o:6,10", "snapkv:16,4,3", "random:16,4"])
+def test_parallel_samples_each_decode_over_their_own_kept_tokens(tiny1, policy):
+    # n = 3: the children fork from the parent's (already evicted) cache, share its blocks and copy
+    # them only when their own eviction writes into them
+    llm = tiny_llm(tiny1, policy)
+    oracle = Oracle(llm)
+    params = SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=30, ignore_eos=True)
+    outs = llm.generate([list(range(3, 40)), list(range(50, 71))], params, use_tqdm=False)
+    for o in outs:
+        seqs = [c.token_ids for c in o.outputs]
+        assert len(seqs) == 3 and all(len(t) == 30 for t in seqs) and len({tuple(t) for t in seqs}) == 3
+    assert oracle.checked == 2 * (1 + 3 * 29) and oracle.worst < 1e-4, oracle.worst
+    m = llm.get_metrics()
+    assert m["kv_evicted_tokens"] > 0 and m["kv_evictions_deferred"] == 0
+    if parse_policy(policy).one_shot:
+        assert m["kv_eviction_blocks_unshared"] == 0     # compressed once, before the fork, then only appended
+    else:
+        assert m["kv_eviction_blocks_unshared"] > 0
+    assert all_blocks_free(llm) and not llm.engine.evictor.states
+
+
+def test_parallel_samples_share_the_compressed_prompt(tiny1):
+    llm = tiny_llm(tiny1, "snapkv:16,4", max_num_batched_tokens=64)
+    eng = llm.engine
+    eng.add_request(list(range(3, 40)), SamplingParams(n=4, temperature=1.0, seed=1, max_tokens=3, ignore_eos=True))
+    eng.step()                                # prefill, compress to 16 entries = 4 blocks, fork 3 children
+    assert len(eng.evictor.states) == 4
+    assert llm.get_metrics()["num_blocks_used"] == 4
+    eng.step()                                # each sequence appends its token to a block of its own
+    assert llm.get_metrics()["num_blocks_used"] == 4 + 4
+    while eng.has_unfinished_requests():
+        eng.step()
+    assert all_blocks_free(llm)
+
+
+@pytest.mark.parametrize("policy", ["sinks:4,12", "h2o:6,10", "snapkv:16,4,3"])
+def test_beam_search_beams_evict_on_their_own(tiny1, policy):
+    from kvserve import BeamSearchParams
+    llm = tiny_llm(tiny1, policy)
+    oracle = Oracle(llm)
+    out = llm.beam_search([list(range(3, 40))], BeamSearchParams(beam_width=3, max_tokens=24, ignore_eos=True))[0]
+    assert len(out.sequences) == 3 and all(len(s.tokens) == 24 for s in out.sequences)
+    assert oracle.checked == 1 + 3 * 23 and oracle.worst < 1e-4, oracle.worst
+    assert llm.get_metrics()["kv_evicted_tokens"] > 0
+    assert all_blocks_free(llm) and not llm.engine.evictor.states
+
+
+def test_eviction_waits_for_a_free_block_to_unshare_into(tiny1):
+    # a 7-block pool: after the fork three sequences share the prompt's 3 blocks and take one each for
+    # their first token; copying the shared blocks before compacting finds the pool short, so eviction
+    # waits, the pool runs dry and preemption (recompute) makes room; every step stays exact
+    llm = tiny_llm(tiny1, "window:12", blocks=7, max_num_batched_tokens=16)
+    oracle = Oracle(llm)
+    params = SamplingParams(n=3, temperature=1.0, seed=3, max_tokens=40, ignore_eos=True)
+    out = llm.generate([list(range(3, 15))], params, use_tqdm=False)[0]
+    assert all(len(c.token_ids) == 40 for c in out.outputs)
+    assert oracle.worst < 1e-4
+    m = llm.get_metrics()
+    assert m["kv_evictions_deferred"] > 0 and m["num_preemptions"] > 0
+    assert all_blocks_free(llm) and not llm.engine.evictor.states
+
+
 def test_reindexed_stream_runs_past_max_position_embeddings_in_a_small_pool(tiny1):
     # 16 blocks of 4 tokens = 64 slots for a 308-token stream on a model trained for 64 positions
     llm = tiny_llm(tiny1, "sinks:4,12", blocks=16, max_num_batched_tokens=8)
@@ -359,9 +421,6 @@ def test_bad_combinations_are_refused(tiny1, tmp_path):
     plain = LLM(tiny1, kv_cache_memory="1MiB", block_size=BS)
     with pytest.raises(ValueError, match="engine started with a kv_policy"):
         plain.generate([[3, 4, 5]], greedy(2, kv_policy="window:8"), use_tqdm=False)
-    llm = tiny_llm(tiny1, "window:8")
-    with pytest.raises(ValueError, match="n > 1"):
-        llm.generate([[3, 4, 5]], SamplingParams(n=2, max_tokens=2), use_tqdm=False)
     with pytest.raises(ValueError, match="kv_cache_mode"):
         LLM(tiny1, kv_cache_mode="none", kv_policy="window:8")
     gemma = make_tiny_checkpoint("gemma3", tmp_path)      # 3 sliding layers (window 8) + 1 full layer

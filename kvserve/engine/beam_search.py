@@ -21,6 +21,8 @@ def run_beam_search(engine, prompt, params: BeamSearchParams) -> BeamSearchOutpu
         raise RuntimeError("beam_search needs an idle engine; finish or abort other requests first")
     sp = SamplingParams(max_tokens=params.max_tokens, temperature=0.0, ignore_eos=params.ignore_eos)
     root = engine.make_request(prompt, sp, request_id=f"beam-{next(engine._ids)}")
+    if root.kv_policy is not None:
+        engine.evictor.add(root, root.kv_policy)   # every beam evicts on its own (forks copy the state)
     engine.scheduler.add(root)
     eos = set(engine.sampler.eos_token_ids)
     live, done = [root], []
@@ -36,7 +38,7 @@ def run_beam_search(engine, prompt, params: BeamSearchParams) -> BeamSearchOutpu
     finally:
         for r in live:
             if not r.is_finished:
-                engine.scheduler.finish(r, RequestStatus.FINISHED_ABORTED)
+                _end(engine, r, RequestStatus.FINISHED_ABORTED)
 
 
 def _logprobs_of(engine, beams: list[Request]) -> dict[str, torch.Tensor]:
@@ -51,6 +53,8 @@ def _logprobs_of(engine, beams: list[Request]) -> dict[str, torch.Tensor]:
             req.num_computed_tokens += n
             if engine.kv is not None:
                 engine.kv.cache_blocks(req.request_id, req.token_ids, req.num_computed_tokens)
+        if getattr(engine, "evictor", None) is not None:
+            engine.evictor.after_step(sched.scheduled)
         for req, row in zip(inp.sampling_reqs, torch.log_softmax(logits, dim=-1)):
             out[req.request_id] = row
     return out
@@ -71,13 +75,19 @@ def _select(engine, live, logprobs, params, eos, step):
             break
         child = _fork(engine, parent, tok, lp)
         if tok in eos and not params.ignore_eos:
-            engine.scheduler.finish(child, RequestStatus.FINISHED_STOPPED)
+            _end(engine, child, RequestStatus.FINISHED_STOPPED)
             finished.append((child, "stop"))
         else:
             new.append(child)
     for beam in live:
-        engine.scheduler.finish(beam, RequestStatus.FINISHED_STOPPED)
+        _end(engine, beam, RequestStatus.FINISHED_STOPPED)
     return new, finished
+
+
+def _end(engine, req: Request, status: RequestStatus) -> None:
+    engine.scheduler.finish(req, status)
+    if getattr(engine, "evictor", None) is not None:
+        engine.evictor.drop(req.request_id)
 
 
 def _fork(engine, parent: Request, token: int, logprob: float) -> Request:
@@ -85,6 +95,8 @@ def _fork(engine, parent: Request, token: int, logprob: float) -> Request:
                     prompt=parent.prompt, group_id=parent.group_id)
     child.token_ids = parent.token_ids + [token]
     child.cumulative_logprob = parent.cumulative_logprob + logprob
+    if getattr(engine, "evictor", None) is not None:
+        engine.evictor.fork(parent, child)
     if engine.kv is not None and parent.status != RequestStatus.RUNNING:  # parent was preempted: recompute
         child.status = RequestStatus.PREEMPTED
         engine.scheduler.waiting.append(child)

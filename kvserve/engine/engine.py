@@ -329,6 +329,8 @@ class LLMEngine:
             child.num_cached_tokens = parent.num_cached_tokens
             child.status = RequestStatus.RUNNING
             child.metrics.first_scheduled_time = parent.metrics.first_scheduled_time
+            if self.evictor is not None:
+                self.evictor.fork(parent, child)  # evicts the parent first: children share its compressed cache
             if self.kv is not None:
                 self.kv.fork(parent.request_id, child.request_id)
             self.scheduler.running.append(child)

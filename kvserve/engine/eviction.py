@@ -52,6 +52,16 @@ class _State:
         self.generator = torch.Generator().manual_seed(policy.seed)
         self.reset()
 
+    def clone(self, req: Request) -> "_State":
+        """The same cache state for a fork `req` (its blocks are shared until eviction writes them)."""
+        c = _State.__new__(_State)
+        c.req, c.policy, c.num_groups = req, self.policy, self.num_groups
+        c.generator = torch.Generator().set_state(self.generator.get_state())
+        c.evicted, c.shift, c.done = list(self.evicted), self.shift, self.done
+        c.pos = [p.clone() for p in self.pos]
+        c.scores = [None if x is None else x.clone() for x in self.scores]
+        return c
+
     def reset(self) -> None:
         """Nothing cached (a new request, or one preempted by recompute)."""
         g = self.num_groups
@@ -87,6 +97,8 @@ class Evictor:
         self.num_evictions = 0
         self.num_blocks_freed = 0
         self.num_entries_moved = 0
+        self.num_blocks_unshared = 0   # fork-shared blocks copied before eviction wrote into them
+        self.num_deferred = 0          # evictions put off a step: no free block to unshare into
         kv.cache_offsets = self.offsets
 
     # ---- requests ----------------------------------------------------------------------------
@@ -107,6 +119,14 @@ class Evictor:
     def add(self, req: Request, policy: KVPolicy) -> None:
         """Track a request that runs under `policy` (resolved against its prompt)."""
         self.states[req.request_id] = _State(req, policy, len(self.groups))
+
+    def fork(self, parent: Request, child: Request) -> None:
+        """`child` forks from `parent` (n > 1): apply the parent's pending eviction first, so the
+        children share the compressed prompt, then give the child a copy of the state."""
+        st = self.states.get(parent.request_id)
+        if st is not None:
+            self._apply(st)
+            self.states[child.request_id] = st.clone(child)
 
     def drop(self, req_id: str) -> None:
         """Forget a finished or aborted request."""
@@ -223,15 +243,16 @@ class Evictor:
         pol, req = st.policy, st.req
         if not pol.evicts or req.request_id not in self.kv.reqs:
             return
-        if pol.one_shot:
-            if st.done or req.num_computed_tokens < req.num_prompt_tokens:
-                return
-            st.done = True
+        if pol.one_shot and (st.done or req.num_computed_tokens < req.num_prompt_tokens):
+            return
+        todo = [g for g in self.targets if self.cache_len(req, g) > pol.capacity]
+        if not self._unshare(st, todo):
+            self.num_deferred += 1
+            return
+        st.done = pol.one_shot
         evicted = False
-        for g in self.targets:
+        for g in todo:
             n = self.cache_len(req, g)
-            if n <= pol.capacity:
-                continue
             pos = self._positions(st, g, n)
             scores = None
             if pol.kind == "h2o":
@@ -249,6 +270,30 @@ class Evictor:
                 self._shift_sliding(st, shift - st.shift)
             st.shift = shift
         self.num_evictions += evicted
+
+    def _unshare(self, st: _State, groups: list[int]) -> bool:
+        """Copy the blocks eviction may write (those that will hold kept entries, and the sliding
+        layers' window when positions shift) that forks still share; False when the pool is short."""
+        if not groups:
+            return True
+        pool, null = self.kv.pool, self.kv.null
+        tables = self.kv.reqs[st.req.request_id].tables
+        kept = -(-st.policy.capacity // self.kv.block_size)
+        spans = [(g, kept) for g in groups]
+        if st.policy.reindex:
+            spans += [(g, len(tables[g])) for g in range(len(self.groups)) if g not in self.target_set]
+        shared = [(g, i) for g, end in spans for i, b in enumerate(tables[g][:end])
+                  if b != null and pool.blocks[b].ref_cnt > 1]
+        if len(shared) > pool.num_free:
+            return False
+        fresh = [b.block_id for b in pool.allocate(len(shared))]
+        copies = [(tables[g][i], b) for (g, i), b in zip(shared, fresh)]
+        self.storage.copy_blocks(copies)
+        pool.free([old for old, _ in copies])
+        for (g, i), b in zip(shared, fresh):
+            tables[g][i] = b
+        self.num_blocks_unshared += len(shared)
+        return True
 
     def _positions(self, st: _State, g: int, n: int) -> torch.Tensor:
         """Original positions of the group's n entries (entries added since the last eviction are the
@@ -347,6 +392,8 @@ class Evictor:
             "kv_evictions": self.num_evictions,
             "kv_eviction_blocks_freed": self.num_blocks_freed,
             "kv_eviction_entries_moved": self.num_entries_moved,
+            "kv_eviction_blocks_unshared": self.num_blocks_unshared,
+            "kv_evictions_deferred": self.num_deferred,
             "kv_requests_evicting": sum(1 for s in self.states.values() if s.policy.evicts),
         }
 
@@ -381,9 +428,6 @@ def request_policy(evictor: Evictor | None, engine_policy: KVPolicy | None, para
     if evictor is None:
         raise ValueError(f"kv_policy {policy.spec()!r} needs an engine started with a kv_policy (any, 'full' "
                          "included: it gives every layer its own block table) and kv_cache_mode='paged'")
-    if params.n > 1:
-        raise ValueError(f"kv_policy {policy.spec()!r} cannot be combined with n > 1 (forks would share blocks "
-                         "that eviction rewrites); send n separate requests")
     policy = policy.resolve(prompt_len)
     evictor.check(policy)
     return policy
