@@ -521,3 +521,38 @@ def test_sigterm_drains_then_exits_zero():
         assert events[name][-1] == "[DONE]", name
         finals = [json.loads(e)["choices"][0]["finish_reason"] for e in events[name][:-1]]
         assert finals[-1] == reason, (name, finals[-3:])
+
+
+# ---- KV eviction ----------------------------------------------------------------------------------
+
+
+def test_kv_policy_per_request_needs_an_evicting_engine(server):
+    r = _post(server, "/v1/completions", {"model": server.model, "prompt": "hi", "max_tokens": 2,
+                                          "kv_policy": "window:16"})
+    err = _assert_error_shape(r, 400)
+    assert "kv_policy" in err["message"] and "engine started with a kv_policy" in err["message"]
+
+
+def test_kv_policy_through_the_server():
+    srv = Server("--kv-policy", "full")
+    try:
+        client = srv.client()
+        kw = dict(model=srv.model, prompt=LONG_PROMPT, max_tokens=40, temperature=0)
+        one = client.completions.create(extra_body={"kv_policy": "sinks:4,28", "ignore_eos": True}, **kw)
+        assert one.choices[0].finish_reason == "length" and one.usage.completion_tokens == 40
+        m = srv.metrics()
+        # the prompt down to 32 entries after prefill, then one per decode step but the last one
+        assert m["kvserve:kv_evicted_tokens_total"] == one.usage.prompt_tokens - 32 + 38
+        assert m["kvserve:kv_eviction_blocks_freed_total"] > 0
+        two = client.completions.create(extra_body={"kv_policy": "snapkv:0.5"}, n=2, seed=5,
+                                        **{**kw, "temperature": 0.8})
+        assert sorted(c.index for c in two.choices) == [0, 1] and two.choices[0].text != two.choices[1].text
+        bad = _post(srv, "/v1/completions", {"model": srv.model, "prompt": "hi", "kv_policy": "sinks:x"})
+        assert "kv_policy" in _assert_error_shape(bad, 400)["message"]
+        again = client.completions.create(extra_body={"kv_policy": "sinks:4,28", "ignore_eos": True}, **kw)
+        assert again.choices[0].text == one.choices[0].text       # still serving, same greedy result
+        idle = srv.metrics()
+        assert idle["kvserve:num_blocks_free"] == idle["kvserve:num_blocks_total"]
+        assert idle["kvserve:kv_requests_evicting"] == 0
+    finally:
+        assert srv.stop() == 0, srv.output()

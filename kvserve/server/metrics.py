@@ -27,6 +27,7 @@ GAUGES = [
     ("num_blocks_cached", "KV blocks registered in the prefix cache (owned or free).", "num_blocks_cached"),
     ("swap_usage_bytes", "Bytes of KV held in the CPU swap tier.", "swap_usage_bytes"),
     ("num_requests_swapped", "Preempted requests whose KV sits in the swap space.", "num_requests_swapped"),
+    ("kv_requests_evicting", "Requests running under a KV eviction policy.", "kv_requests_evicting"),
 ]
 # counters; exposed with a _total suffix
 COUNTERS = [
@@ -37,6 +38,8 @@ COUNTERS = [
     ("num_swapped_in_blocks", "KV blocks copied back from the swap space.", "num_swapped_in_blocks"),
     ("prompt_tokens", "Prompt tokens received.", "prompt_tokens"),
     ("generation_tokens", "Tokens generated.", "generation_tokens"),
+    ("kv_evicted_tokens", "Tokens dropped by KV eviction policies (per evicting layer).", "kv_evicted_tokens"),
+    ("kv_eviction_blocks_freed", "KV blocks given back to the pool by eviction.", "kv_eviction_blocks_freed"),
 ]
 
 TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
