@@ -404,16 +404,30 @@ def test_one_shot_compression_frees_blocks_and_keeps_entries_per_layer(tiny2):
     assert all_blocks_free(llm)
 
 
-def test_evicting_requests_do_not_touch_the_prefix_cache(tiny1):
-    llm = tiny_llm(tiny1, "full")
-    prompt = list(range(3, 43))
-    llm.generate([prompt], greedy(4, kv_policy="snapkv:16,4"), use_tqdm=False)
-    assert llm.get_metrics()["num_blocks_cached"] == 0        # nothing published
-    first = llm.generate([prompt], greedy(4), use_tqdm=False)    # engine default: full cache
-    assert first[0].num_cached_tokens == 0
-    again = llm.generate([prompt], greedy(4, kv_policy="snapkv:16,4"), use_tqdm=False)
-    assert again[0].num_cached_tokens == 0                     # and takes no hits
-    assert llm.generate([prompt], greedy(4), use_tqdm=False)[0].num_cached_tokens == 36
+def test_evicting_requests_read_the_prefix_cache_but_never_write_it(tiny1):
+    prompt = list(range(3, 43))                                   # 40 tokens, 10 blocks
+    params = lambda policy=None: greedy(6, logprobs=0, kv_policy=policy)  # noqa: E731
+    # one prefill chunk, so streaming policies evict after the whole prompt with or without hits
+    fresh = tiny_llm(tiny1, "full", enable_prefix_caching=False, max_num_batched_tokens=64)
+    want = {p: fresh.generate([prompt], params(p), use_tqdm=False)[0] for p in
+            (None, "snapkv:16,8", "sinks:4,12", "h2o:8,8")}
+    llm = tiny_llm(tiny1, "full", max_num_batched_tokens=64)
+    llm.generate([prompt], params("snapkv:16,8"), use_tqdm=False)
+    assert llm.get_metrics()["num_blocks_cached"] == 0            # an evicting request publishes nothing
+    first = llm.generate([prompt], params(), use_tqdm=False)[0]   # engine default: full cache, publishes
+    assert first.num_cached_tokens == 0
+    # hits: all blocks before SnapKV's 8-token observation window; any for sinks; none for H2O
+    for policy, hits in (("snapkv:16,8", 32), ("sinks:4,12", 36), ("h2o:8,8", 0)):
+        out = llm.generate([prompt], params(policy), use_tqdm=False)[0]
+        assert out.num_cached_tokens == hits, policy
+        assert out.outputs[0].token_ids == want[policy].outputs[0].token_ids
+        lp = [d[t].logprob for d, t in zip(out.outputs[0].logprobs, out.outputs[0].token_ids)]
+        ref = [d[t].logprob for d, t in zip(want[policy].outputs[0].logprobs, want[policy].outputs[0].token_ids)]
+        assert max(abs(a - b) for a, b in zip(lp, ref)) < 1e-4, (policy, lp, ref)
+    assert llm.get_metrics()["kv_eviction_blocks_unshared"] > 0  # hit blocks were copied, not compacted in place
+    again = llm.generate([prompt], params(), use_tqdm=False)[0]
+    assert again.num_cached_tokens == 36                           # the cached blocks still hold the prompt
+    assert again.outputs[0].token_ids == first.outputs[0].token_ids == want[None].outputs[0].token_ids
     assert all_blocks_free(llm)
 
 

@@ -97,9 +97,10 @@ class Evictor:
         self.num_evictions = 0
         self.num_blocks_freed = 0
         self.num_entries_moved = 0
-        self.num_blocks_unshared = 0   # fork-shared blocks copied before eviction wrote into them
+        self.num_blocks_unshared = 0   # shared (forks, prefix hits) blocks copied before eviction wrote them
         self.num_deferred = 0          # evictions put off a step: no free block to unshare into
         kv.cache_offsets = self.offsets
+        kv.hit_limit = self.hit_limit
 
     # ---- requests ----------------------------------------------------------------------------
     def check(self, policy: KVPolicy) -> None:
@@ -143,6 +144,16 @@ class Evictor:
         """Entries dropped per group, or None when the request does not evict (manager hook)."""
         st = self._state(req_id)
         return None if st is None else st.evicted
+
+    def hit_limit(self, req_id: str) -> int | None:
+        """Prompt tokens the request may take from the prefix cache (manager hook): none for H2O
+        (it scores every prompt query), all but SnapKV's observation window, any for the others."""
+        st = self._state(req_id)
+        if st is None or st.policy.scores is None:
+            return None
+        if st.policy.scores == "all":
+            return 0
+        return max(0, st.req.num_prompt_tokens - st.policy.window)
 
     def cache_len(self, req: Request, g: int) -> int:
         """Entries group g holds for the request."""
@@ -273,7 +284,8 @@ class Evictor:
 
     def _unshare(self, st: _State, groups: list[int]) -> bool:
         """Copy the blocks eviction may write (those that will hold kept entries, and the sliding
-        layers' window when positions shift) that forks still share; False when the pool is short."""
+        layers' window when positions shift) that forks share or the prefix cache names (hits);
+        False when the pool is short."""
         if not groups:
             return True
         pool, null = self.kv.pool, self.kv.null
@@ -283,7 +295,7 @@ class Evictor:
         if st.policy.reindex:
             spans += [(g, len(tables[g])) for g in range(len(self.groups)) if g not in self.target_set]
         shared = [(g, i) for g, end in spans for i, b in enumerate(tables[g][:end])
-                  if b != null and pool.blocks[b].ref_cnt > 1]
+                  if b != null and self._shared(b)]
         if len(shared) > pool.num_free:
             return False
         fresh = [b.block_id for b in pool.allocate(len(shared))]
@@ -294,6 +306,10 @@ class Evictor:
             tables[g][i] = b
         self.num_blocks_unshared += len(shared)
         return True
+
+    def _shared(self, block: int) -> bool:
+        b = self.kv.pool.blocks[block]
+        return b.ref_cnt > 1 or b.block_hash is not None
 
     def _positions(self, st: _State, g: int, n: int) -> torch.Tensor:
         """Original positions of the group's n entries (entries added since the last eviction are the
@@ -325,7 +341,7 @@ class Evictor:
             bs = self.kv.block_size
             table = torch.tensor(self.kv.block_ids(rid, g), dtype=torch.long)
             src, dst = keep[moved], dest[moved]
-            if any(self.kv.pool.blocks[b].ref_cnt > 1 for b in table[: -(-k // bs)].tolist()):
+            if any(self._shared(b) for b in table[: -(-k // bs)].tolist()):
                 raise RuntimeError(f"request {rid}: eviction would write into a shared KV block")
             dev = self.storage.slots[0][0].device
             src_slots = (table[src // bs] * bs + src % bs).to(dev)

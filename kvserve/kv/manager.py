@@ -53,9 +53,11 @@ class KVCacheManager:
         self.loaded_from: dict[int, str] = {}  # block id -> tier it was loaded from, until first used
         self.pool.on_evict = self._on_evict
         # KV eviction (engine/eviction.py): req_id -> entries dropped per group, None when the request
-        # does not evict. An evicting request's group g holds num_computed - offsets[g] entries, and
-        # it neither takes prefix hits nor publishes blocks (they would not hold the hashed tokens).
+        # does not evict. An evicting request's group g holds num_computed - offsets[g] entries; it
+        # publishes no blocks (they would not hold the hashed tokens). `hit_limit`: the most prompt
+        # tokens a request may take from the prefix cache (None: no limit; 0: none).
         self.cache_offsets: Callable[[str], list[int] | None] | None = None
+        self.hit_limit: Callable[[str], int | None] | None = None
 
     # ---- queries -------------------------------------------------------------------
     @property
@@ -90,9 +92,12 @@ class KVCacheManager:
         """Cached blocks per group for the longest usable prefix; the last token is never a hit."""
         state = self._state(req_id)
         empty = [[] for _ in self.groups]
-        if not self.enable_prefix_caching or len(token_ids) < 2 or self._offsets(req_id) is not None:
+        limit = self.hit_limit(req_id) if self.hit_limit is not None else None
+        if not self.enable_prefix_caching or len(token_ids) < 2 or limit == 0:
             return empty, 0
         max_blocks = (len(token_ids) - 1) // self.block_size
+        if limit is not None:
+            max_blocks = min(max_blocks, limit // self.block_size)
         self._extend_hashes(state, token_ids, max_blocks)
         found = [self._lookup_all(g, state, token_ids, max_blocks) for g in range(len(self.groups))]
         if self.lower is not None and self._load_from_lower(state, token_ids, found, max_blocks):
