@@ -7,6 +7,8 @@ written from that file.
 
     python benchmarks/kv_policies.py --parts stream                 # ~10 min on 1 CPU core
     python benchmarks/kv_policies.py --parts compression,fidelity   # ~6 min
+    python benchmarks/kv_policies.py --parts compression --lengths 4096 --merge         # add a length
+    python benchmarks/kv_policies.py --parts compression --cases 4 --seed 1 --merge     # add cases
     python benchmarks/kv_policies.py --report-only
 """
 
@@ -129,13 +131,27 @@ def plot(res: dict, path: Path) -> bool:
     return True
 
 
+def merge_row(old: dict | None, new: dict) -> dict:
+    """One cell over all seeds run: a new seed adds its cases, a seed run again replaces its own."""
+    if not old:
+        return new
+    by_seed = dict(old.get("by_seed") or {str(old.get("seeds", [0])[0]): [old["accuracy"], old["cases"]]})
+    by_seed[str(new["seeds"][0])] = [new["accuracy"], new["cases"]]
+    n = sum(c for _, c in by_seed.values())
+    return {**new, "accuracy": sum(a * c for a, c in by_seed.values()) / n, "cases": n,
+            "seeds": sorted(int(k) for k in by_seed), "by_seed": by_seed,
+            "held_bytes": max(old["held_bytes"], new["held_bytes"]),
+            "full_bytes": max(old["full_bytes"], new["full_bytes"])}
+
+
 def merge_part(old: dict | None, new: dict) -> dict:
-    """Compression rows of `new` over those of `old` (a row per kind, length, policy and ratio)."""
+    """Compression rows of `new` merged into those of `old` (a row per kind, length, policy, ratio)."""
     if not old:
         return new
     key = lambda r: (r["kind"], r["length"], r["policy"], r["evicted"])  # noqa: E731
     rows = {key(r): r for r in old["rows"]}
-    rows.update({key(r): r for r in new["rows"]})
+    for r in new["rows"]:
+        rows[key(r)] = merge_row(rows.get(key(r)), r)
     settings = dict(old["settings"])
     settings["lengths"] = sorted({r["length"] for r in rows.values()})
     commands = old.get("commands", [old["command"]])
@@ -222,13 +238,14 @@ def main(argv=None) -> int:
     p.add_argument("--score-tokens", type=int, default=32)
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     p.add_argument("--dtype", default="float32", help="model dtype")
+    p.add_argument("--seed", type=int, default=0, help="compression cases (with --merge: adds cases to a cell)")
     p.add_argument("--kv-cache-memory", default="1GiB")
     p.add_argument("--max-num-seqs", type=int, default=16)
     p.add_argument("--notes", default=None, help="a paragraph appended to the section")
     p.add_argument("--report-only", action="store_true")
     p.add_argument("--merge", action="store_true",
-                   help="merge compression rows into the stored ones (same kind/length/policy/ratio replaced) "
-                        "instead of replacing the part: run more lengths or cases separately")
+                   help="merge compression rows into the stored ones instead of replacing the part: a cell "
+                        "run with a new --seed adds its cases; a seed run again replaces its own")
     args = p.parse_args(argv)
     results, plot_path = paths(args.model)
     res = json.loads(results.read_text()) if results.exists() else {}
@@ -244,7 +261,8 @@ def main(argv=None) -> int:
                                ratios=[float(x) for x in args.ratios.split(",")], cases=args.cases,
                                context=args.context, score_tokens=args.score_tokens,
                                parts=args.parts.split(","), dtype=args.dtype,
-                               kv_cache_memory=args.kv_cache_memory, max_num_seqs=args.max_num_seqs)
+                               kv_cache_memory=args.kv_cache_memory, max_num_seqs=args.max_num_seqs,
+                               seed=args.seed)
         out = evaluate_policies(s, log=lambda line: print(line, file=sys.stderr, flush=True))
         res = json.loads(results.read_text()) if results.exists() else {}  # parts may run in parallel
         res["model"] = out["model"]

@@ -522,3 +522,41 @@ def test_cli_flags():
     assert args.kv_policy == "full"
     args = build_parser().parse_args(["eval", "kv-policy", "--budgets", "256,512", "--parts", "stream"])
     assert args.budgets == "256,512" and args.func.__module__ == "kvserve.tools.evaluate_policies"
+
+
+# ---- the evaluation harness (kvserve eval kv-policy, benchmarks/kv_policies.py) ------------------------
+
+
+def test_compression_eval_on_the_bundled_model():
+    from kvserve.tools.evaluate_policies import PolicyEvalSettings, compression_eval, make_llm
+    llm = make_llm(PolicyEvalSettings(), max_len=640)
+    rows = compression_eval(llm, [512], [0.5], 1, kinds=("passkey",), seed=3, log=lambda line: None)
+    by = {r["policy"]: r for r in rows}
+    assert set(by) == {"full", "snapkv", "snapkv-qafter", "h2o", "sinks", "random"}
+    assert by["full"]["accuracy"] == 1.0 and by["snapkv"]["accuracy"] == 1.0   # 512 tokens: easy
+    assert all(r["cases"] == 1 and r["seeds"] == [3] for r in rows)
+    for name in ("snapkv", "h2o", "sinks", "random"):   # half the prompt evicted: about half the blocks held
+        assert 0.45 < by[name]["held_bytes"] / by[name]["full_bytes"] < 0.6, (name, by[name])
+    assert all_blocks_free(llm)
+
+
+def test_benchmark_merge_adds_cases_of_new_seeds_and_replaces_rerun_ones():
+    import importlib.util
+    from pathlib import Path
+    path = Path(__file__).parents[1] / "benchmarks" / "kv_policies.py"
+    spec = importlib.util.spec_from_file_location("kv_policies_bench", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    cell = dict(kind="passkey", length=1024, policy="h2o", evicted=0.5, held_bytes=10, full_bytes=20)
+    old = {"rows": [{**cell, "accuracy": 1.0, "cases": 2}], "settings": {"lengths": [1024]}, "command": "a"}
+    new = {"rows": [{**cell, "accuracy": 0.25, "cases": 4, "seeds": [1], "held_bytes": 12},
+                    {**cell, "length": 4096, "accuracy": 0.5, "cases": 2, "seeds": [0]}],
+           "settings": {"lengths": [1024, 4096]}, "command": "b"}
+    merged = bench.merge_part(old, new)
+    r1024, r4096 = sorted(merged["rows"], key=lambda r: r["length"])
+    assert r1024["cases"] == 6 and r1024["accuracy"] == pytest.approx(0.5) and r1024["seeds"] == [0, 1]
+    assert r1024["held_bytes"] == 12 and r4096["cases"] == 2
+    assert merged["settings"]["lengths"] == [1024, 4096] and merged["commands"] == ["a", "b"]
+    again = bench.merge_part(merged, {**new, "rows": [{**cell, "accuracy": 0.0, "cases": 4, "seeds": [1]}]})
+    rerun = [r for r in again["rows"] if r["length"] == 1024][0]      # seed 1 again: its own cases replaced
+    assert rerun["cases"] == 6 and rerun["accuracy"] == pytest.approx(2 / 6) and rerun["seeds"] == [0, 1]

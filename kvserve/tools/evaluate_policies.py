@@ -206,7 +206,7 @@ def compression_eval(llm, lengths: list[int], ratios: list[float], cases: int, p
             t0 = time.perf_counter()
             jobs: list[tuple[Job, str, str, float]] = []
             for i in range(cases):
-                depth = (i + 0.5) / cases
+                depth = ((i + 0.5) / cases + 0.382 * seed) % 1.0   # another seed: other depths too
                 if kind == "passkey":
                     ctx, q, key = passkey_case(tok, length, depth, rng.randrange(10000, 100000))
                 else:
@@ -231,7 +231,7 @@ def compression_eval(llm, lengths: list[int], ratios: list[float], cases: int, p
             for (name, r), members in groups.items():
                 hits = [passed(kind, tok.decode(j.generated), key) for j, key in members]
                 rows.append(dict(kind=kind, length=length, policy=name, evicted=r,
-                                 accuracy=sum(hits) / len(hits), cases=len(hits),
+                                 accuracy=sum(hits) / len(hits), cases=len(hits), seeds=[seed],
                                  held_bytes=max(j.held_bytes for j, _ in members), full_bytes=full_bytes))
             log(f"{kind} {length}: " + ", ".join(f"{row['policy']}@{row['evicted']:.0%}={row['accuracy']:.0%}"
                                                 for row in rows[-len(groups):])
@@ -285,6 +285,7 @@ class PolicyEvalSettings:
     max_num_seqs: int = 16
     parts: list[str] = field(default_factory=lambda: ["stream", "compression", "fidelity"])
     dtype: str = "float32"
+    seed: int = 0                 # compression cases: passkeys, haystack offsets and depths
 
 
 def make_llm(s: PolicyEvalSettings, max_len: int):
@@ -304,7 +305,7 @@ def evaluate_policies(s: PolicyEvalSettings, log=print) -> dict:
     if "stream" in s.parts:
         out["stream"] = streaming_perplexity(llm, ids[:s.stream_tokens], s.budgets, log)
     if "compression" in s.parts:
-        out["compression"] = compression_eval(llm, s.lengths, s.ratios, s.cases, log=log)
+        out["compression"] = compression_eval(llm, s.lengths, s.ratios, s.cases, seed=s.seed, log=log)
     if "fidelity" in s.parts:
         start = len(ids) // 3
         out["fidelity"] = fidelity_eval(llm, ids[start:], s.context, s.score_tokens, s.ratios, log=log)
@@ -331,6 +332,7 @@ def register(sub) -> argparse.ArgumentParser:
     p.add_argument("--kv-cache-memory", default="1GiB")
     p.add_argument("--max-num-seqs", type=int, default=16)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="model dtype")
+    p.add_argument("--seed", type=int, default=0, help="compression: another seed draws other cases")
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(func=run)
     return p
@@ -342,7 +344,8 @@ def run(args) -> int:
                            lengths=_ints(args.lengths), ratios=[float(x) for x in args.ratios.split(",") if x],
                            cases=args.cases, context=args.context, score_tokens=args.score_tokens,
                            kv_cache_memory=args.kv_cache_memory, max_num_seqs=args.max_num_seqs,
-                           parts=[x.strip() for x in args.parts.split(",") if x.strip()], dtype=args.dtype)
+                           parts=[x.strip() for x in args.parts.split(",") if x.strip()], dtype=args.dtype,
+                           seed=args.seed)
     out = evaluate_policies(s, log=lambda line: print(line, file=sys.stderr))
     if args.json:
         print(json.dumps(out, indent=2))
