@@ -277,6 +277,21 @@ def test_parallel_samples_share_the_compressed_prompt(tiny1):
     assert all_blocks_free(llm)
 
 
+@pytest.mark.parametrize("policy", ["sinks:4,12", "snapkv:16,4"])
+def test_parallel_samples_with_eviction_survive_swap_preemption(tiny1, policy):
+    # 6 sequences in 18 blocks: forks with compacted (shorter) per-layer tables go to the CPU and back
+    llm = tiny_llm(tiny1, policy, blocks=18, max_model_len=64, max_num_batched_tokens=16,
+                   preemption_mode="swap", swap_space=0.01)
+    oracle = Oracle(llm)
+    params = SamplingParams(n=3, temperature=1.0, seed=2, max_tokens=30, ignore_eos=True)
+    outs = llm.generate([list(range(3, 30)), list(range(40, 60))], params, use_tqdm=False)
+    assert all(len(c.token_ids) == 30 for o in outs for c in o.outputs)
+    m = llm.get_metrics()
+    assert m["num_swap_preemptions"] > 0 and m["num_recompute_preemptions"] == 0
+    assert oracle.checked == 2 * (1 + 3 * 29) and oracle.worst < 1e-4, oracle.worst
+    assert all_blocks_free(llm) and not llm.engine.evictor.states
+
+
 @pytest.mark.parametrize("policy", ["sinks:4,12", "h2o:6,10", "snapkv:16,4,3"])
 def test_beam_search_beams_evict_on_their_own(tiny1, policy):
     from kvserve import BeamSearchParams
