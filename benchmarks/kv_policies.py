@@ -204,7 +204,7 @@ def report(res: dict, plot_path: Path = PLOT) -> str:
         st = c["settings"]
         parts.append(f"### Long-prompt compression\n\nModel dtype {st.get('dtype', 'float32')}. "
                      "Greedy answer after the prompt, depths spread over the prompt; cells: accuracy "
-                     "(cases; longer prompts may have been run with fewer). `snapkv`: the "
+                     "(cases). `snapkv`: the "
                      "question ends the prompt, inside the 32-token observation window; `snapkv-qafter`: the "
                      "context alone is compressed, then the question is fed token by token; `h2o` half heavy "
                      "half recent; `sinks` 4 + the rest; `random` the window + random others.\n\n"
