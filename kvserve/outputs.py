@@ -61,6 +61,7 @@ class RequestOutput:
     num_cached_tokens: int = 0
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     metrics: RequestMetrics | None = None
+    error: str | None = None     # set when the engine failed this request (finish reason 'abort')
 
 
 @dataclass

@@ -6,7 +6,11 @@ import math
 from dataclasses import dataclass
 
 _SAMPLING_EPS = 1e-5
+_MIN_TEMPERATURE = 1e-2  # vLLM's floor for a non-zero temperature: smaller ones overflow
 MAX_LOGPROBS = 20
+# The sampler computes in float32: a value it turns into 0 or inf makes NaN logits.
+FLOAT32_MAX = 3.4028234663852886e38
+FLOAT32_TINY = 1.1754943508222875e-38  # the smallest normal float32
 
 
 def _check(name: str, value: object, ok: bool, allowed: str) -> None:
@@ -31,6 +35,11 @@ def _check_int(name: str, value: object, lo: int, hi: int | None = None) -> None
 
 def _check_float(name: str, value: object, ok_range, allowed: str) -> None:
     _check(name, value, _is_number(value) and ok_range(value), allowed)
+
+
+def _check_temperature(value: object) -> None:
+    _check_float("temperature", value, lambda t: 0 <= t <= FLOAT32_MAX,
+                 f"a number in [0, {FLOAT32_MAX:.4g}] (float32)")
 
 
 @dataclass
@@ -70,8 +79,9 @@ class SamplingParams:
 
     def _validate_sampling(self) -> None:
         _check_int("n", self.n, 1)
-        _check_float("temperature", self.temperature, lambda t: t >= 0 and t != math.inf,
-                     "a finite number >= 0")
+        _check_temperature(self.temperature)
+        if 0 < self.temperature < _MIN_TEMPERATURE:  # as vLLM: clamp, do not fail
+            self.temperature = _MIN_TEMPERATURE
         _check_float("top_p", self.top_p, lambda p: 0 < p <= 1, "in (0, 1]")
         _check("top_k", self.top_k, _is_int(self.top_k) and self.top_k >= -1,
                "-1 or 0 (disabled) or an integer >= 1")
@@ -90,7 +100,8 @@ class SamplingParams:
         for name in ("presence_penalty", "frequency_penalty"):
             _check_float(name, getattr(self, name), lambda v: -2 <= v <= 2, "in [-2, 2]")
         _check_float("repetition_penalty", self.repetition_penalty,
-                     lambda v: 0 < v < math.inf, "a finite number > 0")
+                     lambda v: FLOAT32_TINY <= v <= FLOAT32_MAX,
+                     f"a number in [{FLOAT32_TINY:.4g}, {FLOAT32_MAX:.4g}] (> 0 in float32)")
 
     def _validate_logprobs(self) -> None:
         for name in ("logprobs", "prompt_logprobs"):
@@ -137,6 +148,5 @@ class BeamSearchParams:
     def __post_init__(self) -> None:
         _check_int("beam_width", self.beam_width, 1)
         _check_int("max_tokens", self.max_tokens, 1)
-        _check_float("temperature", self.temperature, lambda t: t >= 0 and t != math.inf,
-                     "a finite number >= 0")
+        _check_temperature(self.temperature)
         _check_float("length_penalty", self.length_penalty, math.isfinite, "a finite number")

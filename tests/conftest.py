@@ -47,6 +47,15 @@ def llm():
     return LLM(kv_cache_memory="128MiB", max_model_len=2048)
 
 
+@pytest.fixture
+def poisoned(llm, monkeypatch):
+    """`llm` whose sampler gets NaN logits for requests seeded 1000 + k at output token k."""
+    from helpers import PoisonedSampler
+
+    monkeypatch.setattr(llm.engine, "sampler", PoisonedSampler(llm.engine.sampler))
+    return llm
+
+
 @pytest.fixture(scope="session")
 def llm_nocache():
     """The oracle: the same model recomputing the whole sequence at every step."""

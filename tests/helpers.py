@@ -22,3 +22,21 @@ def all_blocks_free(llm) -> bool:
     """True when no request holds a block."""
     m = llm.get_metrics()
     return m["num_blocks_free"] == m["num_blocks_total"] and m["num_requests_running"] == 0
+
+
+class PoisonedSampler:
+    """The engine's sampler, but rows of requests seeded 1000 + k get NaN logits at output token k."""
+
+    def __init__(self, real):
+        self.real = real
+
+    def __getattr__(self, name):
+        return getattr(self.real, name)
+
+    def __call__(self, logits, inputs):
+        logits = logits.clone()
+        for row, inp in enumerate(inputs):
+            seed = inp.params.seed
+            if seed is not None and seed >= 1000 and len(inp.output_token_ids) == seed - 1000:
+                logits[row] = float("nan")
+        return self.real(logits, inputs)

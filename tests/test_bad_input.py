@@ -2,6 +2,8 @@
 
 import pytest
 from helpers import all_blocks_free
+from hypothesis import HealthCheck, example, given, settings
+from hypothesis import strategies as st
 
 from kvserve import LLM, SamplingParams
 
@@ -76,3 +78,59 @@ def test_abort_frees_blocks_and_forgets_the_request(llm):
 def test_huge_seed_with_forks_does_not_crash(llm):
     out = llm.generate(["hi"], SamplingParams(n=2, seed=2**64 - 2, max_tokens=3), use_tqdm=False)
     assert len(out[0].outputs) == 2
+
+
+# ---- one request must not kill the engine ------------------------------------------------------
+
+def test_a_request_whose_logits_turn_nan_fails_alone(poisoned):
+    params = [SamplingParams(max_tokens=6, ignore_eos=True, seed=s) for s in (1, 1002, 2)]
+    outs = poisoned.generate(["Hello", "Hello there", "The sky is"], params, use_tqdm=False)
+    fine, failed, other = outs
+    assert failed.outputs[0].finish_reason == "abort" and len(failed.outputs[0].token_ids) == 2
+    assert "NaN or infinite" in failed.error and "repetition_penalty" in failed.error
+    assert fine.error is None and other.error is None
+    assert [len(o.outputs[0].token_ids) for o in (fine, other)] == [6, 6]
+    assert all_blocks_free(poisoned)
+
+
+# Every field, over its range and float32's edges (5e-324, 1e-50, 3.4e38, 1e39, ...): most
+# draws are valid, so they reach the engine; the validator refuses the rest.
+SAMPLING_FIELDS = st.fixed_dictionaries({
+    "n": st.integers(1, 3),
+    "temperature": st.one_of(st.floats(0, 2), st.floats(0, 1e39)),
+    "top_p": st.floats(0, 1, exclude_min=True),
+    "top_k": st.integers(-1, 2**63),
+    "min_p": st.floats(0, 1),
+    "seed": st.one_of(st.none(), st.integers(-2**64, 2**64)),
+    "stop": st.lists(st.text(min_size=1, max_size=3), max_size=2),
+    "stop_token_ids": st.lists(st.integers(0, 2**64), max_size=3),
+    "max_tokens": st.integers(1, 4),
+    "min_tokens": st.integers(0, 4),
+    "ignore_eos": st.booleans(),
+    "presence_penalty": st.floats(-2, 2),
+    "frequency_penalty": st.floats(-2, 2),
+    "repetition_penalty": st.one_of(st.floats(1e-50, 2), st.floats(0.5, 1e39)),
+    "logprobs": st.one_of(st.none(), st.integers(0, 20)),
+    "prompt_logprobs": st.one_of(st.none(), st.integers(0, 20)),
+    "skip_special_tokens": st.booleans(),
+    "include_stop_str_in_output": st.booleans(),
+    "kv_policy": st.sampled_from([None, None, "window:16"]),
+})
+
+
+@settings(max_examples=25, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.too_slow])
+@given(SAMPLING_FIELDS)
+@example({"repetition_penalty": 1e-50, "temperature": 1.0, "max_tokens": 4})
+@example({"temperature": 1e39, "min_tokens": 2, "max_tokens": 4})
+def test_engine_survives_any_sampling_params(llm, fields):
+    try:
+        params = SamplingParams(**fields)
+    except ValueError:
+        return  # refused with a message naming the field (checked elsewhere)
+    try:
+        outs = llm.generate(["Hello", [1, 2, 3]], params, use_tqdm=False)
+    except ValueError:
+        outs = []  # refused before anything was queued, e.g. max_tokens beyond max_model_len
+    assert all(o.error is None for o in outs), [o.error for o in outs]
+    assert all_blocks_free(llm) and not llm.engine.has_unfinished_requests()

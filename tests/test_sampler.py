@@ -1,12 +1,14 @@
 """Tests for SamplingParams validation and the Sampler (vLLM semantics)."""
 
 import math
+import re
 
 import pytest
 import torch
 
 from kvserve.engine.sampler import (
     Sampler,
+    SamplingError,
     SamplingInput,
     apply_min_p,
     apply_penalties,
@@ -98,6 +100,45 @@ def test_invalid_beam_search_params_raise(field, value):
     kwargs = {"beam_width": 2, "max_tokens": 8, field: value}
     with pytest.raises(ValueError, match=field):
         BeamSearchParams(**kwargs)
+
+
+@pytest.mark.parametrize("field, value", [
+    ("repetition_penalty", 1e-50),   # 0 in float32: logits / 0
+    ("repetition_penalty", 1e39),    # inf in float32
+    ("temperature", 1e39),           # inf in float32: -inf / inf is NaN
+])
+def test_values_float32_cannot_hold_are_refused(field, value):
+    with pytest.raises(ValueError, match=f"{field} must be .*float32.*got {re.escape(repr(value))}"):
+        SamplingParams(**{field: value})
+
+
+def test_tiny_temperature_is_raised_to_vllms_floor():
+    assert SamplingParams(temperature=1e-30).temperature == 0.01
+    assert SamplingParams(temperature=5e-324).temperature == 0.01
+    assert SamplingParams(temperature=0.0).greedy
+
+
+@pytest.mark.parametrize("params", [
+    dict(repetition_penalty=1.2e-38, temperature=0.01),   # logits / rep overflow to inf
+    dict(repetition_penalty=3.4e38, min_tokens=2),         # logits * rep overflow to -inf
+    dict(temperature=3.4e38, min_tokens=2),                # -inf / huge stays -inf
+    dict(temperature=0.01, top_p=1e-30, min_p=1e-30),
+])
+def test_extreme_but_valid_params_still_sample(params):
+    logits = torch.tensor([[30.0, -20.0, 25.0, 0.0, -1.0]])
+    inp = make_input(prompt=(0, 1, 2, 3), output=[4], seed=1, **params)
+    (result,) = Sampler([EOS], 5)(logits, [inp])
+    assert 0 <= result.token_ids[0] < 5
+
+
+def test_rows_that_cannot_be_sampled_raise_naming_them():
+    logits = torch.randn(3, VOCAB)
+    logits[1] = float("nan")
+    logits[2] = float("-inf")
+    inputs = [make_input(seed=1), make_input(temperature=0.0), make_input(seed=2)]
+    with pytest.raises(SamplingError) as err:
+        Sampler([EOS], VOCAB)(logits, inputs)
+    assert err.value.rows == [1, 2]
 
 
 # ---------------------------------------------------------------- greedy, top-k

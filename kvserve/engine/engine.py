@@ -17,7 +17,7 @@ from kvserve.engine.metrics import EngineStats
 from kvserve.engine.model_runner import ModelRunner
 from kvserve.engine.offload import build_swap, build_tiers, offload_metrics
 from kvserve.engine.request import Request, RequestStatus
-from kvserve.engine.sampler import Sampler, SamplingInput, prompt_logprobs
+from kvserve.engine.sampler import Sampler, SamplingError, SamplingInput, prompt_logprobs
 from kvserve.engine.scheduler import Scheduler
 from kvserve.kv.formats import KVCacheFormat, build_kv_format, split_budget
 from kvserve.kv.hashing import namespace_hash
@@ -309,7 +309,15 @@ class LLMEngine:
     def _sample(self, logits: torch.Tensor, reqs: list[Request]) -> None:
         inputs = [SamplingInput(r.params, r.prompt_token_ids, r.output_token_ids, r.generator,
                                 self._num_samples(r)) for r in reqs]
-        results = self.sampler(logits, inputs)
+        try:
+            results = self.sampler(logits, inputs)
+        except SamplingError as exc:  # nothing was drawn: fail those requests, sample the rest
+            for i in exc.rows:
+                self._fail(reqs[i], _sampling_failure(reqs[i].params))
+            keep = [i for i, r in enumerate(reqs) if not r.is_finished]
+            if keep:
+                self._sample(logits[keep], [reqs[i] for i in keep])
+            return
         for req, res in zip(reqs, results):
             top = res.top_logprobs or [None] * len(res.token_ids)
             if len(res.token_ids) > 1:
@@ -356,6 +364,13 @@ class LLMEngine:
         elif n_out >= p.max_tokens or req.num_tokens >= self.max_model_len:
             self._finish(req, RequestStatus.FINISHED_LENGTH)
 
+    def _fail(self, req: Request, error: str) -> None:
+        """End the whole group of `req` with an error (finish reason 'abort'), freeing its blocks."""
+        for r in self.groups.get(req.group_id, [req]):
+            r.error = error
+            if not r.is_finished:
+                self._finish(r, RequestStatus.FINISHED_ABORTED)
+
     def _finish(self, req: Request, status: RequestStatus) -> None:
         self.scheduler.finish(req, status)
         if self.evictor is not None:
@@ -388,7 +403,7 @@ class LLMEngine:
         finished = all(r.is_finished for r in members) and (
             len(members) == head.params.n or head.status == RequestStatus.FINISHED_ABORTED)
         out = RequestOutput(group_id, head.prompt, head.prompt_token_ids, outs, finished,
-                            head.num_cached_tokens, head.prompt_logprobs, head.metrics)
+                            head.num_cached_tokens, head.prompt_logprobs, head.metrics, head.error)
         if finished:
             self._drop(group_id)
         return out
@@ -453,6 +468,13 @@ def _load_tokenizer(path: str) -> Tokenizer | None:
         log.warning("no tokenizer files in %s: prompts must be token ids and outputs have no text", path)
         return None
     return Tokenizer.load(path)
+
+
+def _sampling_failure(p: SamplingParams) -> str:
+    return (f"no token could be drawn: the logits were NaN or infinite after this request's sampling "
+            f"parameters were applied (temperature={p.temperature}, repetition_penalty="
+            f"{p.repetition_penalty}, top_p={p.top_p}, min_p={p.min_p}); other requests were not "
+            "affected. Retry; if it persists, report it with these parameters")
 
 
 def _replace(params: SamplingParams, **changes) -> SamplingParams:

@@ -50,6 +50,7 @@ class Request:
         self.num_cached_tokens = 0                     # prompt tokens served from the prefix cache
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None
+        self.error: str | None = None                  # why the engine failed it, if it did
         self.cumulative_logprob = 0.0
         self.logprobs: list[dict[int, Logprob]] | None = [] if self.params.logprobs is not None else None
         self.prompt_logprobs: list | None = None

@@ -15,6 +15,16 @@ import torch
 from kvserve.sampling_params import SamplingParams
 
 _NEG_INF = float("-inf")
+_FLOAT32_MAX = torch.finfo(torch.float32).max
+
+
+class SamplingError(ValueError):
+    """Some rows cannot be sampled: their processed logits hold NaN or no finite value."""
+
+    def __init__(self, rows: list[int]):
+        super().__init__(f"rows {rows} of the logits are NaN or have no finite value after "
+                         "the sampling parameters were applied: no token can be drawn")
+        self.rows = rows
 
 
 @dataclass
@@ -109,7 +119,7 @@ def _penalize(logits: torch.Tensor, inputs: list[SamplingInput]) -> torch.Tensor
         seen = (prompt_counts + out_counts) > 0
         rep = _column([p.repetition_penalty for p in params], device)
         rep = torch.where(seen, rep, torch.ones_like(rep))
-        logits = torch.where(logits > 0, logits / rep, logits * rep)
+        logits = torch.where(logits > 0, logits / rep, logits * rep).clamp_(max=_FLOAT32_MAX)
     freq = _column([p.frequency_penalty for p in params], device)
     presence = _column([p.presence_penalty for p in params], device)
     return logits - freq * out_counts - presence * (out_counts > 0).float()
@@ -126,7 +136,7 @@ def apply_penalties(logits: torch.Tensor, inputs: list[SamplingInput]) -> torch.
 def apply_temperature(logits: torch.Tensor, temperatures: list[float]) -> torch.Tensor:
     """Divide each row by its temperature (in place); rows must not be greedy."""
     if any(t != 1.0 for t in temperatures):
-        logits.div_(_column(temperatures, logits.device))
+        logits.div_(_column(temperatures, logits.device)).clamp_(max=_FLOAT32_MAX)
     return logits
 
 
@@ -208,6 +218,14 @@ def process_logits(logits: torch.Tensor, inputs: list[SamplingInput],
 
 
 # ---------------------------------------------------------------- drawing tokens
+
+
+def _check_rows(processed: torch.Tensor) -> None:
+    """Raise SamplingError naming the rows that hold NaN, +inf, or nothing but -inf."""
+    top = processed.amax(dim=-1)  # [rows]; NaN when the row holds a NaN
+    bad = (~((top > _NEG_INF) & (top < float("inf")))).nonzero().flatten().tolist()
+    if bad:
+        raise SamplingError(bad)
 
 
 def _draw(probs: torch.Tensor, inputs: list[SamplingInput],
@@ -300,6 +318,7 @@ class Sampler:
             return []
         logits = self._check_logits(logits, inputs)
         processed = process_logits(logits, inputs, self.eos_token_ids)
+        _check_rows(processed)
         tokens = self._sample_tokens(processed, inputs)
         lse = logits.logsumexp(dim=-1)  # [rows]
         rows = [i for i, toks in enumerate(tokens) for _ in toks]
