@@ -30,6 +30,10 @@ class EngineDeadError(RuntimeError):
     """The engine thread stopped (an internal error or shutdown); no request can run."""
 
 
+class RequestFailedError(RuntimeError):
+    """The engine failed this one request (its blocks are freed); the others go on."""
+
+
 class EngineDrainingError(RuntimeError):
     """The server is shutting down and takes no new requests."""
 
@@ -40,14 +44,6 @@ class QueueFullError(RuntimeError):
     def __init__(self, message: str, retry_after: int = 1):
         super().__init__(message)
         self.retry_after = retry_after
-
-
-@dataclass
-class ChatPrompt:
-    """A conversation; the engine thread formats it with the model's chat template."""
-
-    messages: list[dict]
-    add_generation_prompt: bool = True
 
 
 @dataclass
@@ -114,10 +110,13 @@ class AsyncEngine:
     """Runs an LLMEngine on a background thread for asyncio callers (the HTTP server)."""
 
     def __init__(self, engine: LLMEngine, max_queue: int | None = None,
-                 on_finished: Callable[[FinishedRequest], None] | None = None):
+                 on_finished: Callable[[FinishedRequest], None] | None = None,
+                 on_fatal: Callable[[BaseException], None] | None = None):
         self.engine = engine
         self.max_queue = max_queue
         self.on_finished = on_finished
+        self.on_fatal = on_fatal  # called on the engine thread once it has stopped for good
+        self._failed_last_step = False
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, RequestStream] = {}
         self._token_times: dict[str, dict[int, tuple[int, float, list[float]]]] = {}
@@ -161,15 +160,20 @@ class AsyncEngine:
         await asyncio.to_thread(self._thread.join, 30)
 
     # ---- requests ------------------------------------------------------------------
-    async def add(self, prompt: PromptType | ChatPrompt, params: SamplingParams,
+    async def add(self, prompt: PromptType, params: SamplingParams,
                   request_id: str) -> RequestStream:
         """Queue one request; raises ValueError for bad input, QueueFullError when full."""
         return (await self.add_batch([prompt], params, [request_id]))[0]
 
-    async def add_batch(self, prompts: list[PromptType | ChatPrompt], params: SamplingParams,
+    async def add_batch(self, prompts: list[PromptType], params: SamplingParams,
                         request_ids: list[str]) -> list[RequestStream]:
-        """Queue several requests at once: all are accepted or none is."""
+        """Queue several requests at once: all are accepted or none is.
+
+        Tokenize text prompts before (token ids in, as {'prompt', 'prompt_token_ids'}): a text
+        prompt is tokenized here on the engine thread, where it stalls every running request.
+        """
         self._check_accepting()
+        self.check_batch_size(len(prompts))
         streams = [RequestStream(self, rid) for rid in request_ids]
         for s in streams:
             self._streams[s.request_id] = s
@@ -182,7 +186,14 @@ class AsyncEngine:
             raise
         return streams
 
-    async def generate(self, prompt: PromptType | ChatPrompt, params: SamplingParams,
+    def check_batch_size(self, num_prompts: int) -> None:
+        """ValueError for a batch that could never be queued, however idle the engine."""
+        if self.max_queue is not None and num_prompts > self.max_queue:
+            raise ValueError(f"prompt holds a batch of {num_prompts} prompts, more than can ever wait "
+                             f"at once (--max-queue {self.max_queue}): send at most {self.max_queue} "
+                             "prompts per request")
+
+    async def generate(self, prompt: PromptType, params: SamplingParams,
                        request_id: str) -> AsyncIterator[RequestOutput]:
         """Add a request and yield its outputs until it finishes."""
         stream = await self.add(prompt, params, request_id)
@@ -229,14 +240,26 @@ class AsyncEngine:
                 if self._stopping:
                     break
                 if self.engine.has_unfinished_requests():
-                    self._dispatch(self.engine.step(), time.monotonic())
-        except BaseException as exc:  # an engine bug: fail every request, report unhealthy
-            log.exception("engine step failed; the server stops serving")
+                    self._step()
+        except BaseException as exc:  # not one request's fault: fail them all, stop for good
+            log.exception("engine step failed; the engine stops")
             self.error = exc
             self._fail_all(EngineDeadError(f"engine step failed: {exc!r}"))
         finally:
             self._abort_all_now()
             self._fail_commands()
+        if self.error is not None and self.on_fatal is not None:
+            self.on_fatal(self.error)
+
+    def _step(self) -> None:
+        """One engine step; requests it failed get an error, a second such step in a row is fatal."""
+        outputs = self.engine.step()
+        self._dispatch(outputs, time.monotonic())
+        failed = [out.request_id for out in outputs if out.error is not None]
+        if failed and self._failed_last_step:
+            raise RuntimeError(f"the engine failed requests in two steps in a row (now {failed}): "
+                               "the engine itself, not one request, is at fault")
+        self._failed_last_step = bool(failed)
 
     def _run_commands(self, block: bool) -> None:
         try:
@@ -274,26 +297,11 @@ class AsyncEngine:
         if self.max_queue is not None and waiting + len(prompts) > self.max_queue:
             raise QueueFullError(f"{waiting} requests are already waiting (--max-queue "
                                  f"{self.max_queue}); retry later", retry_after=1)
-        resolved = [self._resolve_prompt(p) for p in prompts]
-        for p, rid in zip(resolved, request_ids):
+        for p, rid in zip(prompts, request_ids):
             self.engine.make_request(p, params, rid)
-        for p, rid in zip(resolved, request_ids):
+        for p, rid in zip(prompts, request_ids):
             self.engine.add_request(p, params, rid)
             self._token_times[rid] = {}
-
-    def _resolve_prompt(self, prompt: PromptType | ChatPrompt) -> PromptType:
-        if not isinstance(prompt, ChatPrompt):
-            return prompt
-        if self.engine.tokenizer is None:
-            raise ValueError("this model has no tokenizer, so no chat template: use /v1/completions "
-                             "with token id prompts")
-        try:
-            ids = self.engine.tokenizer.apply_chat_template(prompt.messages, prompt.add_generation_prompt)
-        except ValueError:
-            raise
-        except Exception as exc:  # template errors (jinja) are the caller's messages' fault
-            raise ValueError(f"cannot apply the chat template to these messages: {exc}") from exc
-        return {"prompt_token_ids": ids}
 
     def _abort_now(self, request_id: str, notify: bool) -> None:
         out = self.engine.abort_request(request_id)  # the final 'abort' output; forgets the group
@@ -311,7 +319,7 @@ class AsyncEngine:
         for out in outputs:
             gaps = self._record_token_times(out, now)
             if notify:
-                self._deliver(out.request_id, out)
+                self._deliver(out.request_id, out if out.error is None else RequestFailedError(out.error))
             if out.finished:
                 self._token_times.pop(out.request_id, None)
                 self._report_finished(out, gaps)

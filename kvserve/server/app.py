@@ -8,6 +8,7 @@ returns a FastAPI app. Bodies are read and validated here, by hand, so every bad
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import hmac
 import json
 import logging
@@ -27,16 +28,17 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 import kvserve
 from kvserve.engine.async_engine import (
     AsyncEngine,
-    ChatPrompt,
     EngineDeadError,
     EngineDrainingError,
     QueueFullError,
+    RequestFailedError,
     RequestStream,
 )
 from kvserve.engine.engine import LLMEngine
 from kvserve.outputs import CompletionOutput, RequestOutput
 from kvserve.sampling_params import SamplingParams
 from kvserve.server import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_QUEUE
+from kvserve.server import inputs
 from kvserve.server import protocol as P
 from kvserve.server.metrics import ServerMetrics
 
@@ -83,8 +85,17 @@ class ServerState:
     metrics: ServerMetrics
     model_name: str
     max_body_bytes: int
+    special_in_content: bool = False
     created: int = field(default_factory=lambda: int(time.time()))
     token_text: dict[int, str] = field(default_factory=dict)
+    # tokenizing and chat templates run here, one at a time, never on the engine thread
+    tokenize_pool: concurrent.futures.ThreadPoolExecutor = field(
+        default_factory=lambda: concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kvserve-tokenize"))
+    byte_limit: int | None = None
+
+    async def tokenize(self, fn, *args):
+        """fn(*args) on the tokenize thread."""
+        return await asyncio.get_running_loop().run_in_executor(self.tokenize_pool, fn, *args)
 
     def decode_token(self, token_id: int) -> str:
         """The text of one token (cached)."""
@@ -101,13 +112,13 @@ class ApiKeyMiddleware:
 
     def __init__(self, app, api_key: str | None):
         self.app = app
-        self.expected = f"Bearer {api_key}".encode() if api_key else None
+        self.expected = api_key.encode() if api_key else None
 
     async def __call__(self, scope, receive, send):
         if self.expected is None or scope["type"] != "http" or scope["path"] == "/health":
             return await self.app(scope, receive, send)
-        given = dict(scope["headers"]).get(b"authorization", b"")
-        if hmac.compare_digest(given, self.expected):
+        scheme, _, token = dict(scope["headers"]).get(b"authorization", b"").partition(b" ")
+        if scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self.expected):
             return await self.app(scope, receive, send)
         err = APIError(401, "invalid or missing API key: send 'Authorization: Bearer <key>'",
                        type="authentication_error", code="invalid_api_key",
@@ -117,18 +128,25 @@ class ApiKeyMiddleware:
 
 def build_app(engine: LLMEngine, *, served_model_name: str | None = None,
               api_key: str | None = None, max_queue: int | None = DEFAULT_MAX_QUEUE,
-              max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
-    """A FastAPI app serving `engine`; the engine thread starts and stops with the app."""
+              max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+              allow_special_tokens_in_content: bool = False) -> FastAPI:
+    """A FastAPI app serving `engine`; the engine thread starts and stops with the app.
+
+    `allow_special_tokens_in_content`: parse special-token text in chat messages as control
+    tokens (trusted callers only); by default it is encoded as plain text.
+    """
     name = served_model_name or engine.model_config.name
     metrics = ServerMetrics(name, engine.max_model_len)
     aengine = AsyncEngine(engine, max_queue=max_queue, on_finished=metrics.observe_finished)
-    state = ServerState(engine, aengine, metrics, name, max_body_bytes)
+    state = ServerState(engine, aengine, metrics, name, max_body_bytes, allow_special_tokens_in_content)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
+        state.byte_limit = await state.tokenize(inputs.prompt_byte_limit, engine.tokenizer, engine.max_model_len)
         aengine.start()
         yield
         await aengine.shutdown()
+        state.tokenize_pool.shutdown(wait=False, cancel_futures=True)
 
     app = FastAPI(title="kvserve", version=kvserve.__version__, lifespan=lifespan,
                   docs_url=None, redoc_url=None, openapi_url=None)
@@ -149,6 +167,14 @@ def _add_error_handlers(app: FastAPI) -> None:
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
         return APIError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}", type=kind,
                         headers=getattr(exc, "headers", None)).response()
+
+    @app.exception_handler(EngineDeadError)
+    async def _engine_dead(request: Request, exc: EngineDeadError):
+        return APIError(503, str(exc), type="service_unavailable", code="unavailable").response()
+
+    @app.exception_handler(RequestFailedError)
+    async def _request_failed(request: Request, exc: RequestFailedError):
+        return APIError(500, str(exc), type="server_error", code="request_failed").response()
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, exc: RequestValidationError):
@@ -182,13 +208,18 @@ async def read_json(request: Request, max_bytes: int):
     try:
         return json.loads(body, parse_constant=_reject_constant)
     except (ValueError, UnicodeDecodeError) as exc:
-        raise APIError(400, f"request body is not valid JSON: {exc}", code="invalid_json") from exc
+        raise APIError(400, f"request body is not valid JSON: {exc}", code="invalid_json") from None
+    except RecursionError:
+        raise APIError(400, "request body is nested too deeply to parse: send a flatter JSON object",
+                       code="invalid_json") from None
 
 
 def parse_model(cls: type[BaseModel], data) -> BaseModel:
     """Validate a JSON value into a request model; a 400 naming the first bad field."""
     try:
         return cls.model_validate(data)
+    except RecursionError:
+        raise APIError(400, "request body is nested too deeply: send a flatter JSON object") from None
     except ValidationError as exc:
         errors = exc.errors()
         parts = []
@@ -227,7 +258,7 @@ async def add_requests(state: ServerState, prompts: list, params: SamplingParams
 def _add_routes(app: FastAPI, state: ServerState) -> None:
     aengine = state.async_engine
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])
     async def health():
         if not aengine.is_running:
             return APIError(503, f"engine is not running: {aengine.error}", type="service_unavailable").response()
@@ -258,7 +289,9 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
         req = parse_model(P.CompletionRequest, await read_json(request, state.max_body_bytes))
         check_model(state, req.model)
         try:
-            prompts, params = req.prompts(), req.sampling_params()
+            params, prompts = req.sampling_params(), req.prompts()
+            state.async_engine.check_batch_size(len(prompts))
+            prompts = await state.tokenize(_completion_prompts, state, prompts)
         except ValueError as exc:
             raise bad_request(exc) from None
         rid = P.random_id("cmpl")
@@ -274,15 +307,23 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
         check_model(state, req.model)
         try:
             conversation, params = req.conversation(), req.sampling_params()
+            prompt = await state.tokenize(
+                inputs.chat_token_ids, state.engine.tokenizer, conversation, req.add_generation_prompt,
+                state.byte_limit, state.engine.max_model_len, state.special_in_content)
         except ValueError as exc:
             raise bad_request(exc) from None
         rid = P.random_id("chatcmpl")
-        prompt = ChatPrompt(conversation, req.add_generation_prompt)
         streams = await add_requests(state, [prompt], params, [rid])
         if req.stream:
             return EventStreamResponse(_chat_events(state, req, params, rid, streams[0]), streams)
         final = (await _collect(request, streams))[0]
         return _chat_response(state, params, rid, final).model_dump()
+
+
+def _completion_prompts(state: ServerState, prompts: list) -> list[dict]:
+    """Each prompt checked and tokenized (on the tokenize thread)."""
+    tok, limit, max_len = state.engine.tokenizer, state.byte_limit, state.engine.max_model_len
+    return [inputs.prompt_token_ids(tok, p, limit, max_len) for p in prompts]
 
 
 # ---- non-streamed responses -----------------------------------------------------------
@@ -493,7 +534,7 @@ async def _completion_events(state: ServerState, req: P.CompletionRequest, param
             usage = _usage([finals[i] for i in sorted(finals)])
             yield _event(P.CompletionResponse(id=rid, created=created, model=state.model_name,
                                               choices=[], usage=usage))
-    except EngineDeadError as exc:
+    except (EngineDeadError, RequestFailedError) as exc:
         yield _error_event(exc)
     yield "data: [DONE]\n\n"
 
@@ -532,7 +573,7 @@ async def _chat_events(state: ServerState, req: P.ChatCompletionRequest, params:
                 yield chunk(choices)
         if req.include_usage and final is not None:
             yield chunk([], _usage([final]))
-    except EngineDeadError as exc:
+    except (EngineDeadError, RequestFailedError) as exc:
         yield _error_event(exc)
     finally:
         stream.close()

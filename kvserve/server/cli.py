@@ -40,9 +40,13 @@ def register(subparsers) -> None:
                         "(default: $KVSERVE_API_KEY, else no key)")
     p.add_argument("--served-model-name", default=None, help="model name in the API (default: the model's)")
     p.add_argument("--max-queue", type=int, default=DEFAULT_MAX_QUEUE,
-                   help="waiting requests allowed before new ones get 429 with Retry-After")
+                   help="waiting requests allowed before new ones get 429 with Retry-After "
+                        "(a batch of more prompts than this gets 400)")
     p.add_argument("--max-body-bytes", type=byte_size, default=DEFAULT_MAX_BODY_BYTES,
                    help="largest request body accepted (413 beyond), e.g. 2MiB")
+    p.add_argument("--allow-special-tokens-in-content", action="store_true",
+                   help="parse special-token text in chat messages (<|im_end|>, ...) as control tokens; "
+                        "only for trusted callers (default: encoded as plain text)")
     p.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="on SIGTERM, seconds running requests may take to finish before they are aborted")
     p.add_argument("--uvicorn-log-level", default="info",
@@ -65,15 +69,26 @@ def cmd_serve(args) -> int:
     api_key = args.api_key if args.api_key is not None else os.environ.get("KVSERVE_API_KEY") or None
     engine = make_llm(args).engine
     app = build_app(engine, served_model_name=args.served_model_name, api_key=api_key,
-                    max_queue=args.max_queue, max_body_bytes=args.max_body_bytes)
+                    max_queue=args.max_queue, max_body_bytes=args.max_body_bytes,
+                    allow_special_tokens_in_content=args.allow_special_tokens_in_content)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
                             access_log=not args.no_access_log,
                             timeout_graceful_shutdown=args.shutdown_timeout + 5)
-    server = graceful_server(config, on_signal=lambda: app.state.kvserve.async_engine.begin_drain(
-        args.shutdown_timeout))
     log.info("serving %s on http://%s:%d (api key %s)", app.state.kvserve.model_name, args.host,
              args.port, "required" if api_key else "off")
+    return serve(app, config, args.shutdown_timeout)
+
+
+def serve(app, config, shutdown_timeout: float) -> int:
+    """Run the app until a signal (exit status 0) or until its engine fails for good (status 1)."""
+    aengine = app.state.kvserve.async_engine
+    server = graceful_server(config, on_signal=lambda: aengine.begin_drain(shutdown_timeout))
+    aengine.on_fatal = lambda exc: setattr(server, "should_exit", True)
     server.run()
+    if aengine.error is not None:
+        log.error("the engine failed (%r): exiting with status 1 so a supervisor restarts the server",
+                  aengine.error)
+        return 1
     return 0
 
 

@@ -132,12 +132,15 @@ class ChatMessage(_Request):
         """The message as the chat template expects it: role and text content."""
         content = self.content
         if isinstance(content, list):
-            for part in content:
-                if part.type != "text" or part.text is None:
+            for i, part in enumerate(content):
+                if part.type != "text":
                     raise ValueError(f"message content part of type {part.type!r} is not supported; "
                                      "send text parts only")
+                if part.text is None:
+                    raise ValueError(f"message content part {i} of type 'text' has no 'text' field: "
+                                     "give its text, as in {\"type\": \"text\", \"text\": \"...\"}")
             content = "".join(part.text for part in content)
-        out = {"role": self.role, "content": content or ""}
+        out = {"role": self.role, "content": content}
         if self.name is not None:
             out["name"] = self.name
         return out
@@ -166,6 +169,10 @@ class ChatCompletionRequest(_SamplingRequest):
         """The messages as dicts for the chat template."""
         if not self.messages:
             raise ValueError("messages must hold at least one message")
+        for i, m in enumerate(self.messages):
+            if m.content is None:
+                raise ValueError(f"messages[{i}] has no content: every message needs 'content', "
+                                 "a string or a list of text parts")
         return [m.as_dict() for m in self.messages]
 
     def sampling_params(self) -> SamplingParams:
