@@ -3,63 +3,45 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import sys
 
+from kvserve.config import EngineConfig
+
 
 def _engine_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=None, help="GGUF file or HF model directory (default: bundled SmolLM2-135M-Instruct)")
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    p.add_argument("--device", default="auto")
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--kv-cache-memory", default=None, help="KV pool size, e.g. 2GiB")
-    p.add_argument("--gpu-memory-utilization", type=float, default=None)
-    p.add_argument("--no-prefix-caching", action="store_true")
-    p.add_argument("--kv-cache-mode", default="paged", choices=["paged", "contiguous", "none"])
-    p.add_argument("--max-num-seqs", type=int, default=256)
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    p.add_argument("--seed", type=int, default=0)
-    _kv_format_args(p)
-    _offload_args(p)
-    p.add_argument("--kv-policy", default=None, metavar="POLICY",
-                   help="KV eviction for every request (docs/EVICTION.md): window:W, sinks:S,W, h2o:HEAVY,RECENT, "
-                        "snapkv:BUDGET[,WINDOW,KERNEL] (budgets in tokens or a ratio of the prompt), or full")
+    """One flag per EngineConfig field, with the help text declared there."""
+    groups: dict[str, argparse._ArgumentGroup] = {}
+    for f in dataclasses.fields(EngineConfig):
+        meta = dict(f.metadata)
+        group = meta.pop("group", None)
+        target = p if group is None else groups.setdefault(group, p.add_argument_group(group))
+        flag = meta.pop("flag", "--" + f.name.replace("_", "-"))
+        target.add_argument(flag, dest=f.name, **_flag_kwargs(f, meta))
 
 
-def _offload_args(p: argparse.ArgumentParser) -> None:
-    """Swap and KV tier options (docs/TIERS.md)."""
-    g = p.add_argument_group("swap and KV tiers")
-    g.add_argument("--swap-space", type=float, default=0.0, help="GiB of host memory for swapped-out requests")
-    g.add_argument("--preemption-mode", default="auto", choices=["recompute", "swap", "auto"],
-                   help="how a preempted request gives back its blocks (auto: the cheaper, needs --swap-space)")
-    g.add_argument("--kv-tier", action="append", default=None, dest="kv_tiers", metavar="TIER",
-                   help="prefix store below the device, in lookup order (repeatable): cpu:4GiB, "
-                        "disk:/path:20GiB, redis://127.0.0.1:6379/0")
+def _flag_kwargs(f: dataclasses.Field, meta: dict) -> dict:
+    """argparse keywords for one config field."""
+    kwargs = {"help": meta.pop("help"), **meta}
+    if f.default is True:
+        return {**kwargs, "action": "store_false", "default": True}
+    if f.default is False:
+        return {**kwargs, "action": "store_true", "default": False}
+    if f.name == "kv_tiers":
+        return {**kwargs, "action": "append", "default": None}
+    kwargs.setdefault("type", type(f.default) if f.default is not None else _optional_type(f))
+    return {**kwargs, "default": f.default}
 
 
-def _kv_format_args(p: argparse.ArgumentParser) -> None:
-    """KV cache storage format options (kvserve/kv/formats.py, docs/QUANTIZATION.md)."""
-    g = p.add_argument_group("KV cache format")
-    g.add_argument("--kv-cache-dtype", default="auto",
-                   help="auto, float16, bfloat16, float32, fp8_e4m3, fp8_e5m2, int8, kivi4, kivi2 "
-                        "(kivi needs --block-size 32)")
-    g.add_argument("--kv-cache-dtype-k", default=None, help="keys in another format than --kv-cache-dtype")
-    g.add_argument("--kv-cache-dtype-v", default=None, help="values in another format than --kv-cache-dtype")
-    g.add_argument("--kv-cache-dtype-skip-layers", default="", help="layers kept in full precision, e.g. 0,29")
-    g.add_argument("--kv-cache-rotation", action="store_true", help="Hadamard rotation before quantizing")
-    g.add_argument("--kv-cache-head-precision", type=float, default=None,
-                   help="share of KV heads (the most sensitive, from a calibration run) kept in "
-                        "--kv-cache-head-precision-dtype")
-    g.add_argument("--kv-cache-head-precision-dtype", default="int8")
+def _optional_type(f: dataclasses.Field):
+    text = str(f.type)
+    return int if text.startswith("int") else float if text.startswith("float") else str
 
 
-def kv_format_kwargs(args) -> dict:
-    """LLM(...) keyword arguments from parsed KV format options."""
-    return dict(kv_cache_dtype=args.kv_cache_dtype, kv_cache_dtype_k=args.kv_cache_dtype_k,
-                kv_cache_dtype_v=args.kv_cache_dtype_v, kv_cache_dtype_skip_layers=args.kv_cache_dtype_skip_layers,
-                kv_cache_rotation=args.kv_cache_rotation, kv_cache_head_precision=args.kv_cache_head_precision,
-                kv_cache_head_precision_dtype=args.kv_cache_head_precision_dtype)
+def engine_kwargs(args) -> dict:
+    """LLM(...) keyword arguments from parsed engine flags."""
+    return {f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig)}
 
 
 def _sampling_args(p: argparse.ArgumentParser) -> None:
@@ -76,14 +58,7 @@ def _sampling_args(p: argparse.ArgumentParser) -> None:
 def make_llm(args):
     """Build an LLM from parsed engine arguments."""
     from kvserve.llm import LLM
-    return LLM(args.model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
-               block_size=args.block_size, kv_cache_memory=args.kv_cache_memory,
-               gpu_memory_utilization=args.gpu_memory_utilization,
-               enable_prefix_caching=not args.no_prefix_caching, max_num_seqs=args.max_num_seqs,
-               max_num_batched_tokens=args.max_num_batched_tokens, seed=args.seed,
-               kv_cache_mode=args.kv_cache_mode, swap_space=args.swap_space,
-               preemption_mode=args.preemption_mode, kv_tiers=args.kv_tiers, kv_policy=args.kv_policy,
-               **kv_format_kwargs(args))
+    return LLM(**engine_kwargs(args))
 
 
 def make_params(args):

@@ -2,14 +2,24 @@
 
 from __future__ import annotations
 
+import logging
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
+from kvserve.model.quant import WEIGHT_FORMATS
+
 KV_CACHE_MODES = ("paged", "contiguous", "none")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPE_NAMES = tuple(DTYPES)
+DEFAULT_BLOCK_SIZE = 16  # tokens per KV block unless given (KIVI formats: 32)
 CPU_DEFAULT_KV_CACHE_MEMORY = 1 << 30  # like vLLM's CPU backend: a fixed KV space unless told
+# Measured with `kvserve eval weights` (BENCHMARKS.md "Weight formats"); the gate is mean KL < 2e-3
+# and top-1 agreement >= 98% against float32, teacher-forced on held-out text.
+AUTO_CPU_REASON = ("dtype=auto, weights=auto on CPU: int8 weights (per-channel, weight-only) over float32 "
+                   "activations and KV, the fastest format that passes the quality gate (KL < 2e-3, "
+                   "top-1 >= 98% vs float32); pass dtype='float32' for the float32 oracle")
 _UNITS = {"": 1, "b": 1, "kb": 1000, "mb": 1000**2, "gb": 1000**3, "tb": 1000**4,
           "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}
 
@@ -54,34 +64,54 @@ def _tier_size(size: str, text: str, usage: str) -> int:
     return n
 
 
+def opt(default, help: str, **cli):
+    """A config field with its help text and command-line details (`kvserve.cli` builds flags from them)."""
+    return field(default=default, metadata={"help": help, **cli})
+
+
 @dataclass
 class EngineConfig:
     """Engine settings; `validate()` checks each field and names the bad one."""
 
-    model: str | None = None
-    dtype: str = "auto"                    # auto = float32 on CPU, bfloat16 on CUDA
-    device: str = "auto"                   # auto = cuda if available else cpu
-    max_model_len: int | None = None       # None = the model's context length
-    block_size: int = 16
-    kv_cache_memory: int | str | None = None
-    gpu_memory_utilization: float | None = None
-    enable_prefix_caching: bool = True
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 2048
-    seed: int | None = 0
-    kv_cache_mode: str = "paged"           # paged | contiguous (reserve max_model_len per sequence) | none
+    model: str | None = opt(None, "GGUF file or HF model directory (default: bundled SmolLM2-135M-Instruct)")
+    dtype: str = opt("auto", "activations and KV: auto (float32 on CPU, bfloat16 on CUDA), float32, bfloat16, "
+                     "float16", choices=["auto", *DTYPE_NAMES])
+    weights: str = opt("auto", "linear weights: auto (int8 on CPU, follows --dtype if given), float32, bfloat16, "
+                       "float16, int8 (per channel), int4 (groups of 32)", choices=["auto", *WEIGHT_FORMATS])
+    device: str = opt("auto", "auto (cuda if available), cpu, cuda[:N]")
+    max_model_len: int | None = opt(None, "longest sequence (default: the model's context length)")
+    block_size: int | None = opt(None, "tokens per KV block (default 16; 32 for kivi formats)")
+    kv_cache_memory: int | str | None = opt(None, "KV pool size, e.g. 2GiB (CPU default: 1GiB)", type=str)
+    gpu_memory_utilization: float | None = opt(None, "share of device memory (of RAM on CPU) for weights + KV")
+    enable_prefix_caching: bool = opt(True, "reuse cached blocks of common prefixes (the flag "
+                                      "--no-prefix-caching turns it off)", flag="--no-prefix-caching")
+    max_num_seqs: int = opt(256, "most sequences in one step")
+    max_num_batched_tokens: int = opt(2048, "token budget of one step (chunked prefill)")
+    seed: int | None = opt(0, "engine seed")
+    kv_cache_mode: str = opt("paged", "paged, contiguous (reserve max_model_len per sequence) or none "
+                             "(recompute every step)", choices=list(KV_CACHE_MODES))
+    enforce_eager: bool = opt(False, "run the decode step eagerly (no torch.compile)")
     # KV cache storage format (kvserve/kv/formats.py; docs/QUANTIZATION.md)
-    kv_cache_dtype: str = "auto"           # auto | float16 | bfloat16 | float32 | fp8_e4m3 | fp8_e5m2 | int8 | kivi4 | kivi2
-    kv_cache_dtype_k: str | None = None    # keys in another format than kv_cache_dtype
-    kv_cache_dtype_v: str | None = None    # values in another format than kv_cache_dtype
-    kv_cache_dtype_skip_layers: tuple[int, ...] | list[int] = ()  # layers kept in full precision
-    kv_cache_rotation: bool = False        # Hadamard rotation of q/k/v before quantization
-    kv_cache_head_precision: float | None = None  # share of KV heads (most sensitive first) in ..._dtype
-    kv_cache_head_precision_dtype: str = "int8"
-    swap_space: float = 0.0                # GiB of host memory for swapped-out requests (0 = no swap)
-    preemption_mode: str = "auto"          # recompute | swap | auto (cheaper of the two; needs swap_space)
-    kv_tiers: list[str] | None = None      # prefix store below the device: "cpu:4GiB", "disk:/path:20GiB", "redis://h:p/db"
-    kv_policy: str | None = None           # KV eviction (kv/policies.py, docs/EVICTION.md): sinks:4,1020, h2o:64,64, ...
+    kv_cache_dtype: str = opt("auto", "auto, float16, bfloat16, float32, fp8_e4m3, fp8_e5m2, int8, kivi4, kivi2 "
+                              "(kivi needs --block-size 32)", group="KV cache format")
+    kv_cache_dtype_k: str | None = opt(None, "keys in another format than --kv-cache-dtype", group="KV cache format")
+    kv_cache_dtype_v: str | None = opt(None, "values in another format than --kv-cache-dtype", group="KV cache format")
+    kv_cache_dtype_skip_layers: tuple[int, ...] | list[int] | str = opt(
+        (), "layers kept in full precision, e.g. 0,29", group="KV cache format", type=str)
+    kv_cache_rotation: bool = opt(False, "Hadamard rotation before quantizing", group="KV cache format")
+    kv_cache_head_precision: float | None = opt(
+        None, "share of KV heads (the most sensitive, from a calibration run) kept in "
+        "--kv-cache-head-precision-dtype", group="KV cache format")
+    kv_cache_head_precision_dtype: str = opt("int8", "format of the most sensitive heads", group="KV cache format")
+    swap_space: float = opt(0.0, "GiB of host memory for swapped-out requests", group="swap and KV tiers")
+    preemption_mode: str = opt("auto", "how a preempted request gives back its blocks (auto: the cheaper, "
+                               "needs --swap-space)", choices=["recompute", "swap", "auto"], group="swap and KV tiers")
+    kv_tiers: list[str] | None = opt(None, "prefix store below the device, in lookup order (repeatable): "
+                                     "cpu:4GiB, disk:/path:20GiB, redis://127.0.0.1:6379/0",
+                                     flag="--kv-tier", group="swap and KV tiers", metavar="TIER")
+    kv_policy: str | None = opt(None, "KV eviction for every request (docs/EVICTION.md): window:W, sinks:S,W, "
+                                "h2o:HEAVY,RECENT, snapkv:BUDGET[,WINDOW,KERNEL] (budgets in tokens or a ratio "
+                                "of the prompt), or full", metavar="POLICY")
 
     def validate(self) -> None:
         """Raise ValueError naming the first bad field."""
@@ -89,8 +119,11 @@ class EngineConfig:
             raise ValueError(f"kv_cache_mode must be one of {KV_CACHE_MODES}, got {self.kv_cache_mode!r}")
         if self.dtype != "auto" and self.dtype not in DTYPES:
             raise ValueError(f"dtype must be 'auto' or one of {tuple(DTYPES)}, got {self.dtype!r}")
+        if self.weights != "auto" and self.weights not in WEIGHT_FORMATS:
+            raise ValueError(f"weights must be 'auto' or one of {WEIGHT_FORMATS}, got {self.weights!r}")
         if self.device not in ("auto", "cpu") and not self.device.startswith("cuda"):
             raise ValueError(f"device must be 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}")
+        self._validate_kv_format()  # first: it picks the default block_size
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -99,7 +132,6 @@ class EngineConfig:
         u = self.gpu_memory_utilization
         if u is not None and not 0 < u <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {u}")
-        self._validate_kv_format()
         if self.kv_cache_memory is not None:
             self.kv_cache_memory = parse_bytes(self.kv_cache_memory)
             if self.kv_cache_memory <= 0:
@@ -158,6 +190,12 @@ class EngineConfig:
         if self.kv_cache_rotation and not any(is_quantized(n) for n in names):
             raise ValueError("kv_cache_rotation only helps a quantized kv_cache_dtype (fp8, int8, kivi4, kivi2)")
         kivi = [n for n in names if n in KIVI_BITS]
+        if self.block_size is None:
+            self.block_size = KIVI_GROUP if kivi else DEFAULT_BLOCK_SIZE
+            if kivi:
+                logging.getLogger("kvserve").info(
+                    "block_size %d chosen for %s (keys are quantized over groups of %d tokens inside a block)",
+                    KIVI_GROUP, kivi[0], KIVI_GROUP)
         if kivi and self.kv_cache_mode == "contiguous":
             raise ValueError(f"{kivi[0]} keeps each still-filling block in full precision: with "
                              "kv_cache_mode='contiguous' that is the whole sequence; use kv_cache_mode='paged'")
@@ -177,3 +215,13 @@ class EngineConfig:
         if self.dtype == "auto":
             return torch.bfloat16 if self.torch_device().type == "cuda" else torch.float32
         return DTYPES[self.dtype]
+
+    def weight_format(self) -> tuple[str, str]:
+        """(format of the linear weights, why it was picked)."""
+        if self.weights != "auto":
+            return self.weights, "weights=" + self.weights
+        if self.dtype != "auto":
+            return self.dtype, f"weights=auto follows dtype={self.dtype}"
+        if self.torch_device().type == "cpu":
+            return "int8", AUTO_CPU_REASON
+        return "bfloat16", "dtype=auto on CUDA: bfloat16"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import Sequence
 
@@ -12,32 +13,19 @@ from kvserve.engine.engine import LLMEngine, PromptType
 from kvserve.outputs import RequestOutput
 from kvserve.sampling_params import BeamSearchParams, SamplingParams
 
+CONFIG_FIELDS = {f.name for f in dataclasses.fields(EngineConfig)}
+
 
 class LLM:
     """Generate text with the paged, prefix-cached KV cache."""
 
-    def __init__(self, model: str | None = None, *, dtype: str = "auto", device: str = "auto",
-                 max_model_len: int | None = None, block_size: int = 16,
-                 kv_cache_memory: int | str | None = None, gpu_memory_utilization: float | None = None,
-                 enable_prefix_caching: bool = True, max_num_seqs: int = 256,
-                 max_num_batched_tokens: int = 2048, seed: int | None = 0, kv_cache_mode: str = "paged",
-                 swap_space: float = 0.0, preemption_mode: str = "auto", kv_tiers: list[str] | None = None,
-                 kv_cache_dtype: str = "auto", kv_cache_dtype_k: str | None = None,
-                 kv_cache_dtype_v: str | None = None, kv_cache_dtype_skip_layers=(),
-                 kv_cache_rotation: bool = False, kv_cache_head_precision: float | None = None,
-                 kv_cache_head_precision_dtype: str = "int8", kv_policy: str | None = None):
-        config = EngineConfig(model=model, dtype=dtype, device=device, max_model_len=max_model_len,
-                              block_size=block_size, kv_cache_memory=kv_cache_memory,
-                              gpu_memory_utilization=gpu_memory_utilization,
-                              enable_prefix_caching=enable_prefix_caching, max_num_seqs=max_num_seqs,
-                              max_num_batched_tokens=max_num_batched_tokens, seed=seed,
-                              kv_cache_mode=kv_cache_mode, swap_space=swap_space,
-                              preemption_mode=preemption_mode, kv_tiers=kv_tiers,
-                              kv_cache_dtype=kv_cache_dtype, kv_cache_dtype_k=kv_cache_dtype_k,
-                              kv_cache_dtype_v=kv_cache_dtype_v, kv_cache_dtype_skip_layers=kv_cache_dtype_skip_layers,
-                              kv_cache_rotation=kv_cache_rotation, kv_cache_head_precision=kv_cache_head_precision,
-                              kv_cache_head_precision_dtype=kv_cache_head_precision_dtype, kv_policy=kv_policy)
-        self.engine = LLMEngine(config)
+    def __init__(self, model: str | None = None, **options):
+        """`options` are EngineConfig's fields (kvserve/config.py), e.g. dtype, weights, kv_cache_memory."""
+        unknown = sorted(set(options) - CONFIG_FIELDS)
+        if unknown:
+            raise TypeError(f"LLM() got unknown option(s) {unknown}; the options are EngineConfig's fields: "
+                            f"{', '.join(sorted(CONFIG_FIELDS - {'model'}))}")
+        self.engine = LLMEngine(EngineConfig(model=model, **options))
 
     @property
     def model_config(self):

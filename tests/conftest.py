@@ -44,7 +44,7 @@ def llm():
     """kvserve on the bundled model with a small paged pool (shared by tests; leaves it idle)."""
     from kvserve import LLM
 
-    return LLM(kv_cache_memory="128MiB", max_model_len=2048)
+    return LLM(kv_cache_memory="128MiB", max_model_len=2048, dtype="float32")
 
 
 @pytest.fixture
@@ -61,7 +61,7 @@ def llm_nocache():
     """The oracle: the same model recomputing the whole sequence at every step."""
     from kvserve import LLM
 
-    return LLM(kv_cache_mode="none", max_model_len=2048)
+    return LLM(kv_cache_mode="none", max_model_len=2048, dtype="float32")
 
 
 class RedisServer:

@@ -98,6 +98,7 @@ class Fused:
         self.linears = linears
         self.sizes = [m.out_features for m in linears]
         self.weight = self.bias = None
+        self.quant = None  # model/quant.py: the group's QuantLinear once the model is quantized
 
     def fuse(self) -> None:
         """Concatenate the weights (call after loading and after any .to())."""
@@ -113,6 +114,8 @@ class Fused:
                     m.bias.data = b
 
     def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        if self.quant is not None:
+            return self.quant(x).split(self.sizes, dim=-1)
         if self.weight is None:
             return tuple(m(x) for m in self.linears)
         return nn.functional.linear(x, self.weight, self.bias).split(self.sizes, dim=-1)

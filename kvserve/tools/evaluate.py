@@ -278,7 +278,8 @@ def _tokens_fit(eng, budget: str) -> int:
     from kvserve.kv.formats import split_budget
     fmt = eng.kv_format
     blocks, _ = split_budget(parse_bytes(budget), eng.config.block_size, fmt.page_bytes_per_token,
-                             fmt.residual_bytes_per_token, eng.config.max_num_seqs * len(eng.kv_groups))
+                             fmt.residual_bytes_per_token, eng.config.max_num_seqs * len(eng.kv_groups),
+                             min_rows=2 * len(eng.kv_groups))
     return blocks * eng.config.block_size // len(eng.kv_groups)
 
 
@@ -334,6 +335,8 @@ def register(subparsers) -> argparse.ArgumentParser:
     q.set_defaults(func=run)
     from kvserve.tools.evaluate_policies import register as register_kv_policy
     register_kv_policy(sub)  # `kvserve eval kv-policy`: KV eviction (docs/EVICTION.md)
+    from kvserve.tools.evaluate_weights import register as register_weights
+    register_weights(sub)    # `kvserve eval weights`: weight formats against float32
     return p
 
 

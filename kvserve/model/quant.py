@@ -1,0 +1,181 @@
+"""Linear layers whose weights stay in their storage format: float32, bfloat16, float16, int8, int4.
+
+int8 is weight-only, one symmetric scale per output channel; int4 is asymmetric, one scale and one
+minimum per group of GROUP_SIZE input channels (the layout of GGUF's Q4_1 / Q4_K sub-blocks).
+Activations keep the model dtype; each format runs on the fastest kernel torch has for it:
+- int8 on CPU: `_weight_int8pack_mm` (bfloat16 activations) for up to `small_rows` rows, where
+  reading 1 byte per weight wins; for more rows the weight is widened to the activation dtype
+  inside the matmul (`F.linear(x, q) * scale`), which is also the CUDA path.
+- int4 on CPU: `_weight_int4pack_mm_for_cpu` (bfloat16 activations); elsewhere the groups are
+  unpacked to the activation dtype inside the matmul.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+WEIGHT_FORMATS = ("float32", "bfloat16", "float16", "int8", "int4")
+FLOAT_FORMATS = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+GROUP_SIZE = 32
+CPU_INT4_ROWS = 64       # the CPU int4 kernel packs rows in tiles of 64
+SMALL_ROWS = 16          # int8 on CPU: rows up to this use the int8 kernel, more use a widened weight
+# Linears whose weight other code reads directly (MLA's absorbed kv_b_proj): they stay in float.
+FLOAT_ONLY = ("kv_b_proj",)
+
+
+class QuantLinear(nn.Module):
+    """y = x W^T + b with W stored as `fmt` (see the module docstring)."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, fmt: str):
+        super().__init__()
+        if fmt not in WEIGHT_FORMATS:
+            raise ValueError(f"weight format must be one of {WEIGHT_FORMATS}, got {fmt!r}")
+        self.fmt = fmt
+        self.out_features, self.in_features = weight.shape
+        self.small_rows = SMALL_ROWS
+        self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
+        w = weight.detach()
+        if fmt in FLOAT_FORMATS:
+            self.register_buffer("weight", w.to(FLOAT_FORMATS[fmt]).contiguous())
+        elif fmt == "int8":
+            self._init_int8(w.float())
+        else:
+            self._init_int4(w.float())
+
+    def _init_int8(self, w: torch.Tensor) -> None:
+        scale = (w.abs().amax(dim=1) / 127).clamp(min=1e-12)                      # [N]
+        self.register_buffer("qweight", torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8))
+        self.register_buffer("scale", scale)
+        self.register_buffer("scale_bf16", scale.to(torch.bfloat16))
+
+    def _init_int4(self, w: torch.Tensor) -> None:
+        n, k = w.shape
+        if k % GROUP_SIZE:
+            raise ValueError(f"int4 weights need in_features divisible by {GROUP_SIZE} (got {k}); "
+                             "use weights='int8'")
+        groups = w.view(n, k // GROUP_SIZE, GROUP_SIZE)
+        low, high = groups.amin(-1), groups.amax(-1)                                # [N, K/G]
+        scale = ((high - low) / 15).clamp(min=1e-12)
+        q = torch.round((groups - low[..., None]) / scale[..., None]).clamp(0, 15).to(torch.uint8).view(n, k)
+        # w = (q - 8) * scale + zero with zero = min + 8 * scale: the CPU kernel's convention, [K/G, N, 2]
+        zeros = torch.stack([scale.t(), (low + 8 * scale).t()], dim=-1).contiguous()
+        self.register_buffer("scales_zeros", zeros.to(torch.bfloat16))
+        if w.device.type == "cpu" and n % CPU_INT4_ROWS == 0:
+            self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 1))
+        else:
+            self.register_buffer("nibbles", q[:, 0::2] | (q[:, 1::2] << 4))        # [N, K/2]
+
+    def _int4_codes(self) -> torch.Tensor:
+        """The 4-bit codes [N, K] (uint8 0..15), from whichever layout is stored."""
+        n, k = self.out_features, self.in_features
+        if hasattr(self, "nibbles"):
+            return torch.stack([self.nibbles & 15, self.nibbles >> 4], dim=-1).view(n, k)
+        # CPU kernel layout: per 64 rows, per input channel, 32 bytes: row r low nibble, row r + 32 high
+        v = self.packed.view(n // CPU_INT4_ROWS, k, CPU_INT4_ROWS // 2)
+        return torch.cat([v & 15, v >> 4], dim=2).permute(0, 2, 1).reshape(n, k)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The weight [out, in] as stored, widened to `dtype` (the reference for every kernel)."""
+        if self.fmt in FLOAT_FORMATS:
+            return self.weight.to(dtype)
+        if self.fmt == "int8":
+            return (self.qweight.float() * self.scale[:, None]).to(dtype)
+        n, k = self.out_features, self.in_features
+        groups = self._int4_codes().float().view(n, k // GROUP_SIZE, GROUP_SIZE) - 8
+        scale, zero = self.scales_zeros.float().permute(2, 1, 0)                    # [N, K/G] each
+        return (groups * scale[..., None] + zero[..., None]).view(n, k).to(dtype)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes this layer holds (weights, scales, kernel layouts, bias)."""
+        return sum(t.numel() * t.element_size() for t in [*self.buffers(), *self.parameters()])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x2 = x.reshape(-1, self.in_features)
+        if self.fmt in FLOAT_FORMATS:
+            out = F.linear(x2.to(self.weight.dtype), self.weight).to(x.dtype)
+        elif self.fmt == "int8":
+            out = self._int8(x2)
+        else:
+            out = self._int4(x2)
+        if self.bias is not None:
+            out = out + self.bias.to(out.dtype)
+        return out.view(*shape[:-1], self.out_features)
+
+    def _int8(self, x: torch.Tensor) -> torch.Tensor:
+        if x.device.type != "cpu":
+            return F.linear(x, self.qweight.to(x.dtype)) * self.scale.to(x.dtype)
+        xb = x.to(torch.bfloat16)
+        if x.shape[0] <= self.small_rows:
+            return torch.ops.aten._weight_int8pack_mm(xb, self.qweight, self.scale_bf16).to(x.dtype)
+        # the kernel's roundings (bfloat16 in, bfloat16 scale and out), so a row's result does not
+        # depend on how many rows share its step
+        out = F.linear(xb.to(x.dtype), self.qweight.to(x.dtype)) * self.scale_bf16.to(x.dtype)
+        return out.to(torch.bfloat16).to(x.dtype)
+
+    def _int4(self, x: torch.Tensor) -> torch.Tensor:
+        if hasattr(self, "packed"):
+            xb = x.to(torch.bfloat16)
+            return torch.ops.aten._weight_int4pack_mm_for_cpu(xb, self.packed, GROUP_SIZE, self.scales_zeros).to(x.dtype)
+        return F.linear(x, self.dequantize(x.dtype))
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, fmt={self.fmt}"
+
+
+class FusedMember(nn.Module):
+    """One linear of a quantized `Fused` group: its rows of the group's output (no weight of its own)."""
+
+    def __init__(self, group, index: int):
+        super().__init__()
+        self.group, self.index = [group], index   # a list: the group is not a submodule
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.group[0](x)[self.index]
+
+
+def quantize_model(model: nn.Module, fmt: str) -> None:
+    """Replace every linear layer of `model` (fused groups first) by a QuantLinear in `fmt`."""
+    members = set()
+    for module in list(model.modules()):
+        for group in getattr(module, "fused", ()):
+            if group.weight is not None:
+                group.quant = QuantLinear(group.weight, group.bias, fmt)
+                group.weight = group.bias = None
+                members.update(id(m) for m in group.linears)
+                _replace_members(module, group)
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, nn.Linear) and id(child) not in members and name not in FLOAT_ONLY:
+                setattr(parent, name, QuantLinear(child.weight, child.bias, fmt))
+
+
+def _replace_members(module: nn.Module, group) -> None:
+    for name, child in list(module.named_children()):
+        for i, linear in enumerate(group.linears):
+            if child is linear:
+                setattr(module, name, FusedMember(group, i))
+
+
+def weight_bytes(model: nn.Module) -> int:
+    """Bytes of every parameter and quantized weight layout (shared tensors counted once)."""
+    params = {t.data_ptr(): t.numel() * t.element_size() for t in model.parameters()}
+    quant = sum(sum(b.numel() * b.element_size() for b in m.buffers())
+                for m in model.modules() if isinstance(m, QuantLinear))
+    return sum(params.values()) + quant
+
+
+def cast_unquantized(model: nn.Module, dtype: torch.dtype) -> None:
+    """Cast every floating parameter and buffer outside the QuantLinear layers to `dtype`."""
+    for module in model.modules():
+        if isinstance(module, QuantLinear):
+            continue
+        for name, p in module.named_parameters(recurse=False):
+            if p.is_floating_point():
+                p.data = p.data.to(dtype)
+        for name, b in module.named_buffers(recurse=False):
+            if b.is_floating_point():
+                setattr(module, name, b.to(dtype))

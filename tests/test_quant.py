@@ -1,0 +1,126 @@
+"""Weight formats (model/quant.py): kernels against the dequantized reference, and the engine end to end."""
+
+import pytest
+import torch
+
+from kvserve.model.quant import GROUP_SIZE, QuantLinear
+
+
+def _layer(fmt, n=96, k=128, bias=True, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=g)
+    b = torch.randn(n, generator=g) if bias else None
+    return w, b, QuantLinear(w, b, fmt)
+
+
+@pytest.mark.parametrize("fmt,n", [("int8", 96), ("int4", 96), ("int4", 128)])
+def test_dequantized_weight_is_within_half_a_step(fmt, n):
+    w, _, q = _layer(fmt, n=n)
+    err = (q.dequantize() - w).abs()
+    if fmt == "int8":
+        assert (err <= q.scale[:, None] / 2 + 1e-6).all()
+    else:  # scale and zero are stored in bfloat16 (the kernel's format): 2^-8 of |zero| more
+        step = q.scales_zeros[..., 0].float().t().repeat_interleave(GROUP_SIZE, dim=1)
+        assert (err <= step / 2 + 0.02).all()
+        assert hasattr(q, "packed") == (n % 64 == 0)  # the CPU kernel layout where rows tile by 64
+    assert err.max() > 0  # it really is quantized
+
+
+@pytest.mark.parametrize("fmt,n", [("float32", 96), ("bfloat16", 96), ("int8", 96), ("int4", 96), ("int4", 128)])
+@pytest.mark.parametrize("rows", [1, 5, 16, 17, 64])
+def test_kernel_matches_the_dequantized_reference(fmt, n, rows):
+    """Each kernel (int8 small-row kernel, widened path, int4 kernel) computes x W^T + b for the stored W."""
+    w, b, q = _layer(fmt, n=n)
+    x = torch.randn(rows, w.shape[1], generator=torch.Generator().manual_seed(1))
+    ref = x.double() @ q.dequantize(torch.float64).T + b.double()
+    out = q(x)
+    assert out.dtype == torch.float32 and out.shape == (rows, w.shape[0])
+    # bfloat16 activations in the CPU kernels: error ~ 2^-8 relative per product, summed over k=128
+    tol = 1e-4 if fmt == "float32" else 0.08
+    assert torch.allclose(out.double(), ref, atol=tol * ref.abs().max().item(), rtol=0.02)
+
+
+def test_int8_result_of_a_row_does_not_depend_on_the_rows_beside_it():
+    """Above small_rows the widened path applies the kernel's roundings: batch-invariant results."""
+    w, b, q = _layer("int8")
+    x = torch.randn(q.small_rows + 8, w.shape[1])
+    alone = torch.cat([q(x[i:i + 1]) for i in range(len(x))])
+    together = q(x)
+    assert torch.allclose(alone, together, rtol=0, atol=1e-5 * together.abs().max().item() + 0.02)
+    exact = x @ q.dequantize().T + b                   # float32 throughout: no bfloat16 rounding
+    assert not torch.allclose(together, exact, atol=1e-5)
+    assert torch.allclose(together, exact, rtol=0.02, atol=0.1)
+
+
+def test_int4_refuses_a_width_it_cannot_group():
+    with pytest.raises(ValueError, match="divisible by 32"):
+        QuantLinear(torch.randn(8, 40), None, "int4")
+
+
+def test_quantized_layer_holds_fewer_bytes():
+    sizes = {fmt: _layer(fmt, n=256, k=256, bias=False)[2].nbytes for fmt in ("float32", "int8", "int4")}
+    assert sizes["int8"] < sizes["float32"] / 3
+    assert sizes["int4"] < sizes["float32"] / 6 < sizes["int8"]
+
+
+@pytest.fixture(scope="module")
+def llm_int8():
+    from kvserve import LLM
+    return LLM(weights="int8", dtype="float32", kv_cache_memory="64MiB", max_model_len=1024)
+
+
+def test_int8_engine_tracks_float32_logits(llm, llm_int8):
+    """Teacher-forced on the same text, int8 weights stay close to the float32 oracle."""
+    from kvserve.tools.evaluate import fidelity, run_forced
+    tok = llm.engine.tokenizer
+    ids = tok.encode("The key-value cache stores the keys and values of every past token, so that each new "
+                     "token only computes its own projections and attends over what is stored. " * 3)
+    forced = [(ids[:48], ids[48:80])]
+    ref, _ = run_forced(llm, forced, [])
+    got, _ = run_forced(llm_int8, forced, [])
+    f = fidelity(ref[0], got[0], torch.tensor(ids[48:80]))
+    assert sum(f["kl"]) / len(f["kl"]) < 0.02
+    assert sum(f["top1"]) / len(f["top1"]) >= 0.9
+    assert llm_int8.engine.weight_format == "int8"
+    from kvserve.model.quant import weight_bytes
+    assert weight_bytes(llm_int8.engine.model) < weight_bytes(llm.engine.model) / 2.5
+
+
+def test_int8_cached_decode_equals_recompute(llm_int8):
+    """The cache invariant holds with quantized weights: teacher-forced cached decode gives the
+    logits of a no-cache recompute of the whole sequence at every step."""
+    from kvserve import LLM
+    from kvserve.tools.evaluate import fidelity, run_forced
+    plain = LLM(weights="int8", dtype="float32", kv_cache_mode="none", max_model_len=1024)
+    ids = llm_int8.engine.tokenizer.encode("A KV cache holds the keys and values of every token seen so far, "
+                                           "so a decode step computes one new row per layer.")
+    forced = [(ids[:6], ids[6:22])]
+    (cached,), _ = run_forced(llm_int8, forced, [])
+    (recomputed,), _ = run_forced(plain, forced, [])
+    f = fidelity(recomputed, cached, torch.tensor(ids[6:22]))
+    assert max(f["kl"]) < 2e-3
+    assert (cached - recomputed).abs().max() < 0.5   # bfloat16 logits: an ulp is 1/16 at 12, so a few ulps
+
+
+def test_weights_option_reaches_the_engine_from_the_cli():
+    from kvserve.cli import build_parser, engine_kwargs
+    args = build_parser().parse_args(["generate", "hi", "--weights", "int4", "--dtype", "bfloat16"])
+    kw = engine_kwargs(args)
+    assert kw["weights"] == "int4" and kw["dtype"] == "bfloat16"
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["generate", "hi", "--weights", "int3"])
+
+
+def test_auto_weights_follow_an_explicit_dtype_and_default_to_int8_on_cpu():
+    from kvserve.config import EngineConfig
+    assert EngineConfig(dtype="float32").weight_format()[0] == "float32"
+    assert EngineConfig(dtype="bfloat16").weight_format()[0] == "bfloat16"
+    assert EngineConfig(device="cpu").weight_format()[0] == "int8"
+    with pytest.raises(ValueError, match="weights must be"):
+        EngineConfig(weights="int3").validate()
+
+
+def test_unknown_llm_option_names_the_options():
+    from kvserve import LLM
+    with pytest.raises(TypeError, match="kv_cache_memory"):
+        LLM(kv_cache_memroy="1GiB")
