@@ -67,12 +67,12 @@ def test_reset_prefix_cache(llm):
     assert llm.generate([LONG], greedy(2), use_tqdm=False)[0].num_cached_tokens == 0
 
 
-def test_preemption_tiny_pool_same_outputs(llm):
+def test_preemption_tiny_pool_equals_recompute(llm_nocache):
     # 40 blocks x 16 = 640 token slots for 8 requests of ~70 + 40 tokens: preemption must happen
     tiny = LLM(kv_cache_memory=40 * 16 * 46080, max_model_len=512)
     prompts = [f"{PROMPTS[2]} ({i})" for i in range(8)]
     out = tiny.generate(prompts, greedy(60, ignore_eos=True), use_tqdm=False)
-    ref = llm.generate(prompts, greedy(60, ignore_eos=True), use_tqdm=False)
+    ref = llm_nocache.generate(prompts, greedy(60, ignore_eos=True), use_tqdm=False)
     assert tiny.get_metrics()["num_preemptions"] > 0
     assert_same_completions(out, ref)
     assert all_blocks_free(tiny)
@@ -112,10 +112,10 @@ def test_beam_width_one_is_greedy(llm):
     assert beam.sequences[0].tokens == g[0].outputs[0].token_ids
 
 
-def test_contiguous_layout_same_outputs_fewer_sequences(llm):
+def test_contiguous_layout_equals_recompute_fewer_sequences(llm_nocache):
     contiguous = LLM(kv_cache_mode="contiguous", kv_cache_memory="64MiB", max_model_len=512)
     out = contiguous.generate(PROMPTS, greedy(), use_tqdm=False)
-    assert_same_completions(out, llm.generate(PROMPTS, greedy(), use_tqdm=False))
+    assert_same_completions(out, llm_nocache.generate(PROMPTS, greedy(), use_tqdm=False))
     m = contiguous.get_metrics()
     assert m["block_size"] == 512  # one reserved max_model_len slab per sequence
     assert m["num_blocks_total"] == (64 << 20) // (512 * 46080)

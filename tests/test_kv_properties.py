@@ -9,6 +9,7 @@ exactly its own tokens (for a sliding group: every token a future query can stil
 
 from __future__ import annotations
 
+import pytest
 import torch
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
@@ -423,7 +424,11 @@ class KVManagerMachine(RuleBasedStateMachine):
             for b in owned:
                 count[b] += 1
         assert [b.ref_cnt for b in pool.blocks] == count
-        assert min(count) >= 0
+        idle = next((b.block_id for b in pool.blocks[pool.reserved:] if b.ref_cnt == 0), None)
+        if idle is not None:  # a block no table holds cannot lose another reference
+            with pytest.raises(RuntimeError, match="freed with ref_cnt 0"):
+                pool.free([idle])
+            assert pool.blocks[idle].ref_cnt == 0 and idle in pool.free_queue
 
     @invariant()
     def free_queue_is_exactly_unowned(self):

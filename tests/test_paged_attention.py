@@ -94,16 +94,56 @@ def test_paged_decode_large_scores_do_not_overflow():
                                atol=1e-4, rtol=1e-4)
 
 
-def test_default_engine_reads_blocks_in_place(llm):
-    """The cached-vs-recompute tests in test_engine.py run through `paged_decode`."""
+PROMPTS = ["The capital of France is", "def fibonacci(n):"]
+
+
+def _count_calls(monkeypatch, owner, name: str) -> list[int]:
+    """Count calls of owner.name (still calling through)."""
+    calls, real = [0], getattr(owner, name)
+
+    def counted(*args, **kwargs):
+        calls[0] += 1
+        return real(*args, **kwargs)
+    monkeypatch.setattr(owner, name, counted)
+    return calls
+
+
+def test_default_engine_decodes_in_place_and_equals_recompute(llm, llm_nocache, monkeypatch):
+    from helpers import assert_same_completions
+
+    from kvserve import SamplingParams
+    from kvserve.model import attention
     runner = llm.engine.runner
     assert all(runner.reads_blocks_in_place(g) for g in range(len(llm.engine.kv.groups)))
+    calls = _count_calls(monkeypatch, attention, "paged_decode")
+    params = SamplingParams(temperature=0, max_tokens=8, logprobs=2, ignore_eos=True)
+    out = llm.generate(PROMPTS, params, use_tqdm=False)
+    assert calls[0] >= 7  # every decode step after the first token
+    assert_same_completions(out, llm_nocache.generate(PROMPTS, params, use_tqdm=False))
 
 
-def test_quantized_pool_reads_through_its_codec():
-    from kvserve import LLM
+def test_quantized_pool_reads_through_its_codec(llm_nocache, monkeypatch):
+    """int8 decodes gather through Int8Codec.decode, not in place: the log-probs move by an
+    int8-sized amount from the recompute oracle (neither zero nor large)."""
+    from kvserve import LLM, SamplingParams
+    from kvserve.kv.formats import Int8Codec
+    from kvserve.model import attention
     q = LLM(kv_cache_dtype="int8", kv_cache_memory="32MiB", max_model_len=256)
     assert not q.engine.runner.reads_blocks_in_place(0)
+    in_place = _count_calls(monkeypatch, attention, "paged_decode")
+    decoded = _count_calls(monkeypatch, Int8Codec, "decode")
+    params = SamplingParams(temperature=0, max_tokens=8, logprobs=0, ignore_eos=True)
+    out = q.generate(PROMPTS, params, use_tqdm=False)
+    assert in_place[0] == 0 and decoded[0] > 0
+    ref = llm_nocache.generate(PROMPTS, params, use_tqdm=False)
+    diffs = []
+    for a, b in zip(out, ref):
+        ta, la = _chosen_logprobs(a)
+        tb, lb = _chosen_logprobs(b)
+        same = next((i for i, (x, y) in enumerate(zip(ta, tb)) if x != y), len(ta))
+        assert same >= 4
+        diffs += [abs(x - y) for x, y in zip(la[:same], lb[:same])]
+    assert 1e-5 < max(diffs) < 0.1
 
 
 def _chosen_logprobs(out):

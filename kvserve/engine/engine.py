@@ -106,6 +106,7 @@ class LLMEngine:
             self.storage = KVStorage(self.kv_groups, self.pool_plan.num_blocks, self.pool_plan.block_size,
                                      self.dtype, self.device, self.kv_format, self.kv_residual_rows)
             self.storage.block_is_free = lambda b: self.kv.pool.blocks[b].ref_cnt == 0
+            self.kv.residual_rows = self.kv_residual_rows or None  # the scheduler admits this many filling blocks
         self.runner = ModelRunner(self.model, self.kv, self.storage, self.device)
         self.evictor = None  # engine/eviction.py: per-layer KV eviction (needs one layer per group)
         if self.kv_policy is not None and self.kv is not None:
@@ -129,11 +130,22 @@ class LLMEngine:
         plan = plan_pool(cfg.kv_cache_memory, cfg.gpu_memory_utilization, self.device,
                          weight_bytes, activation, block_size, self.page_bytes_per_token)
         if self.kv_format.has_residual:  # KIVI: full-precision rows for still-filling blocks, from the budget
-            plan.num_blocks, self.kv_residual_rows = split_budget(
-                max(0, plan.budget_bytes), block_size, self.page_bytes_per_token,
-                self.kv_format.residual_bytes_per_token, cfg.max_num_seqs * len(self.kv_groups))
+            plan.num_blocks, self.kv_residual_rows = self._split_residual(plan.budget_bytes, block_size)
         check_fits(plan, self._blocks_per_sequence(block_size), self.max_model_len)
         return plan
+
+    def _split_residual(self, budget: int, block_size: int) -> tuple[int, int]:
+        """(blocks, residual rows) of a KIVI pool; one sequence needs two rows per KV group (the block
+        a prefill chunk completes and the one it leaves filling)."""
+        groups = len(self.kv_groups)
+        blocks, rows = split_budget(max(0, budget), block_size, self.page_bytes_per_token,
+                                    self.kv_format.residual_bytes_per_token, self.config.max_num_seqs * groups,
+                                    min_rows=2 * groups)
+        if rows < 2 * groups:
+            raise ValueError(f"KV cache too small for {self.kv_format.description}: {max(0, budget) / 2**20:.1f} MiB "
+                             f"cannot hold the {2 * groups} full-precision residual rows one sequence needs plus "
+                             "its blocks. Raise kv_cache_memory / gpu_memory_utilization.")
+        return blocks, rows
 
     def _kv_format(self) -> KVCacheFormat:
         """The KV storage format from the config (calibrating per-head precision if asked)."""

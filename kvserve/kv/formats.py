@@ -22,9 +22,13 @@ written, and never again. A block written whole by one prefill chunk is quantize
 then the still-filling block lives in a full-precision *residual row*:
 `KVStorage.residual[j][e]` is [rows, block_size, *shape] in the model dtype, and
 `row_of_block[b]` names the row of block b (-1: none, the block's packed data is what counts).
-Rows are a fixed pool of one per running sequence per KV group (`max_num_seqs x groups`, at most
-one per block), not one per block: a residual per block would cost more than float16 itself and
-undo the point of the format. Their bytes are counted in the pool's budget and `KVStorage.nbytes`.
+Rows are a small fixed pool, not one per block: a residual per block would cost more than float16
+itself and undo the point of the format. `split_budget` gives them at most RESIDUAL_SHARE of the
+budget (at least two per KV group, so one sequence always runs; at most `max_num_seqs x groups`);
+their bytes are counted in the budget and in `KVStorage.nbytes`. A row is taken when a block starts
+filling and given back once it is quantized, so rows bound how many blocks may fill at once: the
+KVCacheManager counts the rows each request's step needs and refuses an allocation that would
+need more than there are, and the scheduler then preempts or waits as it does for blocks.
 
 What a query sees (the paged form of KIVI's residual window): the earlier tokens of its own block
 exact, every earlier block quantized. That depends on positions only, not on how the work was cut
@@ -70,6 +74,7 @@ KV_CACHE_DTYPE_ALIASES = {"fp8": "fp8_e4m3", "fp8_e4m3fn": "fp8_e4m3", "e4m3": "
                           "float": "float32"}
 KIVI_GROUP = 32          # tokens per key group, channels per value group
 TINY = 1e-12             # floor for scales, so an all-zero vector does not divide by zero
+RESIDUAL_SHARE = 0.05    # most of a KIVI pool's budget its full-precision residual rows may take
 
 
 def canonical_kv_dtype(name: str) -> str:
@@ -468,18 +473,19 @@ def describe(base, k, v, skip, rotation, high_heads, high, num_slots) -> str:
 
 
 def split_budget(budget: int, block_size: int, page_bytes_per_token: int, row_bytes_per_token: int,
-                 max_rows: int) -> tuple[int, int]:
+                 max_rows: int, min_rows: int = 1) -> tuple[int, int]:
     """(num_blocks, residual rows) fitting `budget` bytes: blocks * bs * page + rows * bs * row.
 
-    rows = min(max_rows, num_blocks): one per still-filling block that can exist at once.
+    The rows take at most RESIDUAL_SHARE of the budget (never fewer than `min_rows`, never more
+    than `max_rows` or the blocks left): the scheduler admits only as many still-filling blocks
+    as there are rows (KVCacheManager.residual_rows), so the rest of the budget holds tokens.
     """
     block, row = block_size * page_bytes_per_token, block_size * row_bytes_per_token
     if row == 0:
         return max(0, budget // block), 0
-    if budget >= max_rows * (block + row):
-        return (budget - max_rows * row) // block, max_rows
-    n = max(0, budget // (block + row))
-    return n, n
+    rows = max(min_rows, min(max_rows, int(budget * RESIDUAL_SHARE) // row))
+    rows = min(rows, max(0, budget // (block + row)))
+    return max(0, (budget - rows * row) // block), rows
 
 
 # --- quality helpers (tests, calibration, evaluation) -------------------------------------------

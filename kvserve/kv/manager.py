@@ -31,6 +31,7 @@ class _ReqState:
     tables: list[list[int]]                                       # block ids per group
     block_hashes: list[BlockHash] = field(default_factory=list)  # token chain, shared by groups
     num_registered: int = 0   # leading blocks already offered to the hash map (all groups)
+    rows: int = 0             # residual rows (KIVI) its latest step needs, see KVCacheManager.residual_rows
 
 
 class KVCacheManager:
@@ -58,6 +59,11 @@ class KVCacheManager:
         # tokens a request may take from the prefix cache (None: no limit; 0: none).
         self.cache_offsets: Callable[[str], list[int] | None] | None = None
         self.hit_limit: Callable[[str], int | None] | None = None
+        # KIVI formats keep each still-filling block in one of a fixed number of residual rows
+        # (kv/storage.py). `residual_rows`: how many (None: the format keeps none, no limit);
+        # `rows_held`: the rows the requests' latest steps need, summed over requests.
+        self.residual_rows: int | None = None
+        self.rows_held = 0
 
     # ---- queries -------------------------------------------------------------------
     @property
@@ -160,6 +166,11 @@ class KVCacheManager:
             revived += sum(1 for b in set(computed[g]) if b != self.null and self.pool.blocks[b].ref_cnt == 0)
         if sum(needs) + sum(cows) + revived > self.pool.num_free:
             return False
+        rows = self._rows_needed(done, num_new_tokens)
+        if not self._rows_fit(state, rows):
+            return False
+        self.rows_held += rows - state.rows
+        state.rows = rows
         for g, table in enumerate(state.tables):  # take every group's hits before allocating any block
             if computed[g]:
                 self.pool.touch([b for b in computed[g] if b != self.null])
@@ -193,6 +204,7 @@ class KVCacheManager:
         """Release the request's blocks, tail first so tails are evicted first."""
         state = self.reqs.pop(req_id, None)
         if state is not None:
+            self.rows_held -= state.rows
             for table in state.tables:
                 self.pool.free([b for b in reversed(table) if b != self.null])
 
@@ -203,7 +215,10 @@ class KVCacheManager:
             raise ValueError(f"request {dst_id!r} already holds blocks")
         for table in src.tables:
             self.pool.touch([b for b in table if b != self.null])
-        self.reqs[dst_id] = _ReqState([list(t) for t in src.tables], list(src.block_hashes), src.num_registered)
+        # the child counts the rows of the still-filling blocks it shares: it keeps them if the parent ends first
+        self.reqs[dst_id] = _ReqState([list(t) for t in src.tables], list(src.block_hashes), src.num_registered,
+                                      src.rows)
+        self.rows_held += src.rows
 
     # ---- swap ----------------------------------------------------------------------
     def swap_out_tables(self, req_id: str, num_tokens: int) -> list[list[int]]:
@@ -321,6 +336,23 @@ class KVCacheManager:
             if dropped:
                 self.pool.free(dropped)
                 table[:end] = [self.null] * end
+
+    def _rows_needed(self, done: list[int], num_new: int) -> int:
+        """Residual rows a request holds while a step writes `num_new` tokens after `done` per group:
+        the block it completes from the middle (its row is given back after the step) and the
+        block it leaves still filling (one row when they are the same block)."""
+        if self.residual_rows is None:
+            return 0
+        bs, total = self.block_size, 0
+        for d in done:
+            end = d + num_new
+            starts_inside = d % bs != 0
+            same_block = starts_inside and end // bs == d // bs
+            total += starts_inside + (end % bs != 0 and not same_block)
+        return total
+
+    def _rows_fit(self, state: _ReqState, rows: int) -> bool:
+        return self.residual_rows is None or self.rows_held - state.rows + rows <= self.residual_rows
 
     def _needs_copy(self, table: list[int], num_computed: int, num_new: int) -> bool:
         index = num_computed // self.block_size

@@ -103,6 +103,9 @@ class KVStorage:
         return rows
 
     def _take_row(self) -> int:
+        if not self.free_rows and self._to_release:  # called between steps (import_residual): reads are done
+            self._release(self._to_release)
+            self._to_release = []
         if not self.free_rows:
             self._collect_rows()
         if not self.free_rows:
@@ -118,6 +121,7 @@ class KVStorage:
                 self._release([b])
 
     def _grow_rows(self) -> None:
+        """Last resort, never reached while KVCacheManager.residual_rows bounds the filling blocks."""
         extra = max(1, self.num_rows)
         log.warning("KV residual rows exhausted (%d still-filling blocks): adding %d rows beyond the budget",
                     self.num_rows, extra)
