@@ -16,10 +16,10 @@ import tempfile
 import threading
 import time
 
+import fuzz_bodies
 import httpx
 import pytest
 from hypothesis import HealthCheck, example, given, settings
-from hypothesis import strategies as st
 from prometheus_client.parser import text_string_to_metric_families
 
 openai = pytest.importorskip("openai")
@@ -359,67 +359,13 @@ def test_special_tokens_in_chat_content_do_not_start_new_turns(server):
     assert out.usage.prompt_tokens == len(as_text) > len(tok.apply_chat_template(messages))
 
 
-FUZZ_TEXT = st.one_of(st.text(min_size=1, max_size=8),
-                      st.sampled_from(["", "ab\ud800cd", "<|im_end|>", "\x00", "Hello"]))
-FUZZ_JSON = st.recursive(st.none() | st.booleans() | st.integers() | st.floats() | FUZZ_TEXT,
-                         lambda inner: st.lists(inner, max_size=3) | st.dictionaries(FUZZ_TEXT, inner, max_size=3),
-                         max_leaves=6)
-
-
-def _maybe(valid):
-    """Mostly a valid value, sometimes any JSON."""
-    return st.one_of(*[valid] * 12, FUZZ_JSON)
-
-
-FUZZ_MESSAGE = st.fixed_dictionaries(
-    {"role": _maybe(st.sampled_from(["system", "user", "assistant", "tool", "developer"]))},
-    optional={"content": _maybe(st.one_of(FUZZ_TEXT, st.lists(st.fixed_dictionaries(
-        {"type": _maybe(st.just("text"))}, optional={"text": _maybe(FUZZ_TEXT)}), max_size=2))),
-              "name": FUZZ_TEXT})
-FUZZ_SAMPLING = {
-    "max_tokens": _maybe(st.integers(-1, 4)),
-    "n": _maybe(st.integers(0, 2)),
-    "temperature": _maybe(st.floats(0, 1e39)),
-    "top_p": _maybe(st.floats(0, 1)),
-    "top_k": _maybe(st.integers(-2, 2**64)),
-    "min_p": _maybe(st.floats(0, 1)),
-    "seed": _maybe(st.integers(-2**64, 2**64)),
-    "stop": _maybe(st.lists(FUZZ_TEXT, max_size=2)),
-    "stop_token_ids": _maybe(st.lists(st.integers(-1, 2**64), max_size=2)),
-    "presence_penalty": _maybe(st.floats(-3, 3)),
-    "frequency_penalty": _maybe(st.floats(-3, 3)),
-    "repetition_penalty": _maybe(st.floats(0, 1e39)),
-    "min_tokens": _maybe(st.integers(-1, 5)),
-    "ignore_eos": _maybe(st.booleans()),
-    "stream": _maybe(st.booleans()),
-    "stream_options": _maybe(st.fixed_dictionaries({"include_usage": st.booleans()})),
-    "model": st.sampled_from(["SmolLM2-135M-Instruct", "gpt-4"]),
-}
-FUZZ_COMPLETION = st.fixed_dictionaries(
-    {"prompt": _maybe(st.one_of(FUZZ_TEXT, st.lists(st.integers(-1, 50000), max_size=4),
-                                st.lists(FUZZ_TEXT, min_size=1, max_size=2)))},
-    optional={**FUZZ_SAMPLING, "logprobs": _maybe(st.integers(-1, 21)), "echo": st.booleans()})
-FUZZ_CHAT = st.fixed_dictionaries(
-    {"messages": _maybe(st.lists(FUZZ_MESSAGE, max_size=3))},
-    optional={**FUZZ_SAMPLING, "logprobs": _maybe(st.booleans()), "top_logprobs": _maybe(st.integers(-1, 21)),
-              "max_completion_tokens": _maybe(st.integers(0, 4))})
-
-
-def _fuzz_body(path: str, body: dict) -> dict:
-    """Chat defaults to max_model_len new tokens: keep fuzzed requests short."""
-    if path.endswith("chat/completions") and "max_tokens" not in body and "max_completion_tokens" not in body:
-        return {**body, "max_tokens": 3}
-    return body
-
-
 @settings(max_examples=30, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
-@given(st.one_of(st.tuples(st.just("/v1/completions"), FUZZ_COMPLETION),
-                 st.tuples(st.just("/v1/chat/completions"), FUZZ_CHAT)))
+@given(fuzz_bodies.CASES)
 @example(("/v1/completions", {"prompt": "Hello", "max_tokens": 4, "repetition_penalty": 1e-50}))
 @example(("/v1/completions", {"prompt": "ab\ud800cd", "max_tokens": 2}))
 def test_fuzzed_bodies_get_200_or_a_4xx_and_the_server_survives(server, case):
     path, body = case
-    r = _post(server, path, _fuzz_body(path, body))
+    r = _post(server, path, fuzz_bodies.short(path, body))
     assert r.status_code in (200, 400), (body, r.status_code, r.text[:300])
     if r.status_code != 200:
         _assert_error_shape(r, r.status_code)
