@@ -9,7 +9,7 @@ import time
 
 import torch
 
-from kvserve.config import EngineConfig
+from kvserve.config import DTYPES, EngineConfig
 from kvserve.engine.detokenizer import IncrementalDetokenizer, find_stop
 from kvserve.engine.eviction import Evictor, extend_positions, request_policy
 from kvserve.engine.memory import PoolPlan, check_fits, gib, measure_activation_peak, plan_pool
@@ -27,6 +27,7 @@ from kvserve.kv.spec import group_layers
 from kvserve.kv.storage import KVStorage
 from kvserve.model.layers import fuse_projections
 from kvserve.model.loader import load_weights, resolve_model_path
+from kvserve.model.quant import cast_unquantized, quantize_model, weight_bytes
 from kvserve.model.registry import build_model
 from kvserve.model.tokenizer import Tokenizer
 from kvserve.outputs import CompletionOutput, RequestOutput
@@ -46,12 +47,15 @@ class LLMEngine:
         self.config = config
         self.device = config.torch_device()
         self.dtype = config.torch_dtype()
+        self.weight_format, why = config.weight_format()
         t0 = time.perf_counter()
         self.model_path = resolve_model_path(config.model)
-        self.model_config, weights = load_weights(self.model_path, self.dtype)
+        self.model_config, weights = load_weights(self.model_path, self._load_dtype())
         self.tokenizer = _load_tokenizer(self.model_path)
         self.model = self._build_model(weights)
         self.load_seconds = time.perf_counter() - t0
+        log.info("weights: %s, activations and KV %s (%s); %.1f MiB of weights", self.weight_format,
+                 str(self.dtype).removeprefix("torch."), why, weight_bytes(self.model) / 2**20)
         self.max_model_len = self._max_model_len()
         extend_positions(self.model, self.max_model_len)
         self.stats = EngineStats()
@@ -68,9 +72,23 @@ class LLMEngine:
         missing = [k for k in missing if not (k == "lm_head.weight" and self.model_config.tie_word_embeddings)]
         if missing or unexpected:
             raise ValueError(f"checkpoint does not match the model: missing {missing[:5]}, unexpected {unexpected[:5]}")
-        model = model.to(device=self.device, dtype=self.dtype).eval()
+        if not self._quantized():
+            model = model.to(device=self.device, dtype=self.dtype).eval()
+            fuse_projections(model)
+            return model
+        model = model.to(device=self.device).eval()
         fuse_projections(model)
+        quantize_model(model, self.weight_format)
+        cast_unquantized(model, self.dtype)
         return model
+
+    def _quantized(self) -> bool:
+        """True when the linear weights are stored in another format than the activations."""
+        return DTYPES.get(self.weight_format) != self.dtype
+
+    def _load_dtype(self) -> torch.dtype:
+        """Weights are quantized from float32 (not from an already rounded copy)."""
+        return torch.float32 if self._quantized() else self.dtype
 
     def _max_model_len(self) -> int:
         limit = self.model_config.max_position_embeddings
@@ -123,12 +141,12 @@ class LLMEngine:
         cfg = self.config
         # contiguous layout = one max_model_len "block" per sequence, reserved up front
         block_size = self.max_model_len if cfg.kv_cache_mode == "contiguous" else cfg.block_size
-        weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        held = weight_bytes(self.model)
         activation = 0
         if cfg.kv_cache_memory is None and (cfg.gpu_memory_utilization is not None or self.device.type == "cuda"):
             activation = measure_activation_peak(self.device, self._warmup)
         plan = plan_pool(cfg.kv_cache_memory, cfg.gpu_memory_utilization, self.device,
-                         weight_bytes, activation, block_size, self.page_bytes_per_token)
+                         held, activation, block_size, self.page_bytes_per_token)
         if self.kv_format.has_residual:  # KIVI: full-precision rows for still-filling blocks, from the budget
             plan.num_blocks, self.kv_residual_rows = self._split_residual(plan.budget_bytes, block_size)
         check_fits(plan, self._blocks_per_sequence(block_size), self.max_model_len)
@@ -192,7 +210,8 @@ class LLMEngine:
     def _namespace(self) -> bytes:
         mc = self.model_config
         return namespace_hash(mc.name, mc.architecture, self.dtype, self.config.block_size,
-                              mc.num_layers, mc.num_kv_heads, mc.head_dim, self.kv_format.description)
+                              mc.num_layers, mc.num_kv_heads, mc.head_dim, self.kv_format.description,
+                              *([f"weights={self.weight_format}"] if self._quantized() else []))
 
     def _log_pool(self) -> None:
         if self.pool_plan is None:
