@@ -131,10 +131,19 @@ def warm_up(llm: LLM, prompt: list[int]) -> None:
     llm.reset_prefix_cache()
 
 
+def config_options(name: str) -> dict:
+    """LLM options of a --dtypes entry: a dtype, a weight format over float32 activations, or auto."""
+    if name == "auto":
+        return {}
+    if name in ("int8", "int4"):
+        return {"weights": name, "dtype": "float32"}
+    return {"dtype": name}
+
+
 def run_kvserve(prompts: list[list[int]], output_len: int, args, dtype: str) -> tuple[Result, LLM]:
     """All requests at once through LLM.generate."""
     t0 = time.perf_counter()
-    llm = LLM(kv_cache_memory=args.kv_cache_memory, max_model_len=args.max_model_len, dtype=dtype)
+    llm = LLM(kv_cache_memory=args.kv_cache_memory, max_model_len=args.max_model_len, **config_options(dtype))
     load_s = time.perf_counter() - t0
     warm_up(llm, prompts[0])
     mon, start = OtherLoad(), time.perf_counter()
@@ -148,6 +157,8 @@ def run_kvserve(prompts: list[list[int]], output_len: int, args, dtype: str) -> 
         if len(toks) > 1:
             tpot.append((m.last_token_time - m.first_token_time) / (len(toks) - 1))
     met = llm.get_metrics()
+    if dtype == "auto":
+        dtype = f"auto = {llm.engine.weight_format} weights"
     res = Result(f"kvserve ({dtype}, paged)", len(prompts), sum(map(len, prompts)), sum(map(len, tokens)),
                  wall, ttft, tpot, tokens, load_s, other_cores=other)
     res.notes.append(f"kvserve ({dtype}): {met['num_steps']} engine steps, {met['num_preemptions']} preemptions, "
@@ -521,7 +532,8 @@ def parse_args(argv=None):
     p.add_argument("--kv-cache-memory", default="2GiB", help="kvserve KV pool for the throughput run")
     p.add_argument("--max-model-len", type=int, default=2048, help="kvserve max_model_len for the throughput run")
     p.add_argument("--dtypes", default="float32,bfloat16", type=lambda v: [d.strip() for d in v.split(",") if d.strip()],
-                   help="comma-separated dtypes; kvserve and transformers run once in each")
+                   help="comma-separated kvserve configurations: a dtype, int8/int4 (weights over float32 "
+                        "activations) or auto (the default); transformers runs once in each dtype")
     p.add_argument("--hf-batch-size", type=int, default=16)
     p.add_argument("--llamacpp-threads", type=int, default=2)
     p.add_argument("--layout-kv-memory", default="512MiB")
@@ -564,7 +576,7 @@ def main(argv=None) -> None:
                                       Path(tempfile.gettempdir()) / "kvserve_throughput.prof")
             del tok_llm
         if not args.skip_transformers:
-            for dtype in args.dtypes:
+            for dtype in [d for d in args.dtypes if d in ("float32", "bfloat16", "float16")]:
                 results.append(run_transformers(prompts, args.output_len, gguf, pad_id, args, dtype))
         if not args.skip_llamacpp:
             r = run_llamacpp(prompts, args.output_len, gguf, eos_ids, args)

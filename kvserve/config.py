@@ -15,11 +15,13 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 DTYPE_NAMES = tuple(DTYPES)
 DEFAULT_BLOCK_SIZE = 16  # tokens per KV block unless given (KIVI formats: 32)
 CPU_DEFAULT_KV_CACHE_MEMORY = 1 << 30  # like vLLM's CPU backend: a fixed KV space unless told
-# Measured with `kvserve eval weights` (BENCHMARKS.md "Weight formats"); the gate is mean KL < 2e-3
-# and top-1 agreement >= 98% against float32, teacher-forced on held-out text.
-AUTO_CPU_REASON = ("dtype=auto, weights=auto on CPU: int8 weights (per-channel, weight-only) over float32 "
-                   "activations and KV, the fastest format that passes the quality gate (KL < 2e-3, "
-                   "top-1 >= 98% vs float32); pass dtype='float32' for the float32 oracle")
+# GGUF block types whose 4-bit groups of 32 input channels the int4 format reproduces.
+INT4_NATIVE_GGUF = {"Q4_0", "Q4_1", "Q4_K"}
+# Measured with `kvserve eval weights` (BENCHMARKS.md "Weight formats"): the gate is mean KL < 2e-3
+# and top-1 >= 98% against float32, teacher-forced on held-out text.
+AUTO_INT4_REASON = ("weights=auto on CPU: the GGUF keeps its linear weights in 4-bit groups of 32 ({types}), so "
+                    "int4 keeps them (LM head in float; passes the gate KL < 2e-3, top-1 >= 98% vs float32: "
+                    "docs/WEIGHTS.md); dtype='float32' gives the float32 oracle")
 _UNITS = {"": 1, "b": 1, "kb": 1000, "mb": 1000**2, "gb": 1000**3, "tb": 1000**4,
           "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}
 
@@ -90,7 +92,6 @@ class EngineConfig:
     seed: int | None = opt(0, "engine seed")
     kv_cache_mode: str = opt("paged", "paged, contiguous (reserve max_model_len per sequence) or none "
                              "(recompute every step)", choices=list(KV_CACHE_MODES))
-    enforce_eager: bool = opt(False, "run the decode step eagerly (no torch.compile)")
     # KV cache storage format (kvserve/kv/formats.py; docs/QUANTIZATION.md)
     kv_cache_dtype: str = opt("auto", "auto, float16, bfloat16, float32, fp8_e4m3, fp8_e5m2, int8, kivi4, kivi2 "
                               "(kivi needs --block-size 32)", group="KV cache format")
@@ -216,12 +217,15 @@ class EngineConfig:
             return torch.bfloat16 if self.torch_device().type == "cuda" else torch.float32
         return DTYPES[self.dtype]
 
-    def weight_format(self) -> tuple[str, str]:
-        """(format of the linear weights, why it was picked)."""
+    def weight_format(self, gguf_types: set[str] | None = None) -> tuple[str, str]:
+        """(format of the linear weights, why it was picked); `gguf_types`: the block types of the
+        checkpoint's linear layers when it is a GGUF file."""
         if self.weights != "auto":
             return self.weights, "weights=" + self.weights
         if self.dtype != "auto":
             return self.dtype, f"weights=auto follows dtype={self.dtype}"
-        if self.torch_device().type == "cpu":
-            return "int8", AUTO_CPU_REASON
-        return "bfloat16", "dtype=auto on CUDA: bfloat16"
+        if self.torch_device().type == "cuda":
+            return "bfloat16", "dtype=auto on CUDA: bfloat16"
+        if gguf_types and gguf_types <= INT4_NATIVE_GGUF:
+            return "int4", AUTO_INT4_REASON.format(types=", ".join(sorted(gguf_types)))
+        return "float32", "weights=auto on CPU: float32 (no 4-bit GGUF blocks to keep)"

@@ -43,7 +43,7 @@ def test_bfloat16_halves_kv_bytes():
 
 def test_pool_size_is_logged(caplog):
     with caplog.at_level(logging.INFO, logger="kvserve"):
-        LLM(kv_cache_memory="64MiB", max_model_len=512)
+        LLM(kv_cache_memory="64MiB", max_model_len=512, dtype="float32")
     line = next(r.message for r in caplog.records if r.message.startswith("KV cache"))
     blocks = (64 << 20) // (16 * 46080)
     assert f"{blocks} blocks x 16 tokens = {blocks * 16} tokens" in line
@@ -60,7 +60,7 @@ def test_utilization_budget_subtracts_activation_peak():
 
 
 def test_gpu_memory_utilization_on_cpu_measures_warmup():
-    small = LLM(gpu_memory_utilization=0.02, max_model_len=256, max_num_batched_tokens=256)
+    small = LLM(gpu_memory_utilization=0.02, max_model_len=256, max_num_batched_tokens=256, dtype="float32")
     assert "gpu_memory_utilization=0.02" in small.engine.pool_plan.source
     assert small.get_metrics()["num_blocks_total"] >= 16
 

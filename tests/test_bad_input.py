@@ -41,16 +41,16 @@ def test_bad_sampling_params_name_the_field(field, value):
 
 def test_unknown_model_path():
     with pytest.raises(FileNotFoundError, match="no/such/model"):
-        LLM("/no/such/model.gguf")
+        LLM("/no/such/model.gguf", dtype="float32")
 
 
 def test_pool_smaller_than_one_sequence_is_refused():
     with pytest.raises(ValueError, match="cannot hold one sequence"):
-        LLM(kv_cache_memory="1MiB", max_model_len=2048)
+        LLM(kv_cache_memory="1MiB", max_model_len=2048, dtype="float32")
 
 
 def test_request_larger_than_pool_is_refused_not_hung():
-    small = LLM(kv_cache_memory=8 * 16 * 46080, max_model_len=128)  # 8 blocks = 128 tokens
+    small = LLM(kv_cache_memory=8 * 16 * 46080, max_model_len=128, dtype="float32")  # 8 blocks = 128 tokens
     with pytest.raises(ValueError, match="max_model_len|KV blocks"):
         small.generate(["hi"], SamplingParams(max_tokens=200), use_tqdm=False)
     assert small.generate(["hi"], SamplingParams(max_tokens=3), use_tqdm=False)[0].outputs[0].token_ids
@@ -58,9 +58,9 @@ def test_request_larger_than_pool_is_refused_not_hung():
 
 def test_bad_engine_options():
     with pytest.raises(ValueError, match="kv_cache_mode"):
-        LLM(kv_cache_mode="weird")
+        LLM(kv_cache_mode="weird", dtype="float32")
     with pytest.raises(ValueError, match="kv_cache_memory|byte size"):
-        LLM(kv_cache_memory="lots")
+        LLM(kv_cache_memory="lots", dtype="float32")
 
 
 def test_abort_frees_blocks_and_forgets_the_request(llm):

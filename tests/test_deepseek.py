@@ -56,6 +56,7 @@ def _prompt(seed=0, n=PROMPT_LEN):
 
 
 def _llm(path, **kw):
+    kw.setdefault("dtype", "float32")  # the oracle mode: compared with transformers in float32
     return LLM(path, kv_cache_memory=kw.pop("mem", "16MiB"), max_model_len=256, block_size=4, **kw)
 
 
@@ -123,7 +124,7 @@ def test_bytes_per_token_is_latent_plus_rope_key(checkpoints, family, dtype, ele
 def test_paged_equals_recompute_with_chunks_and_prefix_hits(checkpoints, name):
     path = checkpoints[name]
     paged = _llm(path, max_num_batched_tokens=8)
-    none = LLM(path, kv_cache_mode="none", max_model_len=256)
+    none = LLM(path, kv_cache_mode="none", max_model_len=256, dtype="float32")
     shared = _prompt(1, 24)
     prompts = [shared + _prompt(2, 5), _prompt(3, 9), shared + _prompt(4, 11), [7], _prompt(5, 17)]
     params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, logprobs=2)

@@ -29,7 +29,7 @@ def test_mixed_batch_equals_recompute(llm, llm_nocache):
 
 
 def test_chunked_prefill_equals_recompute(llm_nocache):
-    small = LLM(kv_cache_memory="64MiB", max_model_len=1024, max_num_batched_tokens=16)
+    small = LLM(kv_cache_memory="64MiB", max_model_len=1024, max_num_batched_tokens=16, dtype="float32")
     prompts = [LONG, PROMPTS[2], PROMPTS[0]]
     out = small.generate(prompts, greedy(12), use_tqdm=False)
     ref = llm_nocache.generate(prompts, greedy(12), use_tqdm=False)
@@ -69,7 +69,7 @@ def test_reset_prefix_cache(llm):
 
 def test_preemption_tiny_pool_equals_recompute(llm_nocache):
     # 40 blocks x 16 = 640 token slots for 8 requests of ~70 + 40 tokens: preemption must happen
-    tiny = LLM(kv_cache_memory=40 * 16 * 46080, max_model_len=512)
+    tiny = LLM(kv_cache_memory=40 * 16 * 46080, max_model_len=512, dtype="float32")
     prompts = [f"{PROMPTS[2]} ({i})" for i in range(8)]
     out = tiny.generate(prompts, greedy(60, ignore_eos=True), use_tqdm=False)
     ref = llm_nocache.generate(prompts, greedy(60, ignore_eos=True), use_tqdm=False)
@@ -113,7 +113,7 @@ def test_beam_width_one_is_greedy(llm):
 
 
 def test_contiguous_layout_equals_recompute_fewer_sequences(llm_nocache):
-    contiguous = LLM(kv_cache_mode="contiguous", kv_cache_memory="64MiB", max_model_len=512)
+    contiguous = LLM(kv_cache_mode="contiguous", kv_cache_memory="64MiB", max_model_len=512, dtype="float32")
     out = contiguous.generate(PROMPTS, greedy(), use_tqdm=False)
     assert_same_completions(out, llm_nocache.generate(PROMPTS, greedy(), use_tqdm=False))
     m = contiguous.get_metrics()

@@ -30,6 +30,7 @@ def _prompt(seed=0, n=PROMPT_LEN):
 
 
 def _llm(path, **kw):
+    kw.setdefault("dtype", "float32")  # the oracle mode: compared with transformers in float32
     return LLM(path, kv_cache_memory=kw.pop("mem", "8MiB"), max_model_len=256, block_size=4, **kw)
 
 
@@ -56,7 +57,7 @@ def test_prefill_and_decode_logits_match_transformers(checkpoints, family):
 def test_paged_equals_recompute_with_chunks_and_prefix_hits(checkpoints, family):
     path = checkpoints[family]
     paged = _llm(path, max_num_batched_tokens=8)
-    none = LLM(path, kv_cache_mode="none", max_model_len=256)
+    none = LLM(path, kv_cache_mode="none", max_model_len=256, dtype="float32")
     shared = _prompt(1, 24)
     prompts = [shared + _prompt(2, 5), _prompt(3, 9), shared + _prompt(4, 11), [7]]
     params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, logprobs=2)
@@ -110,7 +111,7 @@ def test_unsupported_architecture_lists_supported(tmp_path):
     cfg["architectures"] = ["GPTNeoXForCausalLM"]
     json.dump(cfg, open(f"{path}/config.json", "w"))
     with pytest.raises(ValueError, match="supported"):
-        LLM(path, kv_cache_memory="8MiB", max_model_len=64)
+        LLM(path, kv_cache_memory="8MiB", max_model_len=64, dtype="float32")
 
 
 def test_tiny_config_windows_are_what_tests_assume():

@@ -114,16 +114,16 @@ def test_running_out_of_residual_rows_waits_and_preempts_without_harm(one_at_a_t
 
 
 def test_block_size_defaults_to_16_and_to_32_for_kivi(caplog):
-    plain = EngineConfig()
+    plain = EngineConfig(dtype="float32")
     plain.validate()
     assert plain.block_size == 16
-    given = EngineConfig(kv_cache_dtype="kivi2", block_size=64)
+    given = EngineConfig(kv_cache_dtype="kivi2", block_size=64, dtype="float32")
     given.validate()
     assert given.block_size == 64
     with pytest.raises(ValueError, match="block_size must be a multiple of 32"):
-        EngineConfig(kv_cache_dtype="kivi4", block_size=16).validate()
+        EngineConfig(kv_cache_dtype="kivi4", block_size=16, dtype="float32").validate()
     with caplog.at_level(logging.INFO, logger="kvserve"):  # what LLM(kv_cache_dtype="kivi4") builds
-        engine = LLMEngine(EngineConfig(kv_cache_dtype="kivi4", kv_cache_memory="16MiB", max_model_len=64))
+        engine = LLMEngine(EngineConfig(kv_cache_dtype="kivi4", kv_cache_memory="16MiB", max_model_len=64, dtype="float32"))
     assert engine.config.block_size == 32 and engine.pool_plan.block_size == 32
     assert any("block_size 32 chosen for kivi4" in r.message for r in caplog.records)
     engine.add_request("Hello", SamplingParams(temperature=0, max_tokens=4))

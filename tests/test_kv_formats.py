@@ -127,7 +127,7 @@ def test_format_names_and_errors():
     with pytest.raises(ValueError, match="MLA"):
         build_kv_format(mla, torch.float32, 32, "kivi2")
     with pytest.raises(ValueError, match="block_size"):
-        LLM(kv_cache_dtype="kivi2", kv_cache_memory="16MiB", max_model_len=64, block_size=16)
+        LLM(kv_cache_dtype="kivi2", kv_cache_memory="16MiB", max_model_len=64, block_size=16, dtype="float32")
 
 
 # ---- the pool: bytes the tensors hold, sizing per format ----------------------------------------------
@@ -166,7 +166,7 @@ def test_same_budget_token_capacity_per_format():
 @pytest.fixture(scope="module")
 def smol_pools():
     """The bundled model with a 24 MiB pool in four formats."""
-    return {n: LLM(kv_cache_memory="24MiB", max_model_len=256, block_size=32, max_num_seqs=4, kv_cache_dtype=n)
+    return {n: LLM(kv_cache_memory="24MiB", max_model_len=256, block_size=32, max_num_seqs=4, kv_cache_dtype=n, dtype="float32")
             for n in ("auto", "float16", "int8", "kivi2")}
 
 
@@ -185,7 +185,7 @@ def test_engine_pool_sizing_and_metrics(smol_pools, caplog):
     assert tokens["int8"] >= 1.8 * tokens["float16"] and tokens["float16"] >= 2 * tokens["auto"] - 1
     assert tokens["kivi2"] >= 4.5 * tokens["float16"]  # 2 residual rows of fp32 take 2.8 of the 24 MiB
     with caplog.at_level(logging.INFO, logger="kvserve"):
-        LLM(kv_cache_memory="24MiB", max_model_len=256, kv_cache_dtype="int8")
+        LLM(kv_cache_memory="24MiB", max_model_len=256, kv_cache_dtype="int8", dtype="float32")
     assert any("format int8, 12240 B/token" in r.message for r in caplog.records)
 
 
@@ -205,7 +205,7 @@ def test_decode_logits_stay_close_to_full_precision(smol_pools):
     assert ref.shape == (20, ref_llm.model_config.vocab_size)
     for name, bound in KL_BOUNDS.items():
         llm = smol_pools.get(name) or LLM(kv_cache_memory="24MiB", max_model_len=256, block_size=32,
-                                          max_num_seqs=4, kv_cache_dtype=name)
+                                          max_num_seqs=4, kv_cache_dtype=name, dtype="float32")
         (got,), _ = run_forced(llm, [(ctx, tgt)], [])
         f = fidelity(ref, got, torch.tensor(tgt))
         kl = sum(f["kl"]) / len(f["kl"])
@@ -268,7 +268,7 @@ EVERY_FORMAT = [
                                                          for f, o in EVERY_FORMAT])
 def test_prefix_hits_preemption_forks_chunks_every_format(tiny, family, fmt, monkeypatch, tmp_path):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))  # head-precision calibration file
-    common = dict(max_model_len=128, block_size=32, **fmt)
+    common = dict(max_model_len=128, block_size=32, dtype="float32", **fmt)
     big = LLM(tiny[family], kv_cache_memory="8MiB", max_num_seqs=8, **common)
     big.reset_prefix_cache()
     ref = big.generate(PROMPT_IDS, greedy(), use_tqdm=False)          # one step prefills all: no hits

@@ -360,7 +360,7 @@ def test_int8_cache_with_rerotation_stays_close(tiny1):
     llm.generate([list(range(3, 40))], greedy(30), use_tqdm=False)
     assert 0 < oracle.worst < 0.05, oracle.worst
     with pytest.raises(ValueError, match="KIVI"):
-        LLM(tiny1, kv_cache_memory="1MiB", block_size=32, kv_policy="sinks:4,12", kv_cache_dtype="kivi4")
+        LLM(tiny1, kv_cache_memory="1MiB", block_size=32, kv_policy="sinks:4,12", kv_cache_dtype="kivi4", dtype="float32")
 
 
 # ---- scores, per-layer selection, freed blocks --------------------------------------------------------
@@ -447,13 +447,13 @@ def test_evicting_requests_read_the_prefix_cache_but_never_write_it(tiny1):
 
 
 def test_bad_combinations_are_refused(tiny1, tmp_path):
-    plain = LLM(tiny1, kv_cache_memory="1MiB", block_size=BS)
+    plain = LLM(tiny1, kv_cache_memory="1MiB", block_size=BS, dtype="float32")
     with pytest.raises(ValueError, match="engine started with a kv_policy"):
         plain.generate([[3, 4, 5]], greedy(2, kv_policy="window:8"), use_tqdm=False)
     with pytest.raises(ValueError, match="kv_cache_mode"):
-        LLM(tiny1, kv_cache_mode="none", kv_policy="window:8")
+        LLM(tiny1, kv_cache_mode="none", kv_policy="window:8", dtype="float32")
     gemma = make_tiny_checkpoint("gemma3", tmp_path)      # 3 sliding layers (window 8) + 1 full layer
-    g = LLM(gemma, kv_cache_memory="1MiB", block_size=BS, kv_policy="h2o:6,6", max_num_batched_tokens=8)
+    g = LLM(gemma, kv_cache_memory="1MiB", block_size=BS, kv_policy="h2o:6,6", max_num_batched_tokens=8, dtype="float32")
     g.generate([list(range(3, 30))], greedy(20), use_tqdm=False)     # only the full layer evicts
     assert g.get_metrics()["kv_evicted_entries"] == 27 + 19 - 13   # the last step ends the request first
     assert all_blocks_free(g)
@@ -475,7 +475,7 @@ def test_reindexing_on_a_hybrid_sliding_model_keeps_relative_positions(tmp_path,
     runs = {}
     for policy in (f"window:{recent}", f"h2o:0,{recent}"):
         llm = LLM(gemma, kv_cache_memory="1MiB", block_size=BS, kv_policy=policy, max_num_batched_tokens=8,
-                  max_model_len=200)
+                  max_model_len=200, dtype="float32")
         runs[policy] = llm.generate(prompts, params, use_tqdm=False)
         assert llm.get_metrics()["kv_evicted_tokens"] > 0
         assert all_blocks_free(llm) and not llm.engine.evictor.states
@@ -493,7 +493,7 @@ def test_reindexing_every_mla_layer_keeps_relative_positions(tmp_path):
     runs = {}
     for policy in ("window:8", "h2o:0,8"):
         llm = LLM(ds, kv_cache_memory="1MiB", block_size=BS, kv_policy=policy, max_num_batched_tokens=8,
-                  max_model_len=200)
+                  max_model_len=200, dtype="float32")
         runs[policy] = llm.generate([list(range(3, 30))], greedy(50, logprobs=0), use_tqdm=False)[0].outputs[0]
         assert llm.get_metrics()["kv_evicted_tokens"] > 0 and all_blocks_free(llm)
     a, b = runs["window:8"], runs["h2o:0,8"]
@@ -504,7 +504,7 @@ def test_reindexing_every_mla_layer_keeps_relative_positions(tmp_path):
 def test_sinks_stream_on_a_hybrid_sliding_model_runs_with_bounded_memory(tmp_path):
     gemma = make_tiny_checkpoint("gemma3", tmp_path, max_position_embeddings=64)
     llm = LLM(gemma, kv_cache_memory="1MiB", block_size=BS, kv_policy="sinks:2,10", max_num_batched_tokens=8,
-              max_model_len=400)
+              max_model_len=400, dtype="float32")
     peak = stream_peak_blocks(llm, list(range(3, 20)), 300)
     # full layer: 2 sinks + 10 recent + the new token; 3 sliding layers: 8 + the new token, each
     assert peak <= math.ceil(13 / BS) + 3 * (math.ceil(9 / BS) + 1)
@@ -517,7 +517,7 @@ def test_sinks_stream_on_a_hybrid_sliding_model_runs_with_bounded_memory(tmp_pat
 
 def test_per_layer_tables_are_transparent_on_the_bundled_model(llm):
     from helpers import assert_same_completions
-    per_layer = LLM(kv_cache_memory="48MiB", max_model_len=1024, kv_policy="full")
+    per_layer = LLM(kv_cache_memory="48MiB", max_model_len=1024, kv_policy="full", dtype="float32")
     prompts = ["The capital of France is", "def fibonacci(n):"]
     params = SamplingParams(temperature=0, max_tokens=8, logprobs=3)
     assert_same_completions(per_layer.generate(prompts, params, use_tqdm=False),

@@ -404,7 +404,7 @@ def test_gemma_greedy_matches_transformers(gemma_path, gemma_load, gemma_hf_mode
     """Real Gemma-3-270M: hybrid sliding (window 512) and global layers, paged, vs transformers."""
     from kvserve import LLM, SamplingParams
 
-    llm = LLM(GEMMA_ALIAS, kv_cache_memory="256MiB", max_model_len=1024)
+    llm = LLM(GEMMA_ALIAS, kv_cache_memory="256MiB", max_model_len=1024, dtype="float32")
     assert [g.spec.kind for g in llm.engine.kv_groups].count("sliding") == 5  # 15 local layers in groups of 3
     tok = llm.get_tokenizer()
     long_text = " ".join(GEMMA_TEXTS) * 40

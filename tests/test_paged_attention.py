@@ -128,7 +128,7 @@ def test_quantized_pool_reads_through_its_codec(llm_nocache, monkeypatch):
     from kvserve import LLM, SamplingParams
     from kvserve.kv.formats import Int8Codec
     from kvserve.model import attention
-    q = LLM(kv_cache_dtype="int8", kv_cache_memory="32MiB", max_model_len=256)
+    q = LLM(kv_cache_dtype="int8", kv_cache_memory="32MiB", max_model_len=256, dtype="float32")
     assert not q.engine.runner.reads_blocks_in_place(0)
     in_place = _count_calls(monkeypatch, attention, "paged_decode")
     decoded = _count_calls(monkeypatch, Int8Codec, "decode")

@@ -52,6 +52,15 @@ def test_int8_result_of_a_row_does_not_depend_on_the_rows_beside_it():
     assert torch.allclose(together, exact, rtol=0.02, atol=0.1)
 
 
+@pytest.mark.parametrize("k", [8, 24, 40])
+def test_int8_any_width_is_computed_right(k):
+    """Widths the CPU int8 kernel cannot take (not a multiple of 16) take the widened path."""
+    w, b, q = _layer("int8", n=24, k=k)
+    x = torch.randn(3, k)
+    ref = x @ q.dequantize().T + b
+    assert torch.allclose(q(x), ref, rtol=0.02, atol=0.05)
+
+
 def test_int4_refuses_a_width_it_cannot_group():
     with pytest.raises(ValueError, match="divisible by 32"):
         QuantLinear(torch.randn(8, 40), None, "int4")
@@ -83,7 +92,9 @@ def test_int8_engine_tracks_float32_logits(llm, llm_int8):
     assert sum(f["top1"]) / len(f["top1"]) >= 0.9
     assert llm_int8.engine.weight_format == "int8"
     from kvserve.model.quant import weight_bytes
-    assert weight_bytes(llm_int8.engine.model) < weight_bytes(llm.engine.model) / 2.5
+    assert weight_bytes(llm_int8.engine.model) < weight_bytes(llm.engine.model) / 2
+    head = llm_int8.engine.model.lm_head      # float, tied to the embeddings: no second copy
+    assert isinstance(head, torch.nn.Linear) and head.weight is llm_int8.engine.model.model.embed_tokens.weight
 
 
 def test_int8_cached_decode_equals_recompute(llm_int8):
@@ -111,16 +122,43 @@ def test_weights_option_reaches_the_engine_from_the_cli():
         build_parser().parse_args(["generate", "hi", "--weights", "int3"])
 
 
-def test_auto_weights_follow_an_explicit_dtype_and_default_to_int8_on_cpu():
+def test_auto_weights_follow_an_explicit_dtype_and_keep_4bit_gguf_blocks_on_cpu():
     from kvserve.config import EngineConfig
-    assert EngineConfig(dtype="float32").weight_format()[0] == "float32"
+    assert EngineConfig(dtype="float32").weight_format({"Q4_1"})[0] == "float32"
     assert EngineConfig(dtype="bfloat16").weight_format()[0] == "bfloat16"
-    assert EngineConfig(device="cpu").weight_format()[0] == "int8"
+    cpu = EngineConfig(device="cpu")
+    assert cpu.weight_format({"Q4_1"})[0] == "int4"
+    assert cpu.weight_format({"Q4_K"})[0] == "int4"
+    assert cpu.weight_format({"Q4_K", "Q6_K"})[0] == "float32"   # a 6-bit block would lose bits
+    assert cpu.weight_format(None)[0] == "float32"                 # safetensors: float stays float
     with pytest.raises(ValueError, match="weights must be"):
         EngineConfig(weights="int3").validate()
+
+
+def test_default_engine_keeps_the_bundled_gguf_in_int4_and_says_why(caplog):
+    from kvserve import LLM, SamplingParams
+    with caplog.at_level("INFO", logger="kvserve"):
+        llm = LLM(kv_cache_memory="32MiB", max_model_len=512)
+    assert llm.engine.weight_format == "int4"
+    assert any("weights: int4" in r.message and "Q4_1" in r.message for r in caplog.records)
+    out = llm.generate("The capital of France is", SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
+    assert out[0].outputs[0].text.strip()
 
 
 def test_unknown_llm_option_names_the_options():
     from kvserve import LLM
     with pytest.raises(TypeError, match="kv_cache_memory"):
         LLM(kv_cache_memroy="1GiB")
+
+
+def test_eval_weights_measures_a_format_against_float32():
+    from kvserve.tools.evaluate_weights import evaluate_weights, spec_options, table_rows
+    assert spec_options("bfloat16:int4") == {"dtype": "bfloat16", "weights": "int4"}
+    assert spec_options("int8") == {"dtype": "float32", "weights": "int8"}
+    with pytest.raises(ValueError, match="bad weight spec"):
+        spec_options("int3")
+    (res,) = evaluate_weights(None, ["int8"], context=48, score_tokens=8, samples=1, log=lambda _: None)
+    assert (res.weights, res.dtype, res.scored_tokens) == ("int8", "float32", 8)
+    assert 0 < res.mean_kl < 0.05 and res.top1 >= 0.75
+    assert res.weight_mib < 200                       # 513 MiB in float32
+    assert table_rows([res])[0][-1] == ("pass" if res.passes_gate else "fail")

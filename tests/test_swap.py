@@ -19,7 +19,7 @@ STORY = ("Once upon a time, in a small village at the edge of a great forest, th
 PROMPTS = [f"{STORY} ({i})" for i in range(6)]
 GREEDY = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
 BLOCK_BYTES = 16 * 46080                 # one block of SmolLM2 in float32
-TINY = dict(kv_cache_memory=24 * BLOCK_BYTES, max_model_len=384)  # 24 blocks for 6 x ~6 blocks
+TINY = dict(kv_cache_memory=24 * BLOCK_BYTES, max_model_len=384, dtype="float32")  # 24 blocks for 6 x ~6 blocks
 
 
 def outputs(outs):
@@ -57,7 +57,7 @@ def test_full_swap_space_falls_back_to_recompute(reference):
 @pytest.mark.parametrize("fmt, max_model_len, num_blocks", [("int8", 384, 13), ("kivi4", 96, 5)])
 def test_swap_with_quantized_formats(fmt, max_model_len, num_blocks):
     """Every tensor of every slot moves (scales, zero points; KIVI's still-filling residual rows)."""
-    opts = dict(max_model_len=max_model_len, block_size=32, kv_cache_dtype=fmt, max_num_seqs=6)
+    opts = dict(max_model_len=max_model_len, block_size=32, kv_cache_dtype=fmt, max_num_seqs=6, dtype="float32")
     big = LLM(**opts, kv_cache_memory="32MiB")
     ref = outputs(big.generate(PROMPTS, GREEDY, use_tqdm=False))
     fmt_plan = big.engine.kv_format
@@ -158,11 +158,11 @@ def test_auto_mode_compares_copy_time_with_recompute_time():
 def test_config_checks():
     from kvserve.config import EngineConfig
     with pytest.raises(ValueError, match="preemption_mode"):
-        EngineConfig(preemption_mode="drop").validate()
+        EngineConfig(preemption_mode="drop", dtype="float32").validate()
     with pytest.raises(ValueError, match="swap_space > 0"):
-        EngineConfig(preemption_mode="swap").validate()
+        EngineConfig(preemption_mode="swap", dtype="float32").validate()
     with pytest.raises(ValueError, match="swap_space"):
-        EngineConfig(swap_space=-1).validate()
+        EngineConfig(swap_space=-1, dtype="float32").validate()
 
 
 def test_kivi_still_filling_block_moves_with_its_residual_row():

@@ -265,7 +265,7 @@ def run_worker(engine: dict, prompts: list, offload: bool = False) -> dict:
 
 
 def test_cpu_tier_serves_blocks_the_device_evicted(doc, filler, reference):
-    llm = LLM(kv_cache_memory=POOL_32, max_model_len=512, kv_tiers=["cpu:256MiB"])
+    llm = LLM(kv_cache_memory=POOL_32, max_model_len=512, kv_tiers=["cpu:256MiB"], dtype="float32")
     first = llm.generate([doc], GREEDY, use_tqdm=False)[0]
     llm.generate([filler], GREEDY, use_tqdm=False)         # needs the whole pool: evicts every doc block
     again = llm.generate([doc], GREEDY, use_tqdm=False)[0]
@@ -277,7 +277,7 @@ def test_cpu_tier_serves_blocks_the_device_evicted(doc, filler, reference):
 
 
 def test_disk_tier_across_processes(tmp_path, doc, filler, reference):
-    engine = dict(kv_cache_memory=POOL_32, max_model_len=512, kv_tiers=[f"disk:{tmp_path}:1GiB"])
+    engine = dict(kv_cache_memory=POOL_32, max_model_len=512, kv_tiers=[f"disk:{tmp_path}:1GiB"], dtype="float32")
     a = run_worker(engine, [doc, filler])                 # A computes doc; the filler evicts it to disk
     assert a["cached"] == [0, 0] and a["kv_tiers"]["disk"]["entries_written"] >= 25
     b = run_worker(engine, [doc])                         # B: a new process, the same directory
@@ -287,7 +287,7 @@ def test_disk_tier_across_processes(tmp_path, doc, filler, reference):
 
 
 def test_redis_tier_shared_by_two_processes(redis_server, doc, reference):
-    engine = dict(kv_cache_memory="64MiB", max_model_len=512, kv_tiers=[redis_server.url])
+    engine = dict(kv_cache_memory="64MiB", max_model_len=512, kv_tiers=[redis_server.url], dtype="float32")
     a = run_worker(engine, [doc], offload=True)           # A writes its cached prefix down at the end
     b = run_worker(engine, [doc])
     assert a["kv_tiers"]["redis"]["entries_written"] == 25
@@ -296,10 +296,11 @@ def test_redis_tier_shared_by_two_processes(redis_server, doc, reference):
     assert b["outputs"][0] == a["outputs"][0] == reference
 
 
-@pytest.mark.parametrize("other", [dict(dtype="bfloat16"), dict(kv_cache_dtype="int8")], ids=["dtype", "format"])
+@pytest.mark.parametrize("other", [dict(dtype="bfloat16"), dict(dtype="float32", kv_cache_dtype="int8"),
+                                   dict(dtype="float32", weights="int8")], ids=["dtype", "format", "weights"])
 def test_other_dtype_or_format_gets_no_hits(tmp_path, doc, other):
     tiers = [f"disk:{tmp_path}:1GiB"]
-    writer = LLM(kv_cache_memory="32MiB", max_model_len=512, kv_tiers=tiers)
+    writer = LLM(kv_cache_memory="32MiB", max_model_len=512, kv_tiers=tiers, dtype="float32")
     writer.generate([doc[:100]], GREEDY, use_tqdm=False)
     assert writer.reset_prefix_cache(offload=True) == 6
     del writer
@@ -309,13 +310,13 @@ def test_other_dtype_or_format_gets_no_hits(tmp_path, doc, other):
     assert out.num_cached_tokens == 0 and m["kv_tiers"]["disk"]["hits"] == 0
     assert m["kv_tiers"]["disk"]["corrupt"] == 0          # never even read: other keys
     # the same engine again (same options) does hit its own entries
-    same = LLM(kv_cache_memory="32MiB", max_model_len=512, kv_tiers=tiers)
+    same = LLM(kv_cache_memory="32MiB", max_model_len=512, kv_tiers=tiers, dtype="float32")
     assert same.generate([doc[:100]], GREEDY, use_tqdm=False)[0].num_cached_tokens == 96
 
 
 def test_corrupt_disk_entries_are_never_served(tmp_path, doc, reference):
     tiers = [f"disk:{tmp_path}:1GiB"]
-    writer = LLM(kv_cache_memory="64MiB", max_model_len=512, kv_tiers=tiers)
+    writer = LLM(kv_cache_memory="64MiB", max_model_len=512, kv_tiers=tiers, dtype="float32")
     writer.generate([doc], GREEDY, use_tqdm=False)
     writer.reset_prefix_cache(offload=True)
     files = sorted(tmp_path.rglob("*.kvb"), key=lambda p: p.stat().st_size)
@@ -336,7 +337,7 @@ def test_corrupt_disk_entries_are_never_served(tmp_path, doc, reference):
 
 def test_redis_killed_mid_run_then_back(make_redis, doc, filler, reference, caplog):
     server = make_redis()
-    llm = LLM(kv_cache_memory=POOL_32, max_model_len=512, kv_tiers=[server.url])
+    llm = LLM(kv_cache_memory=POOL_32, max_model_len=512, kv_tiers=[server.url], dtype="float32")
     tier = llm.engine.tiers.tiers[0]
     assert llm.generate([doc], GREEDY, use_tqdm=False)[0].outputs[0].token_ids == reference
     server.stop()                                         # Redis dies
@@ -361,7 +362,7 @@ def test_redis_unreachable_at_start(make_redis, doc, reference):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]                          # nothing listens there
-    llm = LLM(kv_cache_memory="64MiB", max_model_len=512, kv_tiers=[f"redis://127.0.0.1:{port}/0"])
+    llm = LLM(kv_cache_memory="64MiB", max_model_len=512, kv_tiers=[f"redis://127.0.0.1:{port}/0"], dtype="float32")
     out = llm.generate([doc], GREEDY, use_tqdm=False)[0]
     assert out.outputs[0].token_ids == reference
     llm.reset_prefix_cache(offload=True)
@@ -371,7 +372,7 @@ def test_redis_unreachable_at_start(make_redis, doc, reference):
 
 @pytest.mark.parametrize("fmt", ["int8", "kivi4"])
 def test_quantized_format_round_trips_through_a_tier(doc, fmt):
-    llm = LLM(kv_cache_memory="32MiB", max_model_len=512, kv_cache_dtype=fmt, block_size=32, kv_tiers=["cpu:64MiB"])
+    llm = LLM(kv_cache_memory="32MiB", max_model_len=512, kv_cache_dtype=fmt, block_size=32, kv_tiers=["cpu:64MiB"], dtype="float32")
     first = llm.generate([doc[:100]], GREEDY, use_tqdm=False)[0]
     llm.reset_prefix_cache(offload=True)
     again = llm.generate([doc[:100]], GREEDY, use_tqdm=False)[0]
@@ -407,9 +408,9 @@ def test_tier_specs_from_config_and_cli(tmp_path):
         with pytest.raises(ValueError, match="KV tier"):
             parse_tier_spec(bad)
     with pytest.raises(ValueError, match="once"):
-        EngineConfig(kv_tiers=["cpu:1GiB", "cpu:2GiB"]).validate()
+        EngineConfig(kv_tiers=["cpu:1GiB", "cpu:2GiB"], dtype="float32").validate()
     with pytest.raises(ValueError, match="prefix caching"):
-        EngineConfig(kv_tiers=["cpu:1GiB"], enable_prefix_caching=False).validate()
+        EngineConfig(kv_tiers=["cpu:1GiB"], enable_prefix_caching=False, dtype="float32").validate()
     args = build_parser().parse_args(["generate", "hi", "--kv-tier", "cpu:1GiB", "--kv-tier",
                                       f"disk:{tmp_path}:1GiB", "--swap-space", "2", "--preemption-mode", "swap"])
     assert args.kv_tiers == ["cpu:1GiB", f"disk:{tmp_path}:1GiB"]

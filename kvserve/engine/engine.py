@@ -26,7 +26,7 @@ from kvserve.kv.policies import parse_policy
 from kvserve.kv.spec import group_layers
 from kvserve.kv.storage import KVStorage
 from kvserve.model.layers import fuse_projections
-from kvserve.model.loader import load_weights, resolve_model_path
+from kvserve.model.loader import gguf_linear_types, load_weights, resolve_model_path
 from kvserve.model.quant import cast_unquantized, quantize_model, weight_bytes
 from kvserve.model.registry import build_model
 from kvserve.model.tokenizer import Tokenizer
@@ -47,9 +47,10 @@ class LLMEngine:
         self.config = config
         self.device = config.torch_device()
         self.dtype = config.torch_dtype()
-        self.weight_format, why = config.weight_format()
         t0 = time.perf_counter()
         self.model_path = resolve_model_path(config.model)
+        auto = config.weights == "auto" and config.dtype == "auto"
+        self.weight_format, why = config.weight_format(gguf_linear_types(self.model_path) if auto else None)
         self.model_config, weights = load_weights(self.model_path, self._load_dtype())
         self.tokenizer = _load_tokenizer(self.model_path)
         self.model = self._build_model(weights)

@@ -26,6 +26,7 @@ ACCEPTED_INPUTS = "a .gguf file or a Hugging Face model directory with config.js
 CACHE_FORMAT_VERSION = "1"
 CACHE_WEIGHTS = "weights.safetensors"
 CACHE_CONFIG = "config.json"
+CACHE_TYPES = "gguf_linear_types.json"
 
 GGUF_PERMUTED_QK_ARCHS = {"llama"}  # llama.cpp permutes q/k rows for its RoPE layout; Gemma's are not
 GGUF_SUPPORTED_ARCHS = {"llama", "gemma3"}
@@ -271,6 +272,27 @@ def load_gguf(path: str) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
             array = array - np.float32(1.0)
         weights[hf_name] = _to_tensor(array)
     return config, weights
+
+
+def gguf_linear_types(path: str, cache_root: str | Path | None = None) -> set[str] | None:
+    """Block types (Q4_1, Q6_K, F32, ...) of a GGUF's per-layer 2-D weights (kept next to the
+    weight cache: reading a GGUF's tensor table takes seconds); None for other checkpoints."""
+    if not is_gguf(path):
+        return None
+    record = cache_dir_for(path, cache_root) / CACHE_TYPES
+    try:
+        return set(json.loads(record.read_text()))
+    except (OSError, ValueError):
+        pass
+    import gguf
+    reader = gguf.GGUFReader(path)
+    types = {t.tensor_type.name for t in reader.tensors if t.name.startswith("blk.") and len(t.shape) == 2}
+    try:
+        record.parent.mkdir(parents=True, exist_ok=True)
+        _atomic_write(record, lambda tmp: Path(tmp).write_text(json.dumps(sorted(types))))
+    except OSError as exc:
+        logger.warning("could not write %s: %s", record, exc)
+    return types
 
 
 def _to_tensor(array: np.ndarray) -> torch.Tensor:

@@ -20,9 +20,14 @@ WEIGHT_FORMATS = ("float32", "bfloat16", "float16", "int8", "int4")
 FLOAT_FORMATS = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 GROUP_SIZE = 32
 CPU_INT4_ROWS = 64       # the CPU int4 kernel packs rows in tiles of 64
+INT8_KERNEL_K = 16       # the CPU int8 kernel needs in_features in multiples of 16 (else: widened path)
 SMALL_ROWS = 16          # int8 on CPU: rows up to this use the int8 kernel, more use a widened weight
 # Linears whose weight other code reads directly (MLA's absorbed kv_b_proj): they stay in float.
 FLOAT_ONLY = ("kv_b_proj",)
+# The LM head keeps float weights under int8/int4 (as llama.cpp keeps output.weight at higher
+# precision): on SmolLM2 an int8 head alone costs KL 2e-3 against float32, an int4 body 3e-4
+# (`kvserve eval weights`, docs/WEIGHTS.md). Tied to the embeddings, it then costs no memory.
+FLOAT_HEAD = ("lm_head",)
 
 
 class QuantLinear(nn.Module):
@@ -109,7 +114,7 @@ class QuantLinear(nn.Module):
         if x.device.type != "cpu":
             return F.linear(x, self.qweight.to(x.dtype)) * self.scale.to(x.dtype)
         xb = x.to(torch.bfloat16)
-        if x.shape[0] <= self.small_rows:
+        if x.shape[0] <= self.small_rows and self.in_features % INT8_KERNEL_K == 0:
             return torch.ops.aten._weight_int8pack_mm(xb, self.qweight, self.scale_bf16).to(x.dtype)
         # the kernel's roundings (bfloat16 in, bfloat16 scale and out), so a row's result does not
         # depend on how many rows share its step
@@ -149,7 +154,8 @@ def quantize_model(model: nn.Module, fmt: str) -> None:
                 _replace_members(module, group)
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
-            if isinstance(child, nn.Linear) and id(child) not in members and name not in FLOAT_ONLY:
+            keep = name in FLOAT_ONLY or (name in FLOAT_HEAD and fmt not in FLOAT_FORMATS)
+            if isinstance(child, nn.Linear) and id(child) not in members and not keep:
                 setattr(parent, name, QuantLinear(child.weight, child.bias, fmt))
 
 

@@ -320,11 +320,7 @@ def register(subparsers) -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="eval_command", required=True)
     q = sub.add_parser("kv-quant", help="KV cache formats against a full-precision cache",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    q.add_argument("--model", default=None, help="GGUF, HF folder or alias (default: bundled SmolLM2)")
-    q.add_argument("--formats", default=DEFAULT_FORMATS, help=f"comma-separated specs (default {DEFAULT_FORMATS})")
-    q.add_argument("--context", type=int, default=1024, help="tokens prefilled before scoring")
-    q.add_argument("--score-tokens", type=int, default=128, help="teacher-forced and greedy tokens")
-    q.add_argument("--samples", type=int, default=2, help="windows of the corpus")
+    add_harness_args(q, DEFAULT_FORMATS, context=1024, score_tokens=128, samples=2)
     q.add_argument("--passkey-lengths", default="1024,2048,4096", help="prompt lengths ('' for none)")
     q.add_argument("--passkey-cases", type=int, default=20, help="cases per length")
     q.add_argument("--block-size", type=int, default=32)
@@ -338,6 +334,16 @@ def register(subparsers) -> argparse.ArgumentParser:
     from kvserve.tools.evaluate_weights import register as register_weights
     register_weights(sub)    # `kvserve eval weights`: weight formats against float32
     return p
+
+
+def add_harness_args(p: argparse.ArgumentParser, formats: str, context: int, score_tokens: int,
+                     samples: int) -> None:
+    """The options every teacher-forced evaluation takes: model, specs, context, scored tokens, windows."""
+    p.add_argument("--model", default=None, help="GGUF, HF folder or alias (default: bundled SmolLM2)")
+    p.add_argument("--formats", default=formats, help=f"comma-separated specs (default {formats})")
+    p.add_argument("--context", type=int, default=context, help="tokens prefilled before scoring")
+    p.add_argument("--score-tokens", type=int, default=score_tokens, help="teacher-forced and greedy tokens")
+    p.add_argument("--samples", type=int, default=samples, help="windows of the corpus")
 
 
 def settings_from_args(args) -> EvalSettings:

@@ -21,7 +21,15 @@ from dataclasses import dataclass
 
 import torch
 
-from kvserve.tools.evaluate import common_prefix, corpus_ids, fidelity, fmt_num, run_forced, windows
+from kvserve.tools.evaluate import (
+    add_harness_args,
+    common_prefix,
+    corpus_ids,
+    fidelity,
+    fmt_num,
+    run_forced,
+    windows,
+)
 
 DEFAULT_SPECS = "bfloat16,int8,int4,bfloat16:bfloat16,auto"
 GATE_KL = 2e-3
@@ -111,11 +119,7 @@ def register(sub) -> None:
     """Add `kvserve eval weights`."""
     p = sub.add_parser("weights", help="weight formats against float32 weights",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default=None, help="GGUF, HF folder or alias (default: bundled SmolLM2)")
-    p.add_argument("--formats", default=DEFAULT_SPECS, help=f"comma-separated specs (default {DEFAULT_SPECS})")
-    p.add_argument("--context", type=int, default=512, help="tokens prefilled before scoring")
-    p.add_argument("--score-tokens", type=int, default=64, help="teacher-forced and greedy tokens per window")
-    p.add_argument("--samples", type=int, default=4, help="windows of the corpus")
+    add_harness_args(p, DEFAULT_SPECS, context=512, score_tokens=64, samples=4)
     p.set_defaults(func=run)
 
 
