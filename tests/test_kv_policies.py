@@ -52,6 +52,7 @@ def tiny_mla(request, tmp_path_factory):
 
 def tiny_llm(path, policy, blocks=512, layers=1, **kw):
     kw.setdefault("max_num_batched_tokens", 32)
+    kw.setdefault("dtype", "float32")  # the oracle mode
     return LLM(path, kv_cache_memory=blocks * BS * TOKEN_BYTES, block_size=BS, max_model_len=kw.pop("max_model_len", 400),
                kv_policy=policy, **kw)
 
