@@ -68,11 +68,11 @@ def test_reset_prefix_cache(llm):
 
 
 def test_preemption_tiny_pool_equals_recompute(llm_nocache):
-    # 40 blocks x 16 = 640 token slots for 8 requests of ~70 + 40 tokens: preemption must happen
-    tiny = LLM(kv_cache_memory=40 * 16 * 46080, max_model_len=512, dtype="float32")
+    # 28 blocks x 16 = 448 token slots for 8 requests of ~70 + 30 tokens: preemption must happen
+    tiny = LLM(kv_cache_memory=28 * 16 * 46080, max_model_len=256, dtype="float32")
     prompts = [f"{PROMPTS[2]} ({i})" for i in range(8)]
-    out = tiny.generate(prompts, greedy(60, ignore_eos=True), use_tqdm=False)
-    ref = llm_nocache.generate(prompts, greedy(60, ignore_eos=True), use_tqdm=False)
+    out = tiny.generate(prompts, greedy(30, ignore_eos=True), use_tqdm=False)
+    ref = llm_nocache.generate(prompts, greedy(30, ignore_eos=True), use_tqdm=False)
     assert tiny.get_metrics()["num_preemptions"] > 0
     assert_same_completions(out, ref)
     assert all_blocks_free(tiny)
