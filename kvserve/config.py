@@ -94,7 +94,7 @@ class EngineConfig:
                              "(recompute every step)", choices=list(KV_CACHE_MODES))
     # KV cache storage format (kvserve/kv/formats.py; docs/QUANTIZATION.md)
     kv_cache_dtype: str = opt("auto", "auto, float16, bfloat16, float32, fp8_e4m3, fp8_e5m2, int8, kivi4, kivi2 "
-                              "(kivi needs --block-size 32)", group="KV cache format")
+                              "(kivi picks --block-size 32 unless told)", group="KV cache format")
     kv_cache_dtype_k: str | None = opt(None, "keys in another format than --kv-cache-dtype", group="KV cache format")
     kv_cache_dtype_v: str | None = opt(None, "values in another format than --kv-cache-dtype", group="KV cache format")
     kv_cache_dtype_skip_layers: tuple[int, ...] | list[int] | str = opt(

@@ -37,8 +37,7 @@ from kvserve.engine.async_engine import (
 from kvserve.engine.engine import LLMEngine
 from kvserve.outputs import CompletionOutput, RequestOutput
 from kvserve.sampling_params import SamplingParams
-from kvserve.server import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_QUEUE
-from kvserve.server import inputs
+from kvserve.server import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_QUEUE, inputs
 from kvserve.server import protocol as P
 from kvserve.server.metrics import ServerMetrics
 
