@@ -16,7 +16,7 @@ from family_checkpoints import make_tiny_checkpoint
 from helpers import all_blocks_free, assert_same_completions
 
 from kvserve import LLM, SamplingParams
-from kvserve.model.attention import AttentionMetadata, PrefillSpan
+from kvserve.attention import AttentionMetadata, PrefillSpan
 
 TOL = 1e-4
 PROMPT_LEN = 40
@@ -68,7 +68,7 @@ def test_prefill_logits_match_transformers(checkpoints, name):
     ids = torch.tensor(_prompt())
     with torch.no_grad():
         meta = AttentionMetadata(prefills=[PrefillSpan(0, len(ids), len(ids))])  # no cache: plain causal
-        hidden = model(ids, torch.arange(len(ids)), None, meta)
+        hidden = model(ids, torch.arange(len(ids)), meta)
         got = model.compute_logits(hidden)
         ref = _hf(path)(ids[None]).logits[0].float()
     assert (got - ref).abs().max().item() < TOL

@@ -8,7 +8,8 @@ import torch
 from family_checkpoints import make_tiny_checkpoint
 from helpers import all_blocks_free
 
-from kvserve import LLM, SamplingParams
+from kvserve import LLM, SamplingParams, attention
+from kvserve.attention import AttentionMetadata, PrefillSpan
 from kvserve.kv.policies import (
     KVPolicy,
     keep_heavy_recent,
@@ -18,8 +19,6 @@ from kvserve.kv.policies import (
     parse_policy,
     snapkv_scores,
 )
-from kvserve.model import attention
-from kvserve.model.attention import AttentionMetadata, PrefillSpan
 
 BS = 4
 TOKEN_BYTES = 2 * 2 * 16 * 4  # K and V, 2 KV heads x head_dim 16, float32: one layer of the tiny llama
@@ -196,7 +195,7 @@ class Oracle:
     @torch.inference_mode()
     def recompute(self, ids, pos):
         n = len(ids)
-        hidden = self.eng.model(torch.tensor(ids), torch.tensor(pos), None,
+        hidden = self.eng.model(torch.tensor(ids), torch.tensor(pos),
                                 AttentionMetadata(prefills=[PrefillSpan(0, n, n)]))
         return self.eng.model.compute_logits(hidden[-1:])[0]
 

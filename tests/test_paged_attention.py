@@ -1,4 +1,4 @@
-"""Decode attention that reads blocks in place (model/attention.py `paged_decode`) against the
+"""Decode attention that reads blocks by id (kvserve/attention/paged.py `paged_decode`) against the
 attention formula computed directly in float64 over each row's own tokens."""
 
 import math
@@ -6,7 +6,14 @@ import math
 import pytest
 import torch
 
-from kvserve.model.attention import paged_decode, paged_decode_plan
+from kvserve.attention import paged_decode, plan_chunks
+
+
+def paged_decode_plan(tables, starts, ends, block_size, per_chunk):
+    """plan_chunks over the tables padded into one [B, W] tensor (the padding is never read)."""
+    width = max(len(t) for t in tables)
+    table = torch.stack([torch.cat([t, torch.full((width - len(t),), -1)]) for t in tables])
+    return plan_chunks(table, torch.tensor(starts), torch.tensor(ends), block_size, per_chunk)
 
 
 def _pool_and_tables(lengths, block_size, kv_heads, head_dim, dtype, seed=0):
@@ -48,10 +55,24 @@ def test_paged_decode_equals_attention_formula(kv_heads, q_heads, block_size, pe
     q = torch.randn(len(lengths), q_heads, d, generator=torch.Generator().manual_seed(1))
     starts = [0] * len(lengths)
     plan = paged_decode_plan(tables, starts, lengths, block_size, per_chunk)
+    assert not plan.one_per_row  # ragged lengths: rows in chunks, combined by log-sum-exp
     got = paged_decode(q, k, v, plan, 0.25)
     want = _oracle(q, k, v, tables, starts, lengths, block_size, 0.25)
     assert got.dtype == torch.float32
     torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("kv_heads,q_heads", [(3, 9), (1, 4)])
+def test_paged_decode_one_chunk_per_row_when_lengths_are_close(kv_heads, q_heads):
+    """Rows of similar length: each row is one padded chunk (nothing to combine), same result."""
+    lengths = [60, 64, 57, 49]
+    k, v, tables = _pool_and_tables(lengths, 16, kv_heads, 16, torch.float32, seed=9)
+    q = torch.randn(len(lengths), q_heads, 16, generator=torch.Generator().manual_seed(2))
+    plan = paged_decode_plan(tables, [0] * 4, lengths, 16, 1)
+    assert plan.one_per_row and plan.row.tolist() == [0, 1, 2, 3]
+    got = paged_decode(q, k, v, plan, 0.2)
+    torch.testing.assert_close(got.double(), _oracle(q, k, v, tables, [0] * 4, lengths, 16, 0.2),
+                               atol=1e-5, rtol=1e-5)
 
 
 def test_paged_decode_sliding_window_skips_old_blocks():
@@ -112,10 +133,10 @@ def test_default_engine_decodes_in_place_and_equals_recompute(llm, llm_nocache, 
     from helpers import assert_same_completions
 
     from kvserve import SamplingParams
-    from kvserve.model import attention
+    from kvserve.attention import backends
     runner = llm.engine.runner
-    assert all(runner.reads_blocks_in_place(g) for g in range(len(llm.engine.kv.groups)))
-    calls = _count_calls(monkeypatch, attention, "paged_decode")
+    assert set(runner.backend_names()) == {"PagedBackend"}
+    calls = _count_calls(monkeypatch, backends, "paged_decode")
     params = SamplingParams(temperature=0, max_tokens=8, logprobs=2, ignore_eos=True)
     out = llm.generate(PROMPTS, params, use_tqdm=False)
     assert calls[0] >= 7  # every decode step after the first token
@@ -126,11 +147,11 @@ def test_quantized_pool_reads_through_its_codec(llm_nocache, monkeypatch):
     """int8 decodes gather through Int8Codec.decode, not in place: the log-probs move by an
     int8-sized amount from the recompute oracle (neither zero nor large)."""
     from kvserve import LLM, SamplingParams
+    from kvserve.attention import backends
     from kvserve.kv.formats import Int8Codec
-    from kvserve.model import attention
     q = LLM(kv_cache_dtype="int8", kv_cache_memory="32MiB", max_model_len=256, dtype="float32")
-    assert not q.engine.runner.reads_blocks_in_place(0)
-    in_place = _count_calls(monkeypatch, attention, "paged_decode")
+    assert q.engine.runner.backend_names() == ["GatheredBackend"]
+    in_place = _count_calls(monkeypatch, backends, "paged_decode")
     decoded = _count_calls(monkeypatch, Int8Codec, "decode")
     params = SamplingParams(temperature=0, max_tokens=8, logprobs=0, ignore_eos=True)
     out = q.generate(PROMPTS, params, use_tqdm=False)
@@ -160,7 +181,9 @@ def test_bfloat16_in_place_decode_tracks_float32(llm):
     ref = llm.generate(prompts, params, use_tqdm=False)
     bf = LLM(dtype="bfloat16", kv_cache_memory="64MiB", max_model_len=512)
     fast = bf.generate(prompts, params, use_tqdm=False)
-    bf.engine.runner._in_place = {g: False for g in range(len(bf.engine.kv.groups))}
+    from kvserve.attention import GatheredBackend
+    eng = bf.engine
+    eng.runner.set_backends([GatheredBackend(eng.storage, group) for group in eng.kv.groups])
     slow = bf.generate(prompts, params, use_tqdm=False)
     errors = {"fast": [], "slow": []}
     for r, *pair in zip(ref, fast, slow):

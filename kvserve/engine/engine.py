@@ -126,12 +126,13 @@ class LLMEngine:
                                      self.dtype, self.device, self.kv_format, self.kv_residual_rows)
             self.storage.block_is_free = lambda b: self.kv.pool.blocks[b].ref_cnt == 0
             self.kv.residual_rows = self.kv_residual_rows or None  # the scheduler admits this many filling blocks
-        self.runner = ModelRunner(self.model, self.kv, self.storage, self.device)
+        self.runner = ModelRunner(self.model, self.kv, self.storage, self.device, cfg.max_num_seqs,
+                                  self.max_model_len)
         self.evictor = None  # engine/eviction.py: per-layer KV eviction (needs one layer per group)
         if self.kv_policy is not None and self.kv is not None:
             self.evictor = Evictor(self.kv, self.storage, self.model, self.kv_groups)
             self.evictor.check(self.kv_policy)
-            self.runner.evictor = self.evictor
+            self.runner.use_evictor(self.evictor)
         self.swap = build_swap(cfg, self.storage, self.kv)   # host swap pool (swap_space GiB)
         self.tiers = build_tiers(self)                        # prefix store below the device (kv_tiers)
         max_batch = cfg.max_num_batched_tokens if self.kv is not None else self.max_model_len
@@ -199,11 +200,11 @@ class LLMEngine:
     @torch.inference_mode()
     def _warmup(self) -> None:
         """One no-cache forward of max_num_batched_tokens tokens to measure activation memory."""
-        from kvserve.model.attention import AttentionMetadata, PrefillSpan
+        from kvserve.attention import AttentionMetadata, PrefillSpan
         n = min(self.config.max_num_batched_tokens, self.max_model_len)
         ids = torch.zeros(n, dtype=torch.long, device=self.device)
         meta = AttentionMetadata(prefills=[PrefillSpan(0, n, n)])
-        hidden = self.model(ids, torch.arange(n, device=self.device), None, meta)
+        hidden = self.model(ids, torch.arange(n, device=self.device), meta)
         self.model.compute_logits(hidden[-256:])
         for layer in self.model.model.layers:
             layer.self_attn.kv_rows = 0

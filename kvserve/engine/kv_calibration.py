@@ -18,9 +18,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from kvserve.attention import OBSERVERS, AttentionMetadata, PrefillSpan, window_mask
 from kvserve.kv.formats import canonical_kv_dtype, hadamard, make_codec, roundtrip
 from kvserve.kv.spec import KVGroup
-from kvserve.model.attention import OBSERVERS, AttentionMetadata, PrefillSpan, window_mask
 
 log = logging.getLogger("kvserve")
 
@@ -51,7 +51,7 @@ def capture_qkv(model, ids: list[int], device) -> dict[int, tuple]:
     n = len(ids)
     OBSERVERS.append(observe)
     try:
-        model(torch.tensor(ids, device=device), torch.arange(n, device=device), None,
+        model(torch.tensor(ids, device=device), torch.arange(n, device=device),
               AttentionMetadata(prefills=[PrefillSpan(0, n, n)]))
     finally:
         OBSERVERS.remove(observe)

@@ -36,7 +36,7 @@ into steps, so chunked prefill, prefix hits (full blocks, always quantized), rec
 preemption and forks all give the same result as one uninterrupted run. Decode rows read their
 own block from its residual row (a block that fills in this step keeps its row until the next
 layer writes); prefill chunks attend over the stored keys plus an exact copy of the positions from
-their first block's start (`model/attention.py`, `_own_block_context`).
+their first block's start (`attention/backends.py`, `_own_block_context`).
 
 So for KIVI formats, full blocks (the only ones prefix caching or a tier ever keeps) are entirely
 in `slots`; a still-filling block also has a residual row: `copy_blocks` carries it for

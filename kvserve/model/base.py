@@ -5,9 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from kvserve.attention import AttentionMetadata
 from kvserve.kv.spec import KVSpec
-from kvserve.kv.storage import KVStorage
-from kvserve.model.attention import AttentionMetadata
 from kvserve.model.config import ModelConfig
 
 
@@ -23,10 +22,9 @@ class CausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
         self.softcap = getattr(cfg, "final_logit_softcapping", None)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, storage: KVStorage | None,
-                meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """Hidden states [num_tokens, hidden] after the final norm."""
-        return self.model(input_ids, positions, storage, meta)
+        return self.model(input_ids, positions, meta)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits [rows, vocab] in float32 (soft-capped when the model says so)."""

@@ -16,9 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvserve.attention import MLA, AttentionMetadata, attention
 from kvserve.kv.spec import KVSpec
-from kvserve.kv.storage import KVStorage
-from kvserve.model.attention import AttentionMetadata, contexts
 from kvserve.model.base import CausalLM
 from kvserve.model.config import ModelConfig
 from kvserve.model.layers import GatedMLP, RMSNorm
@@ -147,6 +146,7 @@ class MLAttention(nn.Module):
         self.rope = rope
         self.scale = cfg.attention_scale()  # qk_head_dim**-0.5, times yarn mscale(all_dim)^2 when configured
         self.spec = KVSpec("mla", latent_dim=m.kv_lora_rank, rope_dim=m.qk_rope_head_dim)
+        self.math = MLA(m.kv_lora_rank)
         self.kv_rows = 0  # token rows pushed through kv_a_proj_with_mqa (instrumented, for `analyze`)
 
     def shift_keys(self, latent: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
@@ -164,7 +164,7 @@ class MLAttention(nn.Module):
             return self.q_proj(x)
         return self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
 
-    def forward(self, x, positions, cos_sin, storage: KVStorage | None, meta: AttentionMetadata):
+    def forward(self, x, positions, cos_sin, meta: AttentionMetadata):
         n, h = x.shape[0], self.num_heads
         q_nope, q_pe = self._query(x).view(n, h, -1).split([self.nope, self.rope_dim], dim=-1)
         c_kv, k_pe = self.kv_a_proj_with_mqa(x).split([self.rank, self.rope_dim], dim=-1)
@@ -176,34 +176,9 @@ class MLAttention(nn.Module):
         q_lat = torch.einsum("thd,hdr->thr", q_nope, w_uk)                      # [n, H, r]
         q = torch.cat([q_lat, q_pe], dim=-1)                                    # [n, H, r + rope]
         latent = torch.cat([c_kv, k_pe], dim=-1)                                # [n, r + rope]: the cache entry
-        out = q.new_empty(n, h, self.rank)                                      # [n, H, r]
-        for ctx in contexts(self.layer, storage, meta, [latent]):
-            (kv,) = ctx.entries
-            attend = _decode if ctx.batched else _prefill
-            out[ctx.rows] = attend(q[ctx.rows], kv, ctx.mask, self.rank, self.scale)
-            if meta.score_hook is not None:  # KV eviction scores: one shared "KV head", all heads in its group
-                meta.score_hook(self.layer, ctx, q[ctx.rows], kv.unsqueeze(-2), self.scale)
+        out = attention(self.layer, q, [latent], meta, self.scale, None, self.math)  # [n, H, r]
         o = torch.einsum("thr,hvr->thv", out, w_uv)                             # [n, H, v]
         return self.o_proj(o.reshape(n, h * self.v_dim))
-
-
-def _decode(q, kv, mask, rank, scale):
-    """q [B, H, r+rope] over kv [B, L, r+rope] (mask [B, 1, 1, L]): heads become the query rows."""
-    o = F.scaled_dot_product_attention(
-        q.unsqueeze(1),                                    # [B, 1, H, r+rope]
-        kv.unsqueeze(1), kv[..., :rank].unsqueeze(1),      # [B, 1, L, r+rope], [B, 1, L, r]
-        attn_mask=mask, scale=scale)
-    return o.squeeze(1)                                    # [B, H, r]
-
-
-def _prefill(q, kv, mask, rank, scale):
-    """q [n, H, r+rope] over kv [ctx, r+rope] (mask [n, ctx], or None = causal with n == ctx)."""
-    h = q.shape[1]
-    k = kv.unsqueeze(0).expand(h, -1, -1)                  # [H, ctx, r+rope], a view
-    v = kv[:, :rank].unsqueeze(0).expand(h, -1, -1)        # [H, ctx, r]
-    o = F.scaled_dot_product_attention(q.transpose(0, 1), k, v, attn_mask=mask,
-                                       is_causal=mask is None, scale=scale)
-    return o.transpose(0, 1)                               # [n, H, r]
 
 
 # ---- MoE -------------------------------------------------------------------------------
@@ -313,8 +288,8 @@ class DeepseekDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x, positions, cos_sin, storage, meta):
-        x = x + self.self_attn(self.input_layernorm(x), positions, cos_sin, storage, meta)
+    def forward(self, x, positions, cos_sin, meta):
+        x = x + self.self_attn(self.input_layernorm(x), positions, cos_sin, meta)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -332,11 +307,11 @@ class DeepseekModel(nn.Module):
                                     for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, input_ids, positions, storage, meta):
+    def forward(self, input_ids, positions, meta):
         x = self.embed_tokens(input_ids)
         cos_sin = self.rope.cos_sin(positions)
         for layer in self.layers:
-            x = layer(x, positions, cos_sin, storage, meta)
+            x = layer(x, positions, cos_sin, meta)
         return self.norm(x)
 
 

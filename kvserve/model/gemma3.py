@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from kvserve.attention import attend
 from kvserve.kv.spec import KVSpec
-from kvserve.model.attention import attend
 from kvserve.model.base import CausalLM
 from kvserve.model.config import ModelConfig
 from kvserve.model.layers import Fused, RotaryEmbedding
@@ -69,7 +69,7 @@ class Gemma3Attention(nn.Module):
         """Cached keys [m, kv_heads, head_dim] rotated at p -> rotated at p - delta (KV eviction)."""
         return self.rope.shift(k, delta)
 
-    def forward(self, x, positions, storage, meta):
+    def forward(self, x, positions, meta):
         n = x.shape[0]
         q, k, v = self.qkv(x)
         q = self.q_norm(q.view(n, self.num_heads, self.head_dim))
@@ -77,7 +77,7 @@ class Gemma3Attention(nn.Module):
         v = v.view(n, self.num_kv_heads, self.head_dim)
         self.kv_rows += n
         q, k = self.rope(positions, q, k)
-        o = attend(q, k, v, self.layer, storage, meta, self.scale, self.window)
+        o = attend(q, k, v, self.layer, meta, self.scale, self.window)
         return self.o_proj(o.reshape(n, -1))
 
 
@@ -94,8 +94,8 @@ class Gemma3DecoderLayer(nn.Module):
         self.pre_feedforward_layernorm = GemmaRMSNorm(cfg.hidden_size, eps)
         self.post_feedforward_layernorm = GemmaRMSNorm(cfg.hidden_size, eps)
 
-    def forward(self, x, positions, storage, meta):
-        x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), positions, storage, meta))
+    def forward(self, x, positions, meta):
+        x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), positions, meta))
         return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
 
 
@@ -115,11 +115,11 @@ class Gemma3Model(nn.Module):
             for i in range(cfg.num_layers))
         self.norm = GemmaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, input_ids, positions, storage, meta):
+    def forward(self, input_ids, positions, meta):
         x = self.embed_tokens(input_ids)
         x = x * torch.tensor(self.embed_scale, dtype=x.dtype)
         for layer in self.layers:
-            x = layer(x, positions, storage, meta)
+            x = layer(x, positions, meta)
         return self.norm(x)
 
 

@@ -5,9 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from kvserve.attention import AttentionMetadata, attend
 from kvserve.kv.spec import KVSpec
-from kvserve.kv.storage import KVStorage
-from kvserve.model.attention import AttentionMetadata, attend
 from kvserve.model.base import CausalLM
 from kvserve.model.config import ModelConfig
 from kvserve.model.layers import Fused, GatedMLP, RMSNorm, RotaryEmbedding
@@ -49,7 +48,7 @@ class LlamaAttention(nn.Module):
         """Cached keys [m, kv_heads, head_dim] rotated at p -> rotated at p - delta (KV eviction)."""
         return self.rope.shift(k, delta)
 
-    def forward(self, x, positions, storage: KVStorage | None, meta: AttentionMetadata):
+    def forward(self, x, positions, meta: AttentionMetadata):
         n = x.shape[0]
         q, k, v = self.qkv(x)
         q = q.view(n, self.num_heads, self.head_dim)
@@ -59,7 +58,7 @@ class LlamaAttention(nn.Module):
         if hasattr(self, "q_norm"):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rope(positions, q, k)
-        o = attend(q, k, v, self.layer, storage, meta, self.head_dim ** -0.5, self.window)
+        o = attend(q, k, v, self.layer, meta, self.head_dim ** -0.5, self.window)
         return self.o_proj(o.reshape(n, -1))
 
 
@@ -73,8 +72,8 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x, positions, storage, meta):
-        x = x + self.self_attn(self.input_layernorm(x), positions, storage, meta)
+    def forward(self, x, positions, meta):
+        x = x + self.self_attn(self.input_layernorm(x), positions, meta)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -88,10 +87,10 @@ class LlamaModel(nn.Module):
         self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i, rope) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, input_ids, positions, storage, meta):
+    def forward(self, input_ids, positions, meta):
         x = self.embed_tokens(input_ids)
         for layer in self.layers:
-            x = layer(x, positions, storage, meta)
+            x = layer(x, positions, meta)
         return self.norm(x)
 
 

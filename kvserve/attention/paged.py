@@ -1,0 +1,64 @@
+"""Decode attention over native K/V blocks, read from the pool by block id (torch reference).
+
+Each decode row attends over the positions [start, end) of its block table. The visible blocks are
+cut into chunks of up to `per` blocks; one fused attention call covers every (row, chunk) pair, with
+the query heads of each K/V head as the query rows of that head (no head attends to another's
+keys, nothing is repeated). Chunks of one row are then combined exactly through their
+log-sum-exps. When the rows' lengths are close, each row is one chunk and nothing is combined.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvserve.attention.math import attention_lse
+from kvserve.attention.metadata import DecodeChunks
+
+# A single padded chunk per row is used while padding adds at most this share of blocks.
+PAD_SLACK = 1.25
+
+
+def plan_chunks(table: torch.Tensor, starts: torch.Tensor, ends: torch.Tensor, block_size: int,
+                blocks_per_chunk: int) -> DecodeChunks:
+    """Row i of `table` [B, W] (block ids) attends over positions [starts[i], ends[i]): its visible
+    blocks in chunks, positions outside the range (and chunk padding) masked with -inf."""
+    bs = block_size
+    b0 = starts // bs
+    b1 = torch.div(ends - 1, bs, rounding_mode="floor") + 1
+    n = b1 - b0                                                             # [B] visible blocks
+    rows = n.numel()
+    longest, total = int(n.max()), int(n.sum())
+    per = longest if rows * longest <= PAD_SLACK * total else min(blocks_per_chunk, longest)
+    chunks = torch.div(n + per - 1, per, rounding_mode="floor")             # [B]
+    row = torch.repeat_interleave(torch.arange(rows, device=table.device), chunks)   # [P]
+    first = torch.cumsum(chunks, 0) - chunks
+    j = torch.arange(row.numel(), device=table.device) - first[row]         # chunk index within its row
+    col = (b0[row] + j * per)[:, None] + torch.arange(per, device=table.device)[None, :]   # [P, per]
+    blocks = table[row[:, None], torch.minimum(col, (b1 - 1)[row][:, None])]
+    pos = (col[:, :, None] * bs + torch.arange(bs, device=table.device)).flatten(1)         # [P, per * bs]
+    hidden = (pos < starts[row][:, None]) | (pos >= ends[row][:, None])
+    bias = torch.zeros(pos.shape, device=table.device).masked_fill_(hidden, float("-inf"))
+    return DecodeChunks(blocks.flatten(), row, bias[:, None, None, :], rows, row.numel() == rows)
+
+
+def paged_decode(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, chunks: DecodeChunks,
+                 scale: float) -> torch.Tensor:
+    """One query token per row over its blocks in the pools [num_blocks, block_size, Hkv, D]:
+    q [B, Hq, D] -> [B, Hq, D]."""
+    b, hq, d = q.shape
+    num, hkv = chunks.row.numel(), k_pool.shape[2]
+    span = chunks.bias.shape[-1]
+    k_out, v_out = chunks.workspace if chunks.workspace is not None else (None, None)
+    keys = torch.index_select(k_pool, 0, chunks.blocks, out=k_out).view(num, span, hkv, d).transpose(1, 2)
+    values = torch.index_select(v_pool, 0, chunks.blocks, out=v_out).view(num, span, hkv, d).transpose(1, 2)
+    qp = q if chunks.one_per_row else q.index_select(0, chunks.row)
+    out, lse = attention_lse(qp.view(num, hkv, hq // hkv, d), keys, values, chunks.bias, scale)
+    if chunks.one_per_row:
+        return out.reshape(b, hq, d)
+    lse = lse.reshape(num, hq)
+    row = chunks.row
+    peak = lse.new_full((b, hq), float("-inf")).scatter_reduce_(0, row[:, None].expand(-1, hq), lse, "amax")
+    w = torch.exp(lse - peak.index_select(0, row))                                    # [P, Hq]
+    total = w.new_zeros(b, hq).index_add_(0, row, w)
+    acc = w.new_zeros(b, hq, d).index_add_(0, row, out.reshape(num, hq, d).float() * w.unsqueeze(-1))
+    return (acc / total.unsqueeze(-1)).to(q.dtype)
