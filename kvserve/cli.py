@@ -86,6 +86,7 @@ def cmd_generate(args) -> int:
           f"{m['generation_tokens']} tokens generated, {m['prefix_cache_hits']} prompt tokens from "
           f"the prefix cache, KV pool {m['num_blocks_total']} blocks x {m.get('block_size', 0)} tokens",
           file=sys.stderr)
+    llm.close()
     return 0
 
 
@@ -109,6 +110,7 @@ def cmd_chat(args) -> int:
         print(f"assistant> {reply}")
         print(f"  [{len(out.prompt_token_ids)} prompt tokens, {out.num_cached_tokens} from cache, "
               f"{len(out.outputs[0].token_ids)} generated]")
+    llm.close()
     return 0
 
 

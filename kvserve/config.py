@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -37,14 +37,25 @@ def parse_bytes(value: int | float | str) -> int:
 
 
 def parse_tier_spec(text: str):
-    """'cpu:4GiB', 'disk:/path:20GiB' or 'redis://host:port/db' -> kvserve.kv.tiers.TierSpec."""
-    from kvserve.kv.tiers import TierSpec
-    usage = "use 'cpu:SIZE', 'disk:/path:SIZE' or 'redis://host:port/db', e.g. 'cpu:4GiB'"
+    """'cpu:4GiB', 'disk:/path:20GiB' or 'redis://host:port/db', each optionally ending in
+    ':write_through' or ':write_back' -> kvserve.kv.tiers.TierSpec."""
+    from kvserve.kv.tier_writer import WRITE_POLICIES
+    usage = ("use 'cpu:SIZE', 'disk:/path:SIZE' or 'redis://host:port/db', optionally ending in "
+             "':write_through' or ':write_back', e.g. 'cpu:4GiB' or 'disk:/var/cache/kv:20GiB:write_back'")
     if not isinstance(text, str) or not text:
         raise ValueError(f"bad KV tier {text!r}: {usage}")
-    if text.startswith(("redis://", "rediss://", "unix://")):
-        return TierSpec("redis", location=text)
-    kind, _, rest = text.partition(":")
+    place, _, policy = text.rpartition(":")
+    if policy in WRITE_POLICIES and place:
+        return replace(_parse_tier_place(place, text, usage), write_policy=policy)
+    return _parse_tier_place(text, text, usage)
+
+
+def _parse_tier_place(place: str, text: str, usage: str):
+    """The tier `place` names (`text` is the whole spec, for errors)."""
+    from kvserve.kv.tiers import TierSpec
+    if place.startswith(("redis://", "rediss://", "unix://")):
+        return TierSpec("redis", location=place)
+    kind, _, rest = place.partition(":")
     if kind == "disk":
         path, _, size = rest.rpartition(":")
         spec = TierSpec("disk", _tier_size(size, text, usage), path)
@@ -108,7 +119,8 @@ class EngineConfig:
     preemption_mode: str = opt("auto", "how a preempted request gives back its blocks (auto: the cheaper, "
                                "needs --swap-space)", choices=["recompute", "swap", "auto"], group="swap and KV tiers")
     kv_tiers: list[str] | None = opt(None, "prefix store below the device, in lookup order (repeatable): "
-                                     "cpu:4GiB, disk:/path:20GiB, redis://127.0.0.1:6379/0",
+                                     "cpu:4GiB, disk:/path:20GiB, redis://127.0.0.1:6379/0; append :write_through "
+                                     "(default for disk, redis) or :write_back (default for cpu)",
                                      flag="--kv-tier", group="swap and KV tiers", metavar="TIER")
     kv_policy: str | None = opt(None, "KV eviction for every request (docs/EVICTION.md): window:W, sinks:S,W, "
                                 "h2o:HEAVY,RECENT, snapkv:BUDGET[,WINDOW,KERNEL] (budgets in tokens or a ratio "

@@ -74,6 +74,16 @@ class LLM:
         """Forget cached blocks that no request holds (`offload=True`: write them to the KV tiers first)."""
         return self.engine.reset_prefix_cache(offload)
 
+    def close(self) -> None:
+        """Finish pending writes to the KV tiers (write_through) and stop their writer threads."""
+        self.engine.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         done: dict[str, RequestOutput] = {}
         bar = tqdm(total=len(ids), desc="Processed prompts", disable=not use_tqdm, dynamic_ncols=True)

@@ -1,13 +1,16 @@
-"""KV tiers: entries and checksums, each tier's LRU bound, the bridge under the manager, and engines
-sharing a disk or Redis tier across processes, with faults (corrupt entries, Redis down)."""
+"""KV tiers: entries and checksums, each tier's LRU bound, the bridge under the manager, write
+policies (write-through off the step loop, write-back on eviction), and engines sharing a disk or
+Redis tier across processes, with faults (corrupt entries, Redis down or hung)."""
 
 from __future__ import annotations
 
 import json
 import logging
 import os
+import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -25,6 +28,9 @@ from kvserve.kv.tiers import (
     DiskTier,
     RedisTier,
     TierBridge,
+    TierSpec,
+    TierStats,
+    make_tier,
     pack_entry,
     pack_rows,
     tier_namespace,
@@ -166,9 +172,10 @@ def run_request(kv: KVCacheManager, storage: KVStorage, rid: str, tokens: list[i
     return num_hit, tables, contents
 
 
-def attach(kv, storage, tiers):
-    bridge = TierBridge(tiers, storage, "ns", before_write=lambda: storage.copy_blocks(kv.take_pending_copies()))
-    kv.lower = bridge
+def attach(kv, storage, tiers, **options):
+    bridge = TierBridge(tiers, storage, "ns", before_write=lambda: storage.copy_blocks(kv.take_pending_copies()),
+                        **options)
+    bridge.attach(kv)
     return bridge
 
 
@@ -192,7 +199,7 @@ def test_evicted_blocks_come_back_from_the_tier_bit_exact():
 
 def test_corrupt_entry_is_dropped_and_the_prefix_stops_there(tmp_path):
     kv, storage = small_cache()
-    tier = DiskTier(tmp_path, 1 << 20)
+    tier = DiskTier(tmp_path, 1 << 20, write_policy="write_back")
     bridge = attach(kv, storage, [tier])
     prompt = list(range(100, 117))
     run_request(kv, storage, "a", prompt, seed=1)
@@ -226,6 +233,68 @@ def test_hybrid_groups_load_only_the_window_of_sliding_layers():
     assert all(b != kv.null for b in tables[0][:5])       # every full-attention block came back
     assert tables[1][:3] == [kv.null] * 3                 # only the window of the sliding group
     assert tier.stats.hits == 5 + 2 and written >= 5 + 2
+
+
+# ---- write policies --------------------------------------------------------------------------
+def test_write_through_stores_blocks_when_registered_write_back_on_eviction(tmp_path):
+    kv, storage = small_cache()
+    back, through = CpuTier(1 << 20), DiskTier(tmp_path, 1 << 20)
+    assert (back.write_policy, through.write_policy) == ("write_back", "write_through")  # the defaults
+    bridge = attach(kv, storage, [back, through])
+    prompt = list(range(100, 117))                        # 4 full blocks + 1 token
+    _, tables, contents = run_request(kv, storage, "a", prompt, seed=1)
+    bridge.write_through()                                # what the engine does after each step
+    assert bridge.flush(timeout=10)
+    assert through.stats.entries_written == 4 and back.stats.entries_written == 0
+    for i, block_id in enumerate(tables[0][:4]):          # each entry holds its block's bytes
+        h = _chain_hash(kv, prompt, i)
+        row = unpack_entry(through.get(bridge.key(h)), h, tuple(prompt[4 * i:4 * i + 4]), bridge.layout)
+        assert same_bits(unpack_rows(row[None], bridge.layout), [t[None] for t in contents[block_id]])
+    run_request(kv, storage, "b", list(range(500, 532)), seed=2)  # 8 blocks: evicts all of a's
+    bridge.write_through()
+    assert bridge.flush(timeout=10)
+    assert back.stats.entries_written == 4                # write_back: when the device evicts them
+    assert through.stats.entries_written == 4 + 8         # b's blocks; a's were not written again
+
+
+class SlowTier:
+    """A write-through tier whose stores wait until `gate` opens."""
+
+    name, write_policy, usage_bytes = "slow", "write_through", None
+
+    def __init__(self):
+        self.stats, self.gate, self.stored = TierStats(), threading.Event(), {}
+
+    def contains(self, keys):
+        return [k in self.stored for k in keys]
+
+    def get(self, key):
+        return self.stored.get(key)
+
+    def put_many(self, items):
+        self.gate.wait(30)
+        self.stored.update(items)
+        self.stats.add(entries_written=len(items))
+
+
+def test_full_write_queue_drops_and_counts_instead_of_blocking():
+    kv, storage = small_cache(num_blocks=16)
+    tier = SlowTier()
+    bridge = attach(kv, storage, [tier], queue_bytes=2 * storage.bytes_per_block)
+    prompt = list(range(100, 117))                        # 4 full blocks
+    run_request(kv, storage, "a", prompt, seed=1)
+    t0 = time.perf_counter()
+    bridge.write_through()                                # the tier is stuck: 2 blocks fit, 2 dropped
+    run_request(kv, storage, "b", list(range(200, 209)), seed=2)
+    bridge.write_through()                                # 2 more: the queue is still full
+    assert time.perf_counter() - t0 < 1.0                 # the step never waits for the tier
+    m = bridge.metrics()["slow"]
+    assert m["write_drops"] == 2 + 2 and m["pending_writes"] == 2
+    tier.gate.set()
+    assert bridge.flush(timeout=10)
+    assert set(tier.stored) == {bridge.key(_chain_hash(kv, prompt, i)) for i in range(2)}  # the leading blocks
+    m = bridge.metrics()["slow"]
+    assert m["pending_writes"] == 0 and m["entries_written"] == 2 and m["flush_seconds"] > 0
 
 
 # ---- engines ---------------------------------------------------------------------------------
@@ -267,6 +336,7 @@ def run_worker(engine: dict, prompts: list, offload: bool = False) -> dict:
 def test_cpu_tier_serves_blocks_the_device_evicted(doc, filler, reference):
     llm = LLM(kv_cache_memory=POOL_32, max_model_len=512, kv_tiers=["cpu:256MiB"], dtype="float32")
     first = llm.generate([doc], GREEDY, use_tqdm=False)[0]
+    assert llm.get_metrics()["kv_tiers"]["cpu"]["entries_written"] == 0  # write_back: nothing before eviction
     llm.generate([filler], GREEDY, use_tqdm=False)         # needs the whole pool: evicts every doc block
     again = llm.generate([doc], GREEDY, use_tqdm=False)[0]
     m = llm.get_metrics()
@@ -276,10 +346,13 @@ def test_cpu_tier_serves_blocks_the_device_evicted(doc, filler, reference):
     assert m["kv_tiers"]["cpu"]["hits"] == 25 and m["kv_tiers"]["cpu"]["errors"] == 0
 
 
-def test_disk_tier_across_processes(tmp_path, doc, filler, reference):
+def test_disk_tier_across_processes(tmp_path, doc, reference):
     engine = dict(kv_cache_memory=POOL_32, max_model_len=512, kv_tiers=[f"disk:{tmp_path}:1GiB"], dtype="float32")
-    a = run_worker(engine, [doc, filler])                 # A computes doc; the filler evicts it to disk
-    assert a["cached"] == [0, 0] and a["kv_tiers"]["disk"]["entries_written"] >= 25
+    a = run_worker(engine, [doc])                         # A computes doc (nothing evicted) and exits
+    disk = a["kv_tiers"]["disk"]
+    assert a["cached"] == [0] and disk["write_policy"] == "write_through"
+    assert disk["entries_written"] == 25 and disk["write_drops"] == 0 and disk["pending_writes"] == 0
+    assert disk["bytes_written"] == sum(p.stat().st_size for p in tmp_path.rglob("*.kvb"))
     b = run_worker(engine, [doc])                         # B: a new process, the same directory
     assert b["cached"][0] == 400               # every full block of the prompt from disk
     assert b["hits_by_source"]["disk"] == b["cached"][0]
@@ -288,7 +361,7 @@ def test_disk_tier_across_processes(tmp_path, doc, filler, reference):
 
 def test_redis_tier_shared_by_two_processes(redis_server, doc, reference):
     engine = dict(kv_cache_memory="64MiB", max_model_len=512, kv_tiers=[redis_server.url], dtype="float32")
-    a = run_worker(engine, [doc], offload=True)           # A writes its cached prefix down at the end
+    a = run_worker(engine, [doc])                         # A computes doc (nothing evicted) and exits
     b = run_worker(engine, [doc])
     assert a["kv_tiers"]["redis"]["entries_written"] == 25
     assert b["cached"][0] == 400 and b["hits_by_source"]["redis"] == 400
@@ -315,9 +388,10 @@ def test_other_dtype_or_format_gets_no_hits(tmp_path, doc, other):
 
 
 def test_corrupt_disk_entries_are_never_served(tmp_path, doc, reference):
-    tiers = [f"disk:{tmp_path}:1GiB"]
+    tiers = [f"disk:{tmp_path}:1GiB:write_back"]         # recomputed blocks are not written again
     writer = LLM(kv_cache_memory="64MiB", max_model_len=512, kv_tiers=tiers, dtype="float32")
     writer.generate([doc], GREEDY, use_tqdm=False)
+    assert not any(tmp_path.rglob("*.kvb"))               # write_back: nothing before eviction or offload
     writer.reset_prefix_cache(offload=True)
     files = sorted(tmp_path.rglob("*.kvb"), key=lambda p: p.stat().st_size)
     assert len(files) == 25
@@ -337,7 +411,7 @@ def test_corrupt_disk_entries_are_never_served(tmp_path, doc, reference):
 
 def test_redis_killed_mid_run_then_back(make_redis, doc, filler, reference, caplog):
     server = make_redis()
-    llm = LLM(kv_cache_memory=POOL_32, max_model_len=512, kv_tiers=[server.url], dtype="float32")
+    llm = LLM(kv_cache_memory=POOL_32, max_model_len=512, kv_tiers=[server.url + ":write_back"], dtype="float32")
     tier = llm.engine.tiers.tiers[0]
     assert llm.generate([doc], GREEDY, use_tqdm=False)[0].outputs[0].token_ids == reference
     server.stop()                                         # Redis dies
@@ -370,11 +444,48 @@ def test_redis_unreachable_at_start(make_redis, doc, reference):
     assert m["errors"] >= 1 and m["hits"] == 0 and m["entries_written"] == 0
 
 
+def test_redis_hung_server_means_misses_within_the_timeout(make_redis, llm, doc, filler, reference):
+    server = make_redis()
+    hung = LLM(kv_cache_memory="64MiB", max_model_len=512, kv_tiers=[server.url + "?socket_timeout=0.3"],
+               dtype="float32")
+    tier = hung.engine.tiers.tiers[0]
+    waits = []
+    for name in ("contains", "get"):                      # time every call the step thread makes
+        def timed(*args, _call=getattr(tier, name)):
+            t0 = time.perf_counter()
+            try:
+                return _call(*args)
+            finally:
+                if threading.current_thread() is threading.main_thread():
+                    waits.append(time.perf_counter() - t0)
+        setattr(tier, name, timed)
+    hung.generate([doc[:40]], GREEDY, use_tqdm=False)     # connected; its 2 blocks written through
+    os.kill(server.proc.pid, signal.SIGSTOP)              # the server hangs: connections open, no answers
+    try:
+        out = hung.generate([doc], GREEDY, use_tqdm=False)[0]  # lookups time out: misses
+        assert out.outputs[0].token_ids == reference and out.num_cached_tokens == 32  # from the device
+        other = hung.generate([filler], GREEDY, use_tqdm=False)[0]  # and it keeps serving
+        assert other.outputs[0].token_ids == llm.generate([filler], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+        t0 = time.perf_counter()
+        hung.close()                                      # pending writes give up quickly too
+        assert time.perf_counter() - t0 < 2.0
+    finally:
+        os.kill(server.proc.pid, signal.SIGCONT)
+    m = hung.get_metrics()["kv_tiers"]["redis"]
+    assert m["errors"] >= 1 and m["hits"] == 0 and m["pending_writes"] == 0
+    assert max(waits) < 0.3 + 0.5 and sum(waits) < 1.5   # each lookup bounded by the timeout, then backoff
+
+
+@pytest.mark.parametrize("policy", ["write_back", "write_through"])
 @pytest.mark.parametrize("fmt", ["int8", "kivi4"])
-def test_quantized_format_round_trips_through_a_tier(doc, fmt):
-    llm = LLM(kv_cache_memory="32MiB", max_model_len=512, kv_cache_dtype=fmt, block_size=32, kv_tiers=["cpu:64MiB"], dtype="float32")
+def test_quantized_format_round_trips_through_a_tier(doc, fmt, policy):
+    llm = LLM(kv_cache_memory="32MiB", max_model_len=512, kv_cache_dtype=fmt, block_size=32,
+              kv_tiers=[f"cpu:64MiB:{policy}"], dtype="float32")
     first = llm.generate([doc[:100]], GREEDY, use_tqdm=False)[0]
-    llm.reset_prefix_cache(offload=True)
+    if policy == "write_back":
+        assert llm.get_metrics()["kv_tiers"]["cpu"]["entries_written"] == 0  # nothing before eviction
+    llm.reset_prefix_cache(offload=True)                  # write_through: waits for the writer
+    assert llm.get_metrics()["kv_tiers"]["cpu"]["entries_written"] == 3     # 96 tokens: 3 full blocks
     again = llm.generate([doc[:100]], GREEDY, use_tqdm=False)[0]
     assert again.num_cached_tokens == 96 and llm.get_metrics()["prefix_cache_hits_by_source"]["cpu"] == 96
     assert again.outputs[0].token_ids == first.outputs[0].token_ids
@@ -385,7 +496,8 @@ def test_prometheus_exports_swap_and_tier_metrics():
     snap = {"swap_usage_bytes": 1024, "num_requests_swapped": 1, "num_swapped_out_blocks": 3,
             "num_swapped_in_blocks": 2, "prefix_cache_hits_by_source": {"device": 32, "disk": 16},
             "kv_tiers": {"disk": {"hits": 1, "misses": 2, "bytes_read": 10, "bytes_written": 20,
-                                  "errors": 1, "corrupt": 1, "usage_bytes": 20}}}
+                                  "errors": 1, "corrupt": 1, "usage_bytes": 20, "entries_written": 2,
+                                  "write_drops": 4, "flush_seconds": 0.5, "pending_writes": 3}}}
     text = ServerMetrics("m", 512).render(snap).decode()
     for line in ('kvserve:swap_usage_bytes{model_name="m"} 1024.0',
                  'kvserve:num_requests_swapped{model_name="m"} 1.0',
@@ -393,20 +505,45 @@ def test_prometheus_exports_swap_and_tier_metrics():
                  'kvserve:prefix_cache_hits_by_source_total{model_name="m",source="disk"} 16.0',
                  'kvserve:kv_tier_hits_total{model_name="m",tier="disk"} 1.0',
                  'kvserve:kv_tier_errors_total{model_name="m",tier="disk"} 1.0',
-                 'kvserve:kv_tier_usage_bytes{model_name="m",tier="disk"} 20.0'):
+                 'kvserve:kv_tier_usage_bytes{model_name="m",tier="disk"} 20.0',
+                 'kvserve:kv_tier_written_entries_total{model_name="m",tier="disk"} 2.0',
+                 'kvserve:kv_tier_write_drops_total{model_name="m",tier="disk"} 4.0',
+                 'kvserve:kv_tier_flush_seconds_total{model_name="m",tier="disk"} 0.5',
+                 'kvserve:kv_tier_pending_writes{model_name="m",tier="disk"} 3.0'):
         assert line in text, line
+
+
+def test_server_shutdown_flushes_the_tiers(llm, monkeypatch):
+    from fastapi.testclient import TestClient
+
+    from kvserve.server.app import build_app
+    closed = []
+    monkeypatch.setattr(llm.engine, "close", lambda: closed.append(True))
+    with TestClient(build_app(llm.engine)) as client:    # lifespan start ... shutdown (as on SIGTERM)
+        assert client.get("/health").status_code == 200
+        assert not closed
+    assert closed == [True]
 
 
 def test_tier_specs_from_config_and_cli(tmp_path):
     from kvserve.cli import build_parser
     from kvserve.config import EngineConfig, parse_tier_spec
-    from kvserve.kv.tiers import TierSpec
     assert parse_tier_spec("cpu:4GiB") == TierSpec("cpu", 4 << 30)
     assert parse_tier_spec("disk:/a:b/c:20GiB") == TierSpec("disk", 20 << 30, "/a:b/c")
     assert parse_tier_spec("redis://127.0.0.1:6379/0") == TierSpec("redis", None, "redis://127.0.0.1:6379/0")
     for bad in ("cpu", "cpu:lots", "disk:/x", "disk::1GiB", "s3://bucket", "cpu:0"):
         with pytest.raises(ValueError, match="KV tier"):
             parse_tier_spec(bad)
+    # write policies: an optional last ':write_through' or ':write_back'; None = the kind's default
+    assert parse_tier_spec("cpu:4GiB:write_through") == TierSpec("cpu", 4 << 30, write_policy="write_through")
+    assert parse_tier_spec("disk:/a:b/c:20GiB:write_back") == TierSpec("disk", 20 << 30, "/a:b/c", "write_back")
+    assert parse_tier_spec("redis://h:6379/0:write_back") == TierSpec("redis", None, "redis://h:6379/0", "write_back")
+    for bad in ("disk:/x:1GiB:writeback", "cpu:write_back", "write_back"):
+        with pytest.raises(ValueError, match="write_through"):
+            parse_tier_spec(bad)
+    policies = [make_tier(parse_tier_spec(t)).write_policy
+                for t in ("cpu:1MiB", f"disk:{tmp_path}:1MiB", "cpu:1MiB:write_through", f"disk:{tmp_path}:1MiB:write_back")]
+    assert policies == ["write_back", "write_through", "write_through", "write_back"]
     with pytest.raises(ValueError, match="once"):
         EngineConfig(kv_tiers=["cpu:1GiB", "cpu:2GiB"], dtype="float32").validate()
     with pytest.raises(ValueError, match="prefix caching"):

@@ -332,6 +332,8 @@ class LLMEngine:
             req.num_computed_tokens += n
             if self.kv is not None:
                 self.kv.cache_blocks(req.request_id, req.token_ids, req.num_computed_tokens)
+        if self.tiers is not None:
+            self.tiers.write_through()  # copies of the blocks just registered go to the writer threads
         self._collect_prompt_logprobs(prompt_logits, pl_reqs)
         touched = {r.group_id for r, _ in sched.scheduled}
         self._sample(logits, inp.sampling_reqs)
@@ -492,7 +494,14 @@ class LLMEngine:
 
     def reset_prefix_cache(self, offload: bool = False) -> int:
         """Forget all cached free blocks (`offload`: write them to the KV tiers first); returns how many."""
+        if offload and self.tiers is not None:
+            self.tiers.flush()  # write-through tiers got them when they were registered
         return self.kv.reset_prefix_cache(offload) if self.kv is not None else 0
+
+    def close(self) -> None:
+        """Write pending KV tier writes down and stop the writer threads (the engine stays usable)."""
+        if self.tiers is not None:
+            self.tiers.close()
 
 
 def _load_tokenizer(path: str) -> Tokenizer | None:

@@ -49,8 +49,9 @@ def build_tiers(engine) -> TierBridge | None:
                                layout=storage.block_layout())
     bridge = TierBridge([make_tier(s) for s in specs], storage, namespace,
                         before_write=lambda: storage.copy_blocks(engine.kv.take_pending_copies()))
-    engine.kv.lower = bridge
-    log.info("KV tiers: %s (namespace %s)", ", ".join(engine.config.kv_tiers), namespace)
+    bridge.attach(engine.kv)
+    log.info("KV tiers: %s (namespace %s)", ", ".join(f"{t.name} {t.write_policy}" for t in bridge.tiers),
+             namespace)
     return bridge
 
 

@@ -36,6 +36,8 @@ class BlockPool:
         # Called with the cached blocks a reuse is about to overwrite, while their memory still
         # holds the data: [(block_id, block_hash, token_ids)] (the tiers write them down).
         self.on_evict: Callable[[list[tuple[int, BlockHash, tuple[int, ...]]]], None] | None = None
+        # Called with each block newly registered under a hash (write-through tiers store it).
+        self.on_register: Callable[[int, BlockHash, tuple[int, ...]], None] | None = None
 
     @property
     def num_usable(self) -> int:
@@ -109,6 +111,8 @@ class BlockPool:
         block.block_hash = block_hash
         block.token_ids = token_ids
         self.cached[block_hash] = block_id
+        if self.on_register is not None:
+            self.on_register(block_id, block_hash, token_ids)
 
     def reset_cache(self, offload: bool = False) -> int:
         """Forget every hash of free blocks (handing them to `on_evict` first if `offload`)."""

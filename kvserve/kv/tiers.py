@@ -7,10 +7,13 @@ layout). Entries are self-describing and checksummed (CRC-32 over header and pay
 expected key, tokens, dtypes, shapes and length): a corrupt or truncated entry is dropped,
 counted and never served.
 
-`TierBridge` connects the tiers to a KVCacheManager (`manager.lower`) and its KVStorage: the pool
-hands it cached blocks it is about to overwrite (`save`, while their memory still holds the
-data), and a prefix lookup that misses on the device asks it which tiers hold the next blocks
-(`locate`) and loads them into fresh device blocks (`load`).
+`TierBridge` connects the tiers to a KVCacheManager (`manager.lower`) and its KVStorage. Each tier
+has a write policy: a `write_through` tier gets every block the pool registers under a hash (the
+block is full and final), copied on the step thread and stored by a background writer
+(kv/tier_writer.py); a `write_back` tier gets the cached blocks the pool is about to overwrite
+(`save`, while their memory still holds the data). A prefix lookup that misses on the device asks
+the bridge which tiers hold the next blocks (`locate`) and loads them into fresh device blocks
+(`load`).
 """
 
 from __future__ import annotations
@@ -20,7 +23,9 @@ import json
 import logging
 import os
 import struct
+import threading
 import time
+import weakref
 import zlib
 from collections import OrderedDict
 from collections.abc import Callable
@@ -30,6 +35,14 @@ from pathlib import Path
 import torch
 
 from kvserve.kv.hashing import BlockHash
+from kvserve.kv.tier_writer import (
+    DEFAULT_QUEUE_BYTES,
+    FLUSH_TIMEOUT,
+    WRITE_POLICIES,
+    TierWriter,
+    WriteBatch,
+    close_writers,
+)
 
 log = logging.getLogger("kvserve")
 
@@ -149,15 +162,27 @@ class TierStats:
     evictions: int = 0     # entries dropped by the tier's own size bound
     corrupt: int = 0       # entries that failed verification (dropped, never served)
     errors: int = 0        # I/O and connection errors, corrupt entries included
+    write_drops: int = 0   # blocks a full write-through queue dropped
+    flush_seconds: float = 0.0  # time spent waiting for pending write-through writes
+
+    def add(self, **counts) -> None:
+        """Add to counters (the step thread and the tier's writer thread both count)."""
+        with _STATS_LOCK:
+            for name, n in counts.items():
+                setattr(self, name, getattr(self, name) + n)
+
+
+_STATS_LOCK = threading.Lock()
 
 
 @dataclass(frozen=True)
 class TierSpec:
-    """A parsed `cpu:SIZE`, `disk:/path:SIZE` or `redis://host:port/db`."""
+    """A parsed `cpu:SIZE`, `disk:/path:SIZE` or `redis://host:port/db` (each may end in `:POLICY`)."""
 
     kind: str
     capacity: int | None = None   # bytes (cpu, disk)
     location: str | None = None   # directory (disk) or URL (redis)
+    write_policy: str | None = None  # write_through | write_back; None: the kind's default
 
 
 class CpuTier:
@@ -165,43 +190,48 @@ class CpuTier:
 
     name = "cpu"
 
-    def __init__(self, capacity: int):
+    def __init__(self, capacity: int, write_policy: str = "write_back"):
         self.capacity = capacity
+        self.write_policy = write_policy
         self.entries: OrderedDict[str, bytes] = OrderedDict()
         self.usage_bytes = 0
         self.stats = TierStats()
+        self.lock = threading.RLock()  # a write-through writer thread stores while the step thread reads
 
     def contains(self, keys: list[str]) -> list[bool] | None:
         """Which keys are present (None when the tier cannot answer now)."""
-        return [k in self.entries for k in keys]
+        with self.lock:
+            return [k in self.entries for k in keys]
 
     def get(self, key: str) -> bytes | None:
         """The entry's bytes (marking it recently used), or None."""
-        data = self.entries.get(key)
-        if data is not None:
-            self.entries.move_to_end(key)
-        return data
+        with self.lock:
+            data = self.entries.get(key)
+            if data is not None:
+                self.entries.move_to_end(key)
+            return data
 
     def put_many(self, items: list[tuple[str, bytes]]) -> None:
         """Store entries, dropping the least recently used ones beyond the bound."""
-        for key, data in items:
-            if len(data) > self.capacity:
-                continue
-            self.delete(key)
-            self.entries[key] = data
-            self.usage_bytes += len(data)
-            self.stats.bytes_written += len(data)
-            self.stats.entries_written += 1
-            while self.usage_bytes > self.capacity:
-                _, old = self.entries.popitem(last=False)
-                self.usage_bytes -= len(old)
-                self.stats.evictions += 1
+        with self.lock:
+            for key, data in items:
+                if len(data) > self.capacity:
+                    continue
+                self.delete(key)
+                self.entries[key] = data
+                self.usage_bytes += len(data)
+                self.stats.add(bytes_written=len(data), entries_written=1)
+                while self.usage_bytes > self.capacity:
+                    _, old = self.entries.popitem(last=False)
+                    self.usage_bytes -= len(old)
+                    self.stats.add(evictions=1)
 
     def delete(self, key: str) -> None:
         """Drop one entry if present."""
-        old = self.entries.pop(key, None)
-        if old is not None:
-            self.usage_bytes -= len(old)
+        with self.lock:
+            old = self.entries.pop(key, None)
+            if old is not None:
+                self.usage_bytes -= len(old)
 
 
 class DiskTier:
@@ -215,10 +245,12 @@ class DiskTier:
     name = "disk"
     SUFFIX = ".kvb"
 
-    def __init__(self, root: str | os.PathLike, capacity: int):
+    def __init__(self, root: str | os.PathLike, capacity: int, write_policy: str = "write_through"):
         self.root = Path(root)
         self.capacity = capacity
+        self.write_policy = write_policy
         self.stats = TierStats()
+        self.lock = threading.Lock()  # guards the index: a writer thread stores while the step thread reads
         self.root.mkdir(parents=True, exist_ok=True)
         self.index: OrderedDict[Path, int] = OrderedDict()  # path -> size, least recent first
         self.usage_bytes = 0
@@ -254,19 +286,18 @@ class DiskTier:
         try:
             data = p.read_bytes()
         except FileNotFoundError:
-            self._forget(p)
+            with self.lock:
+                self._forget(p)
             return None
         except OSError as e:
-            self.stats.errors += 1
+            self.stats.add(errors=1)
             log.warning("disk tier: cannot read %s: %s", p, e)
             return None
         try:
             os.utime(p)
         except OSError:
             pass  # removed meanwhile by another process: the bytes read are still whole
-        self._forget(p)
-        self.index[p] = len(data)
-        self.usage_bytes += len(data)
+        self._remember(p, len(data))
         return data
 
     def put_many(self, items: list[tuple[str, bytes]]) -> None:
@@ -279,21 +310,27 @@ class DiskTier:
                 p.parent.mkdir(parents=True, exist_ok=True)
                 _atomic_write(p, data)
             except OSError as e:
-                self.stats.errors += 1
+                self.stats.add(errors=1)
                 log.warning("disk tier: cannot write %s: %s", p, e)
                 continue
-            self._forget(p)
-            self.index[p] = len(data)
-            self.usage_bytes += len(data)
-            self.stats.bytes_written += len(data)
-            self.stats.entries_written += 1
-        self._enforce_bound()
+            self._remember(p, len(data))
+            self.stats.add(bytes_written=len(data), entries_written=1)
+        with self.lock:
+            self._enforce_bound()
 
     def delete(self, key: str) -> None:
         """Remove one entry's file if present."""
         p = self._path(key)
         p.unlink(missing_ok=True)
-        self._forget(p)
+        with self.lock:
+            self._forget(p)
+
+    def _remember(self, p: Path, size: int) -> None:
+        """Mark a file as the most recently used, with its size."""
+        with self.lock:
+            self._forget(p)
+            self.index[p] = size
+            self.usage_bytes += size
 
     def _forget(self, p: Path) -> None:
         size = self.index.pop(p, None)
@@ -305,7 +342,7 @@ class DiskTier:
             p, size = self.index.popitem(last=False)
             self.usage_bytes -= size
             p.unlink(missing_ok=True)
-            self.stats.evictions += 1
+            self.stats.add(evictions=1)
 
 
 class RedisTier:
@@ -313,18 +350,22 @@ class RedisTier:
 
     Every call has a timeout. When the server is down or slow the tier steps aside — lookups
     miss, writes are skipped — logs once, counts the errors, and tries again after a backoff
-    (doubling up to `max_backoff` seconds) until a call succeeds.
+    (doubling up to `max_backoff` seconds) until a call succeeds. The client is shared by the step
+    thread (lookups) and a write-through writer thread (stores); each call takes its own connection.
     """
 
     name = "redis"
     PREFIX = "kvserve:"
     PIPELINE_BYTES = 8 << 20
 
-    def __init__(self, url: str, timeout: float = 1.0, max_backoff: float = 30.0):
+    def __init__(self, url: str, timeout: float = 1.0, max_backoff: float = 30.0,
+                 write_policy: str = "write_through"):
         import redis
         from redis.backoff import NoBackoff
         from redis.retry import Retry
         self.url = url
+        self.write_policy = write_policy
+        self.lock = threading.Lock()  # guards the up/down state both threads update
         self._errors = (redis.ConnectionError, redis.TimeoutError, OSError)
         self._redis_error = redis.RedisError
         self.client = redis.Redis.from_url(url, socket_timeout=timeout, socket_connect_timeout=timeout,
@@ -345,21 +386,23 @@ class RedisTier:
         try:
             out = fn(*args)
         except self._errors as e:
-            self.stats.errors += 1
-            if not self.down:
+            self.stats.add(errors=1)
+            with self.lock:
+                was_up, self.down = not self.down, True
+                self.down_until = time.monotonic() + self.backoff
+                self.backoff = min(self.backoff * 2, self.max_backoff)
+            if was_up:
                 log.warning("redis tier %s unavailable (%s): serving without it, retrying with backoff",
                             self.url, e)
-            self.down = True
-            self.down_until = time.monotonic() + self.backoff
-            self.backoff = min(self.backoff * 2, self.max_backoff)
             return None
         except self._redis_error as e:  # a server-side refusal (e.g. out of memory): count, go on
-            self.stats.errors += 1
+            self.stats.add(errors=1)
             log.warning("redis tier %s: %s", self.url, e)
             return None
-        if self.down:
+        with self.lock:
+            was_down, self.down, self.backoff = self.down, False, self.min_backoff
+        if was_down:
             log.info("redis tier %s reachable again", self.url)
-        self.down, self.backoff = False, self.min_backoff
         return out
 
     def contains(self, keys: list[str]) -> list[bool] | None:
@@ -389,8 +432,7 @@ class RedisTier:
             if size >= self.PIPELINE_BYTES or n == len(items) - 1:
                 if self._call(run, batch) is None:
                     return
-                self.stats.bytes_written += size
-                self.stats.entries_written += len(batch)
+                self.stats.add(bytes_written=size, entries_written=len(batch))
                 batch, size = [], 0
 
     def delete(self, key: str) -> None:
@@ -399,53 +441,127 @@ class RedisTier:
 
 
 def make_tier(spec: TierSpec):
-    """Build the tier a TierSpec names."""
+    """Build the tier a TierSpec names (write_through for disk and redis, write_back for cpu, unless named)."""
+    if spec.write_policy not in (None, *WRITE_POLICIES):
+        raise ValueError(f"unknown KV tier write policy {spec.write_policy!r}; use one of {WRITE_POLICIES}")
+    policy = {"write_policy": spec.write_policy} if spec.write_policy else {}
     if spec.kind == "cpu":
-        return CpuTier(spec.capacity)
+        return CpuTier(spec.capacity, **policy)
     if spec.kind == "disk":
-        return DiskTier(spec.location, spec.capacity)
+        return DiskTier(spec.location, spec.capacity, **policy)
     if spec.kind == "redis":
-        return RedisTier(spec.location)
+        return RedisTier(spec.location, **policy)
     raise ValueError(f"unknown KV tier kind {spec.kind!r}; use one of {TIER_KINDS}")
 
 
 # ---- the bridge between the device pool and the tiers -----------------------------------------
+Evicted = list[tuple[int, BlockHash, tuple[int, ...]]]  # (block id, pool key, token ids) per block
+
+
 @dataclass
 class TierBridge:
-    """Writes evicted cached blocks down to every tier and loads prefix blocks back (see module doc)."""
+    """Writes blocks down to the tiers (through or back, per tier) and loads prefix blocks back (see module doc)."""
 
     tiers: list
     storage: object                       # KVStorage: block_layout / read_blocks / write_blocks
     namespace: str
     before_write: Callable[[], None] = lambda: None  # flush pending copies before overwriting blocks
+    queue_bytes: int = DEFAULT_QUEUE_BYTES           # per write-through tier
     layout: Layout = field(init=False)
+    writers: list[TierWriter] = field(init=False)    # one per write_through tier
+    pool: object = field(default=None, init=False)   # BlockPool, once attached
+    _fresh: Evicted = field(default_factory=list, init=False)   # registered since the last write_through
+    _loaded: dict = field(default_factory=dict, init=False)     # block id -> (pool key, tier) of a load
     _warned: set = field(default_factory=set, init=False)
     _located: dict = field(default_factory=dict, init=False)  # hash -> index of the tier that has it
 
     def __post_init__(self):
         self.layout = self.storage.block_layout()
+        self.writers = [TierWriter(t, self.queue_bytes) for t in self.tiers if t.write_policy == "write_through"]
+        if self.writers:  # pending writes reach their tier at exit, or when the bridge is collected
+            weakref.finalize(self, close_writers, list(self.writers))
+
+    def attach(self, kv) -> None:
+        """Sit below a KVCacheManager: it saves evicted blocks here, loads its misses from here, and
+        every block its pool registers is written through."""
+        kv.lower = self
+        self.pool = kv.pool
+        if self.writers:
+            kv.pool.on_register = self.registered
 
     def key(self, block_hash: BlockHash) -> str:
         """The tier key of one pool key (chained hash + group) in this namespace."""
         return f"{self.namespace}/{block_hash.hex()}"
 
-    def save(self, evicted: list[tuple[int, BlockHash, tuple[int, ...]]]) -> None:
-        """Write blocks the device is about to reuse to each tier that lacks them (data still intact)."""
+    def save(self, evicted: Evicted) -> None:
+        """Write blocks the device is about to reuse to each write_back tier that lacks them (data still intact)."""
+        tiers = [t for t in self.tiers if t.write_policy == "write_back"]
+        if not tiers:
+            return
         keys = [self.key(h) for _, h, _ in evicted]
         todo = []
-        for tier in self.tiers:
+        for tier in tiers:
             present = tier.contains(keys)
             if present is not None:
                 todo.append((tier, [i for i, p in enumerate(present) if not p]))
         needed = sorted({i for _, idx in todo for i in idx})
         if not needed:
             return
-        rows = pack_rows(self.storage.read_blocks([evicted[i][0] for i in needed]))
-        entries = {i: pack_entry(evicted[i][1], evicted[i][2], self.layout, row)
-                   for i, row in zip(needed, rows)}
+        packed = self._pack([evicted[i] for i in needed], self.storage.read_blocks([evicted[i][0] for i in needed]))
+        entries = dict(zip(needed, packed))
         for tier, idx in todo:
             if idx:
                 tier.put_many([(keys[i], entries[i]) for i in idx])
+
+    # ---- write-through ---------------------------------------------------------------
+    def registered(self, block_id: int, block_hash: BlockHash, token_ids: tuple[int, ...]) -> None:
+        """The pool registered a full block: remember it for the next `write_through`."""
+        key_src = self._loaded.pop(block_id, None)
+        if key_src is not None and key_src[0] == block_hash and all(w.tier is key_src[1] for w in self.writers):
+            return  # just loaded from the only write-through tier: it is there already
+        self._fresh.append((block_id, block_hash, token_ids))
+
+    def write_through(self) -> None:
+        """Copy the blocks registered since the last call and queue them for each write-through tier.
+
+        Call between steps. The copies are taken here, on the step thread; the writers never read
+        the pool. Blocks whose hash the pool forgot meanwhile (reused) are skipped."""
+        fresh = [f for f in self._fresh if self.pool.blocks[f[0]].block_hash == f[1]]
+        self._fresh = []
+        self._loaded.clear()
+        if not fresh:
+            return
+        per_block = self.storage.bytes_per_block
+        take = min(len(fresh), max(w.room(per_block) for w in self.writers))
+        batch = self._batch(fresh[:take]) if take else WriteBatch([], list)
+        for w in self.writers:
+            w.submit(batch, len(fresh), per_block)
+
+    def _batch(self, blocks: Evicted) -> WriteBatch:
+        tensors = self.storage.read_blocks([b for b, _, _ in blocks])  # copies of whole blocks
+        ready = None
+        if tensors[0].device.type == "cuda":  # start the copy to host now; the writer waits for it
+            tensors = [t.to("cpu", non_blocking=True) for t in tensors]
+            ready = torch.cuda.Event()
+            ready.record()
+
+        def pack() -> list[bytes]:
+            if ready is not None:
+                ready.synchronize()
+            return self._pack(blocks, tensors)
+        return WriteBatch([self.key(h) for _, h, _ in blocks], pack)
+
+    def _pack(self, blocks: Evicted, tensors: list[torch.Tensor]) -> list[bytes]:
+        """One entry per block from `read_blocks` tensors of those blocks."""
+        return [pack_entry(h, tokens, self.layout, row) for (_, h, tokens), row in zip(blocks, pack_rows(tensors))]
+
+    def flush(self, timeout: float | None = FLUSH_TIMEOUT) -> bool:
+        """Wait for every queued write-through write; False if `timeout` passed first."""
+        return all([w.flush(timeout) for w in self.writers])
+
+    def close(self) -> None:
+        """Flush pending writes and stop the writer threads (they start again if more blocks come)."""
+        close_writers(self.writers)
 
     def locate(self, block_hashes: list[BlockHash]) -> list[str | None]:
         """The first tier (by name) holding each block, None where no tier does."""
@@ -463,7 +579,7 @@ class TierBridge:
                     where[i] = tier.name
                     self._located[block_hashes[i]] = t
                 else:
-                    tier.stats.misses += 1
+                    tier.stats.add(misses=1)
             todo = [i for i in todo if where[i] is None]
         return where
 
@@ -478,6 +594,7 @@ class TierBridge:
                     sources[n] = tier.name
                     ids.append(block_id)
                     rows.append(row)
+                    self._loaded[block_id] = (block_hash, tier)
                     break
         if ids:
             self.before_write()
@@ -488,26 +605,26 @@ class TierBridge:
         key = self.key(block_hash)
         data = tier.get(key)
         if data is None:
-            tier.stats.misses += 1
+            tier.stats.add(misses=1)
             return None
         try:
             row = unpack_entry(data, block_hash, tokens, self.layout)
         except CorruptEntry as e:
-            tier.stats.corrupt += 1
-            tier.stats.errors += 1
+            tier.stats.add(corrupt=1, errors=1)
             tier.delete(key)
             if tier.name not in self._warned:
                 self._warned.add(tier.name)
                 log.warning("%s tier: dropped a corrupt entry %s (%s); counting further ones quietly",
                             tier.name, key, e)
             return None
-        tier.stats.hits += 1
-        tier.stats.bytes_read += len(data)
+        tier.stats.add(hits=1, bytes_read=len(data))
         return row
 
     def metrics(self) -> dict[str, dict]:
-        """Counters per tier, plus bytes held where the tier knows."""
-        return {t.name: {**asdict(t.stats), "usage_bytes": t.usage_bytes} for t in self.tiers}
+        """Counters per tier, plus bytes held where the tier knows, its write policy and queued blocks."""
+        pending = {id(w.tier): w.pending_blocks for w in self.writers}
+        return {t.name: {**asdict(t.stats), "usage_bytes": t.usage_bytes, "write_policy": t.write_policy,
+                         "pending_writes": pending.get(id(t), 0)} for t in self.tiers}
 
 
 def _atomic_write(target: Path, data: bytes) -> None:

@@ -146,6 +146,7 @@ def build_app(engine: LLMEngine, *, served_model_name: str | None = None,
         yield
         await aengine.shutdown()
         state.tokenize_pool.shutdown(wait=False, cancel_futures=True)
+        await asyncio.to_thread(engine.close)  # pending KV tier writes reach disk / Redis (SIGTERM too)
 
     app = FastAPI(title="kvserve", version=kvserve.__version__, lifespan=lifespan,
                   docs_url=None, redoc_url=None, openapi_url=None)

@@ -99,6 +99,10 @@ TIER_COUNTERS = [
     ("kv_tier_written_bytes", "Bytes written to a KV tier.", "bytes_written"),
     ("kv_tier_errors", "I/O, connection and corrupt-entry errors of a KV tier.", "errors"),
     ("kv_tier_corrupt_entries", "Entries of a KV tier that failed verification and were dropped.", "corrupt"),
+    ("kv_tier_written_entries", "Blocks written to a KV tier.", "entries_written"),
+    ("kv_tier_write_drops", "Blocks a KV tier's full write-through queue dropped.", "write_drops"),
+    ("kv_tier_flush_seconds", "Seconds spent waiting for a KV tier's pending write-through writes.",
+     "flush_seconds"),
 ]
 
 
@@ -125,6 +129,11 @@ def _tier_families(snap: dict, model_name: str):
     for tier, stats in sorted(tiers.items()):
         if stats.get("usage_bytes") is not None:
             g.add_metric([model_name, tier], float(stats["usage_bytes"]))
+    yield g
+    g = GaugeMetricFamily(PREFIX + "kv_tier_pending_writes", "Blocks queued for a write-through KV tier.",
+                          labels=["model_name", "tier"])
+    for tier, stats in sorted(tiers.items()):
+        g.add_metric([model_name, tier], float(stats.get("pending_writes", 0)))
     yield g
 
 
