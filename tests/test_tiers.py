@@ -297,6 +297,33 @@ def test_full_write_queue_drops_and_counts_instead_of_blocking():
     assert m["pending_writes"] == 0 and m["entries_written"] == 2 and m["flush_seconds"] > 0
 
 
+EXIT_WITHOUT_CLOSE = """
+import sys, time
+sys.path.insert(0, sys.argv[2])
+from test_tiers import attach, run_request, small_cache
+from kvserve.kv.tiers import DiskTier
+
+class SlowDisk(DiskTier):
+    def put_many(self, items):
+        time.sleep(0.5)
+        super().put_many(items)
+
+kv, storage = small_cache()
+bridge = attach(kv, storage, [SlowDisk(sys.argv[1], 1 << 20)])
+run_request(kv, storage, "a", list(range(100, 117)), seed=1)
+bridge.write_through()
+print(bridge.writers[0].pending_blocks)   # still queued when the script ends
+"""
+
+
+def test_pending_writes_reach_the_tier_when_a_script_exits_without_close(tmp_path):
+    proc = subprocess.run([sys.executable, "-c", EXIT_WITHOUT_CLOSE, str(tmp_path), str(Path(__file__).parent)],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.split() == ["4"]
+    assert len(list(tmp_path.rglob("*.kvb"))) == 4        # written at interpreter exit
+
+
 # ---- engines ---------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def corpus_ids(llm):
