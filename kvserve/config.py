@@ -98,6 +98,9 @@ class EngineConfig:
     gpu_memory_utilization: float | None = opt(None, "share of device memory (of RAM on CPU) for weights + KV")
     enable_prefix_caching: bool = opt(True, "reuse cached blocks of common prefixes (the flag "
                                       "--no-prefix-caching turns it off)", flag="--no-prefix-caching")
+    prefix_caching_hash_algo: str = opt(
+        "sha256", "hash of prefix-cache blocks: sha256 (safe for tiers shared between engines) or xxhash "
+        "(faster; pip install xxhash)", choices=["sha256", "xxhash"])
     max_num_seqs: int = opt(256, "most sequences in one step")
     max_num_batched_tokens: int = opt(2048, "token budget of one step (chunked prefill)")
     seed: int | None = opt(0, "engine seed")
@@ -151,6 +154,8 @@ class EngineConfig:
                 raise ValueError(f"kv_cache_memory must be > 0 bytes, got {self.kv_cache_memory}")
         self._validate_offload()
         self._validate_kv_policy()
+        from kvserve.kv.hashing import digest_fn
+        digest_fn(self.prefix_caching_hash_algo)  # names the choices, or says to pip install xxhash
 
     def _validate_kv_policy(self) -> None:
         if self.kv_policy is None:

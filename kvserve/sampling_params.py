@@ -65,6 +65,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     kv_policy: str | None = None   # KV eviction for this request (kv/policies.py); None = the engine's
+    cache_salt: str | None = None  # shares prefix-cache blocks only with requests of the same salt
 
     def __post_init__(self) -> None:
         self.stop = _normalise_stop(self.stop)
@@ -73,6 +74,7 @@ class SamplingParams:
         self._validate_lengths()
         self._validate_penalties()
         self._validate_logprobs()
+        check_cache_salt(self.cache_salt)
         if self.kv_policy is not None:
             from kvserve.kv.policies import parse_policy
             parse_policy(self.kv_policy)
@@ -113,6 +115,12 @@ class SamplingParams:
     def greedy(self) -> bool:
         """True when temperature is (near) zero: always take the argmax."""
         return self.temperature < _SAMPLING_EPS
+
+
+def check_cache_salt(salt: object) -> None:
+    """Raise ValueError unless `salt` is None or a non-empty string."""
+    _check("cache_salt", salt, salt is None or (isinstance(salt, str) and len(salt) > 0),
+           "a non-empty string (or left out for no salt)")
 
 
 def _normalise_stop(stop: str | list[str] | None) -> list[str]:

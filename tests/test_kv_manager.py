@@ -215,14 +215,12 @@ def test_reset_prefix_cache_forgets_free_blocks_only():
 
 
 # ---- hash chain --------------------------------------------------------------------------
-def test_block_hash_is_blake2b_of_parent_and_tokens():
-    want0 = hashlib.blake2b(NS, digest_size=16)
-    want0.update(struct.pack("<2q", 1, 2))
-    want1 = hashlib.blake2b(want0.digest(), digest_size=16)
-    want1.update(struct.pack("<2q", 3, 4))
-    assert hash_block(NS, [1, 2]) == want0.digest()
-    assert hash_full_blocks(NS, [1, 2, 3, 4, 5], 2) == [want0.digest(), want1.digest()]  # partial dropped
-    assert namespace_hash("m", "fp16", 16) == hashlib.blake2b(b"m|fp16|16", digest_size=16).digest()
+def test_block_hash_is_sha256_of_parent_and_tokens():
+    want0 = hashlib.sha256(NS + struct.pack("<2q", 1, 2)).digest()
+    want1 = hashlib.sha256(want0 + struct.pack("<2q", 3, 4)).digest()
+    assert hash_block(NS, [1, 2]) == want0
+    assert hash_full_blocks(NS, [1, 2, 3, 4, 5], 2) == [want0, want1]  # partial dropped
+    assert namespace_hash("m", "fp16", 16) == hashlib.sha256(b"m|fp16|16|hash=sha256").digest()
 
 
 def test_same_tokens_after_different_prefix_hash_differently():

@@ -31,7 +31,7 @@ from kvserve.model.quant import cast_unquantized, quantize_model, weight_bytes
 from kvserve.model.registry import build_model
 from kvserve.model.tokenizer import Tokenizer
 from kvserve.outputs import CompletionOutput, RequestOutput
-from kvserve.sampling_params import SamplingParams
+from kvserve.sampling_params import SamplingParams, check_cache_salt
 
 log = logging.getLogger("kvserve")
 
@@ -121,7 +121,7 @@ class LLMEngine:
             self.kv = KVCacheManager(
                 self.pool_plan.num_blocks, self.pool_plan.block_size, self._namespace(),
                 enable_prefix_caching=cfg.enable_prefix_caching and cfg.kv_cache_mode == "paged",
-                groups=self.kv_groups)
+                groups=self.kv_groups, hash_algo=cfg.prefix_caching_hash_algo)
             self.storage = KVStorage(self.kv_groups, self.pool_plan.num_blocks, self.pool_plan.block_size,
                                      self.dtype, self.device, self.kv_format, self.kv_residual_rows)
             self.storage.block_is_free = lambda b: self.kv.pool.blocks[b].ref_cnt == 0
@@ -213,7 +213,8 @@ class LLMEngine:
         mc = self.model_config
         return namespace_hash(mc.name, mc.architecture, self.dtype, self.config.block_size,
                               mc.num_layers, mc.num_kv_heads, mc.head_dim, self.kv_format.description,
-                              *([f"weights={self.weight_format}"] if self._quantized() else []))
+                              *([f"weights={self.weight_format}"] if self._quantized() else []),
+                              algo=self.config.prefix_caching_hash_algo)
 
     def _log_pool(self) -> None:
         if self.pool_plan is None:
@@ -235,7 +236,7 @@ class LLMEngine:
     def make_request(self, prompt: PromptType, params: SamplingParams | None = None,
                      request_id: str | None = None) -> Request:
         """Validate a prompt and its parameters; no engine state changes."""
-        params = params or SamplingParams()
+        params = _with_prompt_salt(params or SamplingParams(), prompt)
         text, ids = self._tokenize(prompt)
         if not ids:
             raise ValueError("prompt is empty: give at least one token of text or token ids")
@@ -476,7 +477,8 @@ class LLMEngine:
     def _kv_metrics(self) -> dict:
         if self.kv is None:
             return {"num_blocks_total": 0, "num_blocks_free": 0, "num_blocks_used": 0, "num_blocks_cached": 0,
-                    "kv_cache_usage": 0.0, "kv_cache_bytes": 0, "prefix_cache_queries": 0, "prefix_cache_hits": 0}
+                    "kv_cache_usage": 0.0, "kv_cache_bytes": 0, "prefix_cache_queries": 0, "prefix_cache_hits": 0,
+                    "prompt_tokens_cached": 0}
         pool = self.kv.pool
         return {
             "num_blocks_total": pool.num_usable,
@@ -490,6 +492,9 @@ class LLMEngine:
             "block_size": self.kv.block_size,
             "prefix_cache_queries": self.kv.stats.queries,
             "prefix_cache_hits": self.kv.stats.hits,
+            "prompt_tokens_cached": self.kv.stats.hits,
+            "kv_block_lifetime_seconds": pool.lifetime.snapshot(),
+            "kv_block_reuse_gap_seconds": pool.reuse_gap.snapshot(),
         }
 
     def reset_prefix_cache(self, offload: bool = False) -> int:
@@ -517,6 +522,18 @@ def _sampling_failure(p: SamplingParams) -> str:
             f"parameters were applied (temperature={p.temperature}, repetition_penalty="
             f"{p.repetition_penalty}, top_p={p.top_p}, min_p={p.min_p}); other requests were not "
             "affected. Retry; if it persists, report it with these parameters")
+
+
+def _with_prompt_salt(params: SamplingParams, prompt: PromptType) -> SamplingParams:
+    """`params` with the `cache_salt` of a dict prompt (vLLM's place for it), if it has one."""
+    if not isinstance(prompt, dict) or prompt.get("cache_salt") is None:
+        return params
+    salt = prompt["cache_salt"]
+    check_cache_salt(salt)
+    if params.cache_salt is not None and params.cache_salt != salt:
+        raise ValueError("cache_salt is given twice with different values (in the prompt dict and in "
+                         "SamplingParams): give it once")
+    return _replace(params, cache_salt=salt)
 
 
 def _replace(params: SamplingParams, **changes) -> SamplingParams:

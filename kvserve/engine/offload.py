@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 
 from kvserve.kv.swap import SwapSpace
-from kvserve.kv.tiers import TierBridge, fingerprint_path, make_tier, tier_namespace
+from kvserve.kv.tiers import TIER_KINDS, TierBridge, fingerprint_path, make_tier, tier_namespace
 
 log = logging.getLogger("kvserve")
 
@@ -46,7 +46,7 @@ def build_tiers(engine) -> TierBridge | None:
     namespace = tier_namespace(weights=weights, dtype=engine.dtype,
                                kv_format=kv_format_name(engine.config, storage),
                                block_size=engine.kv.block_size, layer_specs=engine.kv_groups,
-                               layout=storage.block_layout())
+                               layout=storage.block_layout(), hash_algo=engine.kv.hash_algo)
     bridge = TierBridge([make_tier(s) for s in specs], storage, namespace,
                         before_write=lambda: storage.copy_blocks(engine.kv.take_pending_copies()))
     bridge.attach(engine.kv)
@@ -67,9 +67,7 @@ def offload_metrics(engine) -> dict:
         "num_swap_preemptions": sched.num_swap_preemptions,
         "num_recompute_preemptions": sched.num_preemptions - sched.num_swap_preemptions,
     }
-    by_source = {"device": 0}
-    if engine.tiers is not None:
-        by_source.update({t.name: 0 for t in engine.tiers.tiers})
+    by_source = {"device": 0, **{kind: 0 for kind in TIER_KINDS}}
     if kv is not None:
         by_source.update(kv.stats.hits_by_source)
     m["prefix_cache_hits_by_source"] = by_source

@@ -82,6 +82,7 @@ class Scheduler:
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
+            self.kv.set_salt(req.request_id, req.params.cache_salt)  # before any of its blocks is hashed
             if self.swap is not None and self.swap.is_swapped(req.request_id):
                 n = min(req.num_tokens - req.num_computed_tokens, budget)
                 if not self.swap.swap_in(req.request_id, lambda: self.kv.allocate_slots(
@@ -164,5 +165,6 @@ class Scheduler:
             self.waiting.remove(req)
         if self.kv is not None:
             self.kv.free(req.request_id)
+            self.kv.drop_salt(req.request_id)
         if self.swap is not None:
             self.swap.drop(req.request_id)

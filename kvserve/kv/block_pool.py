@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import time
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from kvserve.kv.block_stats import TimeHistogram
 from kvserve.kv.hashing import BlockHash
 
 
@@ -17,6 +19,8 @@ class Block:
     ref_cnt: int = 0
     block_hash: BlockHash | None = None
     token_ids: tuple[int, ...] | None = None  # kept with the hash to guard against collisions
+    allocated_at: float = 0.0                  # clock time of its latest allocation
+    freed_at: float = 0.0                      # clock time its ref count last fell to 0
 
 
 class BlockPool:
@@ -38,6 +42,11 @@ class BlockPool:
         self.on_evict: Callable[[list[tuple[int, BlockHash, tuple[int, ...]]]], None] | None = None
         # Called with each block newly registered under a hash (write-through tiers store it).
         self.on_register: Callable[[int, BlockHash, tuple[int, ...]], None] | None = None
+        # Block timings: lifetime = allocation until its contents are dropped (freed without a hash,
+        # or evicted while cached); reuse gap = freed until a prefix hit takes it again (KVCacheManager).
+        self.clock: Callable[[], float] = time.monotonic
+        self.lifetime = TimeHistogram()
+        self.reuse_gap = TimeHistogram()
 
     @property
     def num_usable(self) -> int:
@@ -64,13 +73,15 @@ class BlockPool:
         if n > self.num_free:
             raise RuntimeError(f"asked for {n} blocks, only {self.num_free} free")
         out, evicted = [], []
+        now = self.clock() if n else 0.0
         for _ in range(n):
             block_id, _ = self.free_queue.popitem(last=False)
             block = self.blocks[block_id]
             if block.block_hash is not None and self.on_evict is not None:
                 evicted.append((block_id, block.block_hash, block.token_ids))
-            self._forget_hash(block)
+            self._forget_hash(block, now)
             block.ref_cnt = 1
+            block.allocated_at = now
             out.append(block)
         if evicted:
             self.on_evict(evicted)
@@ -84,8 +95,11 @@ class BlockPool:
                 del self.free_queue[block_id]
             block.ref_cnt += 1
 
-    def free(self, block_ids: list[int]) -> None:
-        """Drop a reference on each block; give the order tail-first for LRU eviction."""
+    def free(self, block_ids: list[int], stamp: bool = True) -> None:
+        """Drop a reference on each block; give the order tail-first for LRU eviction.
+
+        `stamp=False` keeps the blocks' free time (a reference taken and given back at once)."""
+        now = self.clock() if block_ids else 0.0
         for block_id in block_ids:
             block = self.blocks[block_id]
             if block.ref_cnt <= 0:
@@ -93,8 +107,11 @@ class BlockPool:
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
                 self.free_queue[block_id] = None
+                if stamp:
+                    block.freed_at = now
                 if block.block_hash is None:
                     self.free_queue.move_to_end(block_id, last=False)
+                    self.lifetime.observe(now - block.allocated_at)  # nothing reusable left in it
 
     def lookup(self, block_hash: BlockHash, token_ids: tuple[int, ...]) -> int | None:
         """Block id holding exactly these tokens under this hash, or None."""
@@ -120,14 +137,16 @@ class BlockPool:
                    if self.blocks[b].block_hash is not None]
         if offload and dropped and self.on_evict is not None:
             self.on_evict(dropped)
+        now = self.clock()
         for block_id, _, _ in dropped:
-            self._forget_hash(self.blocks[block_id])
+            self._forget_hash(self.blocks[block_id], now)
         return len(dropped)
 
-    def _forget_hash(self, block: Block) -> None:
+    def _forget_hash(self, block: Block, now: float) -> None:
         if block.block_hash is not None:
             if self.cached.get(block.block_hash) == block.block_id:
                 del self.cached[block.block_hash]
             self.num_evicted += 1
+            self.lifetime.observe(now - block.allocated_at)
         block.block_hash = None
         block.token_ids = None

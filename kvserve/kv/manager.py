@@ -3,6 +3,9 @@
 Optional lower tiers (`manager.lower`, see kv/tiers.py `TierBridge`) extend the prefix cache
 below the device: evicted cached blocks are handed to `lower.save`, and a lookup that misses on
 the device asks `lower.locate` / `lower.load` to bring blocks back into fresh device blocks.
+
+A request's cache salt (`set_salt`) goes into its first block's hash, so salted requests share
+blocks only with requests of the same salt; the tiers key blocks by the same hashes.
 """
 
 from __future__ import annotations
@@ -11,7 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kvserve.kv.block_pool import BlockPool
-from kvserve.kv.hashing import BlockHash, hash_full_blocks
+from kvserve.kv.hashing import DEFAULT_HASH_ALGO, BlockHash, digest_fn, hash_full_blocks
 from kvserve.kv.spec import KVGroup, KVSpec, first_needed_block
 
 NULL_BLOCK = 0  # with sliding groups, block 0 is reserved to stand in for freed window blocks
@@ -38,13 +41,17 @@ class KVCacheManager:
     """Maps each request to its block tables and keeps the pool consistent."""
 
     def __init__(self, num_blocks: int, block_size: int, namespace: BlockHash,
-                 enable_prefix_caching: bool = True, groups: list[KVGroup] | None = None):
+                 enable_prefix_caching: bool = True, groups: list[KVGroup] | None = None,
+                 hash_algo: str = DEFAULT_HASH_ALGO):
         self.block_size = block_size
         self.groups = groups or [KVGroup(KVSpec("full"), [])]
         self.has_sliding = any(g.spec.kind == "sliding" for g in self.groups)
         self.pool = BlockPool(num_blocks, reserved=1 if self.has_sliding else 0)
         self.null = NULL_BLOCK if self.has_sliding else -1
         self.namespace = namespace
+        digest_fn(hash_algo)  # fails early, saying what to install, when the algorithm is missing
+        self.hash_algo = hash_algo
+        self.salts: dict[str, str] = {}  # req_id -> cache salt, for salted requests only
         self.enable_prefix_caching = enable_prefix_caching
         self.reqs: dict[str, _ReqState] = {}
         self.pending_copies: list[tuple[int, int]] = []  # (src, dst) copies to run before the next forward
@@ -104,7 +111,7 @@ class KVCacheManager:
         max_blocks = (len(token_ids) - 1) // self.block_size
         if limit is not None:
             max_blocks = min(max_blocks, limit // self.block_size)
-        self._extend_hashes(state, token_ids, max_blocks)
+        self._extend_hashes(req_id, state, token_ids, max_blocks)
         found = [self._lookup_all(g, state, token_ids, max_blocks) for g in range(len(self.groups))]
         if self.lower is not None and self._load_from_lower(state, token_ids, found, max_blocks):
             found = [self._lookup_all(g, state, token_ids, max_blocks) for g in range(len(self.groups))]
@@ -147,6 +154,17 @@ class KVCacheManager:
             src = next((x for x in sources if x is not None), "device")
             by_source[src] = by_source.get(src, 0) + self.block_size
 
+    def set_salt(self, req_id: str, salt: str | None) -> None:
+        """Mix `salt` into the request's block hashes (call before its first lookup); None: no salt."""
+        if salt:
+            self.salts[req_id] = salt
+        else:
+            self.salts.pop(req_id, None)
+
+    def drop_salt(self, req_id: str) -> None:
+        """Forget a finished request's salt."""
+        self.salts.pop(req_id, None)
+
     def reset_prefix_cache(self, offload: bool = False) -> int:
         """Forget hashes of all free blocks (owned blocks keep theirs); `offload` writes them down first."""
         return self.pool.reset_cache(offload=offload and self.lower is not None)
@@ -171,6 +189,7 @@ class KVCacheManager:
             return False
         self.rows_held += rows - state.rows
         state.rows = rows
+        self._observe_reuse(computed)
         for g, table in enumerate(state.tables):  # take every group's hits before allocating any block
             if computed[g]:
                 self.pool.touch([b for b in computed[g] if b != self.null])
@@ -191,7 +210,7 @@ class KVCacheManager:
         num_full = num_computed_tokens // self.block_size
         if num_full <= state.num_registered:
             return
-        self._extend_hashes(state, token_ids, num_full)
+        self._extend_hashes(req_id, state, token_ids, num_full)
         bs = self.block_size
         for i in range(state.num_registered, num_full):
             tokens = tuple(token_ids[i * bs:(i + 1) * bs])
@@ -219,6 +238,7 @@ class KVCacheManager:
         self.reqs[dst_id] = _ReqState([list(t) for t in src.tables], list(src.block_hashes), src.num_registered,
                                       src.rows)
         self.rows_held += src.rows
+        self.set_salt(dst_id, self.salts.get(src_id))
 
     # ---- swap ----------------------------------------------------------------------
     def swap_out_tables(self, req_id: str, num_tokens: int) -> list[list[int]]:
@@ -294,7 +314,7 @@ class KVCacheManager:
                         self.loaded_from[block_id] = src
         finally:  # loaded blocks stay cached and free (revived by allocate_slots); failed ones go first
             self.pool.free(list(reversed(fresh)))
-            self.pool.free(list(reversed(keep)))
+            self.pool.free(list(reversed(keep)), stamp=False)
         return True
 
     def _tier_run(self, found, where, n: int) -> int:
@@ -320,13 +340,23 @@ class KVCacheManager:
     def _key(self, group: int, block_hash: BlockHash) -> BlockHash:
         return block_hash if group == 0 else block_hash + group.to_bytes(2, "little")
 
-    def _extend_hashes(self, state: _ReqState, token_ids: list[int], num_blocks: int) -> None:
+    def _observe_reuse(self, computed: list[list[int]]) -> None:
+        """Reuse gap of each free cached block a hit takes back (blocks just loaded from a tier excluded)."""
+        revived = {b for blocks in computed for b in blocks
+                   if b != self.null and self.pool.blocks[b].ref_cnt == 0 and b not in self.loaded_from}
+        if revived:
+            now = self.pool.clock()
+            for b in revived:
+                self.pool.reuse_gap.observe(now - self.pool.blocks[b].freed_at)
+
+    def _extend_hashes(self, req_id: str, state: _ReqState, token_ids: list[int], num_blocks: int) -> None:
         have = len(state.block_hashes)
         if num_blocks > have:
             parent = state.block_hashes[-1] if have else None
             state.block_hashes.extend(
                 hash_full_blocks(self.namespace, token_ids[:num_blocks * self.block_size],
-                                 self.block_size, start_block=have, parent=parent))
+                                 self.block_size, start_block=have, parent=parent, algo=self.hash_algo,
+                                 salt=self.salts.get(req_id)))
 
     def _free_skipped(self, state: _ReqState, num_computed: int) -> None:
         """Sliding groups drop blocks wholly outside the window of every future query."""

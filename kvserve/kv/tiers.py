@@ -142,10 +142,11 @@ def fingerprint_path(path: str | os.PathLike, memo_dir: str | os.PathLike | None
 
 
 def tier_namespace(*, weights: str, dtype: object, kv_format: str, block_size: int,
-                   layer_specs: object, layout: Layout) -> str:
-    """Hex name of a cache namespace: entries are only ever shared inside one."""
+                   layer_specs: object, layout: Layout, hash_algo: str = "sha256") -> str:
+    """Hex name of a cache namespace: entries are only ever shared inside one (block keys are
+    chained hashes under `hash_algo`, a request's cache salt mixed into the first)."""
     text = "|".join(str(x) for x in (TIER_FORMAT_VERSION, weights, dtype, kv_format, block_size,
-                                      layer_specs, _layout_json(layout)))
+                                      layer_specs, _layout_json(layout), f"hash={hash_algo}"))
     return hashlib.blake2b(text.encode(), digest_size=16).hexdigest()
 
 

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import dataclasses
+import hashlib
 import hmac
 import json
 import logging
@@ -44,6 +46,8 @@ from kvserve.server.metrics import ServerMetrics
 log = logging.getLogger("kvserve.server")
 
 DISCONNECT_POLL_SECONDS = 0.25
+CACHE_ISOLATION = ("none", "salt", "api-key")  # docs/SERVING.md "Prefix-cache isolation"
+TENANT_SCOPE_KEY = "kvserve.tenant_salt"       # set by ApiKeyMiddleware: the salt of the key used
 
 
 class APIError(Exception):
@@ -91,6 +95,7 @@ class ServerState:
     tokenize_pool: concurrent.futures.ThreadPoolExecutor = field(
         default_factory=lambda: concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kvserve-tokenize"))
     byte_limit: int | None = None
+    cache_isolation: str = "salt"
 
     async def tokenize(self, fn, *args):
         """fn(*args) on the tokenize thread."""
@@ -106,18 +111,30 @@ class ServerState:
         return text
 
 
-class ApiKeyMiddleware:
-    """Answer 401 on every route but /health without `Authorization: Bearer <key>`."""
+def tenant_salt(api_key: str) -> str:
+    """The cache salt of one API key's tenant: a hash of the key (the key itself is never kept in it)."""
+    return "tenant:" + hashlib.sha256(b"kvserve cache tenant\0" + api_key.encode()).hexdigest()
 
-    def __init__(self, app, api_key: str | None):
+
+class ApiKeyMiddleware:
+    """Answer 401 on every route but /health without `Authorization: Bearer <key>` for one of the keys;
+    a request that passes carries its key's tenant salt in scope[TENANT_SCOPE_KEY]."""
+
+    def __init__(self, app, api_keys: list[str]):
         self.app = app
-        self.expected = api_key.encode() if api_key else None
+        self.keys = [(k.encode(), tenant_salt(k)) for k in api_keys]
 
     async def __call__(self, scope, receive, send):
-        if self.expected is None or scope["type"] != "http" or scope["path"] == "/health":
+        if not self.keys or scope["type"] != "http" or scope["path"] == "/health":
             return await self.app(scope, receive, send)
         scheme, _, token = dict(scope["headers"]).get(b"authorization", b"").partition(b" ")
-        if scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self.expected):
+        token = token.strip()
+        salt = None
+        for key, key_salt in self.keys:  # every key is compared, so timing does not tell which matched
+            if hmac.compare_digest(token, key) and scheme.lower() == b"bearer":
+                salt = key_salt
+        if salt is not None:
+            scope[TENANT_SCOPE_KEY] = salt
             return await self.app(scope, receive, send)
         err = APIError(401, "invalid or missing API key: send 'Authorization: Bearer <key>'",
                        type="authentication_error", code="invalid_api_key",
@@ -126,18 +143,23 @@ class ApiKeyMiddleware:
 
 
 def build_app(engine: LLMEngine, *, served_model_name: str | None = None,
-              api_key: str | None = None, max_queue: int | None = DEFAULT_MAX_QUEUE,
+              api_key: str | list[str] | None = None, max_queue: int | None = DEFAULT_MAX_QUEUE,
               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-              allow_special_tokens_in_content: bool = False) -> FastAPI:
+              allow_special_tokens_in_content: bool = False, cache_isolation: str = "salt") -> FastAPI:
     """A FastAPI app serving `engine`; the engine thread starts and stops with the app.
 
+    `api_key`: one key or several (each a tenant under cache_isolation='api-key').
     `allow_special_tokens_in_content`: parse special-token text in chat messages as control
     tokens (trusted callers only); by default it is encoded as plain text.
+    `cache_isolation`: none | salt | api-key, who shares prefix-cache blocks (docs/SERVING.md).
     """
+    api_keys = [api_key] if isinstance(api_key, str) else [k for k in api_key or [] if k]
+    check_cache_isolation(cache_isolation, api_keys)
     name = served_model_name or engine.model_config.name
     metrics = ServerMetrics(name, engine.max_model_len)
     aengine = AsyncEngine(engine, max_queue=max_queue, on_finished=metrics.observe_finished)
-    state = ServerState(engine, aengine, metrics, name, max_body_bytes, allow_special_tokens_in_content)
+    state = ServerState(engine, aengine, metrics, name, max_body_bytes, allow_special_tokens_in_content,
+                        cache_isolation=cache_isolation)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -151,10 +173,30 @@ def build_app(engine: LLMEngine, *, served_model_name: str | None = None,
     app = FastAPI(title="kvserve", version=kvserve.__version__, lifespan=lifespan,
                   docs_url=None, redoc_url=None, openapi_url=None)
     app.state.kvserve = state
-    app.add_middleware(ApiKeyMiddleware, api_key=api_key)
+    app.add_middleware(ApiKeyMiddleware, api_keys=api_keys)
     _add_error_handlers(app)
     _add_routes(app, state)
     return app
+
+
+def check_cache_isolation(mode: str, api_keys: list[str]) -> None:
+    """Raise ValueError for an unknown mode, or api-key isolation without API keys."""
+    if mode not in CACHE_ISOLATION:
+        raise ValueError(f"cache isolation must be one of {CACHE_ISOLATION}, got {mode!r}")
+    if mode == "api-key" and not api_keys:
+        raise ValueError("--cache-isolation api-key needs at least one --api-key (give one per tenant)")
+
+
+def isolate(state: ServerState, request: Request, params: SamplingParams) -> SamplingParams:
+    """`params` with the cache salt the isolation mode gives this request (docs/SERVING.md)."""
+    mode, salt = state.cache_isolation, params.cache_salt
+    if mode == "none" and salt is not None:
+        raise ValueError("cache_salt is not honoured by this server (--cache-isolation none: one prefix cache "
+                         "for every request); leave it out, or ask the operator for --cache-isolation salt")
+    if mode == "api-key":
+        tenant = request.scope[TENANT_SCOPE_KEY]
+        return dataclasses.replace(params, cache_salt=tenant if salt is None else f"{tenant}/{salt}")
+    return params
 
 
 def _add_error_handlers(app: FastAPI) -> None:
@@ -289,7 +331,7 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
         req = parse_model(P.CompletionRequest, await read_json(request, state.max_body_bytes))
         check_model(state, req.model)
         try:
-            params, prompts = req.sampling_params(), req.prompts()
+            params, prompts = isolate(state, request, req.sampling_params()), req.prompts()
             state.async_engine.check_batch_size(len(prompts))
             prompts = await state.tokenize(_completion_prompts, state, prompts)
         except ValueError as exc:
@@ -306,7 +348,7 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
         req = parse_model(P.ChatCompletionRequest, await read_json(request, state.max_body_bytes))
         check_model(state, req.model)
         try:
-            conversation, params = req.conversation(), req.sampling_params()
+            conversation, params = req.conversation(), isolate(state, request, req.sampling_params())
             prompt = await state.tokenize(
                 inputs.chat_token_ids, state.engine.tokenizer, conversation, req.add_generation_prompt,
                 state.byte_limit, state.engine.max_model_len, state.special_in_content)

@@ -35,9 +35,14 @@ def register(subparsers) -> None:
     _engine_args(p)
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--api-key", default=None,
-                   help="require 'Authorization: Bearer KEY' on every route but /health "
-                        "(default: $KVSERVE_API_KEY, else no key)")
+    p.add_argument("--api-key", action="append", default=None, metavar="KEY",
+                   help="require 'Authorization: Bearer KEY' on every route but /health; repeat for "
+                        "several keys (tenants) (default: $KVSERVE_API_KEY, else no key)")
+    p.add_argument("--cache-isolation", default="salt", choices=["none", "salt", "api-key"],
+                   help="who may share prefix-cache blocks: salt (default) = requests with the same "
+                        "cache_salt (none given: all such requests); api-key = only requests made with the "
+                        "same API key; none = everyone, and a request's cache_salt is refused "
+                        "(docs/SERVING.md)")
     p.add_argument("--served-model-name", default=None, help="model name in the API (default: the model's)")
     p.add_argument("--max-queue", type=int, default=DEFAULT_MAX_QUEUE,
                    help="waiting requests allowed before new ones get 429 with Retry-After "
@@ -60,23 +65,35 @@ def cmd_serve(args) -> int:
     import uvicorn
 
     from kvserve.cli import make_llm
-    from kvserve.server.app import build_app
+    from kvserve.server.app import build_app, check_cache_isolation
 
     if args.max_queue < 0:
         raise ValueError(f"--max-queue must be >= 0, got {args.max_queue}")
     if args.max_body_bytes < 1:
         raise ValueError(f"--max-body-bytes must be >= 1, got {args.max_body_bytes}")
-    api_key = args.api_key if args.api_key is not None else os.environ.get("KVSERVE_API_KEY") or None
+    api_keys = api_keys_of(args)
+    check_cache_isolation(args.cache_isolation, api_keys)
     engine = make_llm(args).engine
-    app = build_app(engine, served_model_name=args.served_model_name, api_key=api_key,
+    app = build_app(engine, served_model_name=args.served_model_name, api_key=api_keys,
                     max_queue=args.max_queue, max_body_bytes=args.max_body_bytes,
-                    allow_special_tokens_in_content=args.allow_special_tokens_in_content)
+                    allow_special_tokens_in_content=args.allow_special_tokens_in_content,
+                    cache_isolation=args.cache_isolation)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
                             access_log=not args.no_access_log,
                             timeout_graceful_shutdown=args.shutdown_timeout + 5)
-    log.info("serving %s on http://%s:%d (api key %s)", app.state.kvserve.model_name, args.host,
-             args.port, "required" if api_key else "off")
+    log.info("serving %s on http://%s:%d (api key %s, prefix-cache isolation %s)", app.state.kvserve.model_name,
+             args.host, args.port, f"required, {len(api_keys)} key(s)" if api_keys else "off", args.cache_isolation)
     return serve(app, config, args.shutdown_timeout)
+
+
+def api_keys_of(args) -> list[str]:
+    """The keys given with --api-key (empty ones refused), else $KVSERVE_API_KEY, else none."""
+    if args.api_key is None:
+        env = os.environ.get("KVSERVE_API_KEY")
+        return [env] if env else []
+    if any(not k for k in args.api_key):
+        raise ValueError("--api-key must not be empty: give the key, e.g. --api-key sk-tenant-a")
+    return list(dict.fromkeys(args.api_key))
 
 
 def serve(app, config, shutdown_timeout: float) -> int:

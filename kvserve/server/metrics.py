@@ -10,7 +10,7 @@ from __future__ import annotations
 import threading
 
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 
 from kvserve.engine.async_engine import FinishedRequest
@@ -33,6 +33,8 @@ GAUGES = [
 COUNTERS = [
     ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", "prefix_cache_queries"),
     ("prefix_cache_hits", "Prompt tokens served from the prefix cache.", "prefix_cache_hits"),
+    ("prompt_tokens_cached", "Prompt tokens of admitted requests served from the prefix cache "
+     "(usage.prompt_tokens_details.cached_tokens).", "prompt_tokens_cached"),
     ("num_preemptions", "Requests preempted to free KV blocks.", "num_preemptions"),
     ("num_swapped_out_blocks", "KV blocks copied to the swap space.", "num_swapped_out_blocks"),
     ("num_swapped_in_blocks", "KV blocks copied back from the swap space.", "num_swapped_in_blocks"),
@@ -84,6 +86,7 @@ class _EngineCollector(Collector):
                 c.add_metric(label, float(snap[key]))
                 yield c
         yield from _tier_families(snap, self.model_name)
+        yield from _block_time_families(snap, self.model_name)
         success = CounterMetricFamily(PREFIX + "request_success", "Finished sequences by finish reason.",
                                       labels=["model_name", "finished_reason"])
         for reason, count in sorted(snap.get("request_success", {}).items()):
@@ -135,6 +138,26 @@ def _tier_families(snap: dict, model_name: str):
     for tier, stats in sorted(tiers.items()):
         g.add_metric([model_name, tier], float(stats.get("pending_writes", 0)))
     yield g
+
+
+# block timings from get_metrics() (kv/block_stats.py snapshots), observed by the block pool
+BLOCK_HISTOGRAMS = [
+    ("kv_block_lifetime_seconds", "KV block lifetime: allocation until its contents are dropped "
+     "(freed without a prefix hash, or evicted from the prefix cache).", "kv_block_lifetime_seconds"),
+    ("kv_block_reuse_gap_seconds", "Time a cached KV block sat free before a prefix hit took it again.",
+     "kv_block_reuse_gap_seconds"),
+]
+
+
+def _block_time_families(snap: dict, model_name: str):
+    for name, doc, key in BLOCK_HISTOGRAMS:
+        h = snap.get(key)
+        if h is None:
+            continue
+        family = HistogramMetricFamily(PREFIX + name, doc, labels=["model_name"])
+        buckets = [("+Inf" if bound == float("inf") else str(bound), n) for bound, n in h["buckets"]]
+        family.add_metric([model_name], buckets, h["sum"])
+        yield family
 
 
 class ServerMetrics:
