@@ -124,8 +124,10 @@ def server():
 
 @pytest.fixture(scope="module")
 def limited():
-    """An API key, one running sequence at a time and room for one waiting request."""
-    srv = Server("--api-key", "sekrit", "--max-num-seqs", "1", "--max-queue", "1", api_key="sekrit")
+    """Two API keys (tenants with their own prefix cache), one running sequence at a time and room
+    for one waiting request."""
+    srv = Server("--api-key", "sekrit", "--api-key", "other", "--cache-isolation", "api-key",
+                 "--max-num-seqs", "1", "--max-queue", "1", api_key="sekrit")
     yield srv
     srv.stop()
 
@@ -497,6 +499,15 @@ def test_api_key_required(limited):
         limited.client("wrong").completions.create(model=limited.model, prompt="hi", max_tokens=1)
     out = limited.client("sekrit").completions.create(model=limited.model, prompt="hi", max_tokens=2)
     assert out.usage.completion_tokens == 2
+
+
+def test_each_api_key_sees_only_its_own_prefix_hits(limited):
+    def cached(key: str) -> int:
+        out = limited.client(key).completions.create(model=limited.model, prompt="Tenants. " + LONG_PROMPT,
+                                                     max_tokens=1, temperature=0)
+        return out.usage.prompt_tokens_details.cached_tokens
+    seen = [cached("sekrit"), cached("other"), cached("sekrit"), cached("other")]
+    assert seen[0] == seen[1] == 0 and seen[2] == seen[3] > 0
 
 
 def test_bearer_scheme_is_case_insensitive(limited):
