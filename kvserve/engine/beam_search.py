@@ -53,8 +53,7 @@ def _logprobs_of(engine, beams: list[Request]) -> dict[str, torch.Tensor]:
             req.num_computed_tokens += n
             if engine.kv is not None:
                 engine.kv.cache_blocks(req.request_id, req.token_ids, req.num_computed_tokens)
-        if getattr(engine, "evictor", None) is not None:
-            engine.evictor.after_step(sched.scheduled)
+        engine.evictor.after_step(sched.scheduled)
         for req, row in zip(inp.sampling_reqs, torch.log_softmax(logits, dim=-1)):
             out[req.request_id] = row
     return out
@@ -86,8 +85,7 @@ def _select(engine, live, logprobs, params, eos, step):
 
 def _end(engine, req: Request, status: RequestStatus) -> None:
     engine.scheduler.finish(req, status)
-    if getattr(engine, "evictor", None) is not None:
-        engine.evictor.drop(req.request_id)
+    engine.evictor.drop(req.request_id)
 
 
 def _fork(engine, parent: Request, token: int, logprob: float) -> Request:
@@ -95,8 +93,7 @@ def _fork(engine, parent: Request, token: int, logprob: float) -> Request:
                     prompt=parent.prompt, group_id=parent.group_id)
     child.token_ids = parent.token_ids + [token]
     child.cumulative_logprob = parent.cumulative_logprob + logprob
-    if getattr(engine, "evictor", None) is not None:
-        engine.evictor.fork(parent, child)
+    engine.evictor.fork(parent, child)
     if engine.kv is not None and parent.status != RequestStatus.RUNNING:  # parent was preempted: recompute
         child.status = RequestStatus.PREEMPTED
         engine.scheduler.waiting.append(child)

@@ -19,6 +19,7 @@ from kvserve.engine.offload import build_swap, build_tiers, offload_metrics
 from kvserve.engine.request import Request, RequestStatus
 from kvserve.engine.sampler import Sampler, SamplingError, SamplingInput, prompt_logprobs
 from kvserve.engine.scheduler import Scheduler
+from kvserve.kv.eviction import KeepAll
 from kvserve.kv.formats import KVCacheFormat, build_kv_format, split_budget
 from kvserve.kv.hashing import namespace_hash
 from kvserve.kv.manager import KVCacheManager
@@ -128,11 +129,13 @@ class LLMEngine:
             self.kv.residual_rows = self.kv_residual_rows or None  # the scheduler admits this many filling blocks
         self.runner = ModelRunner(self.model, self.kv, self.storage, self.device, cfg.max_num_seqs,
                                   self.max_model_len)
-        self.evictor = None  # engine/eviction.py: per-layer KV eviction (needs one layer per group)
+        # The KV manager's eviction strategy: keep everything, or engine/eviction.py's Evictor under
+        # a kv_policy (it needs one layer per KV group)
+        self.evictor = self.kv.eviction if self.kv is not None else KeepAll()
         if self.kv_policy is not None and self.kv is not None:
             self.evictor = Evictor(self.kv, self.storage, self.model, self.kv_groups)
             self.evictor.check(self.kv_policy)
-            self.runner.use_evictor(self.evictor)
+        self.runner.use_eviction(self.evictor)
         self.swap = build_swap(cfg, self.storage, self.kv)   # host swap pool (swap_space GiB)
         self.tiers = build_tiers(self)                        # prefix store below the device (kv_tiers)
         max_batch = cfg.max_num_batched_tokens if self.kv is not None else self.max_model_len
@@ -243,7 +246,7 @@ class LLMEngine:
         bad = [t for t in ids if not 0 <= t < self.model_config.vocab_size]
         if bad:
             raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {self.model_config.vocab_size})")
-        policy = request_policy(getattr(self, "evictor", None), self.kv_policy, params, len(ids))
+        policy = request_policy(self.evictor, self.kv_policy, params, len(ids))
         params = self._fit_max_tokens(params, len(ids), policy)
         rid = request_id or str(next(self._ids))
         if rid in self.groups:
@@ -338,8 +341,7 @@ class LLMEngine:
         self._collect_prompt_logprobs(prompt_logits, pl_reqs)
         touched = {r.group_id for r, _ in sched.scheduled}
         self._sample(logits, inp.sampling_reqs)
-        if self.evictor is not None:
-            self.evictor.after_step(sched.scheduled)
+        self.evictor.after_step(sched.scheduled)
         return [self._output(gid) for gid in touched if gid in self.groups]
 
     def _sample(self, logits: torch.Tensor, reqs: list[Request]) -> None:
@@ -373,8 +375,7 @@ class LLMEngine:
             child.num_cached_tokens = parent.num_cached_tokens
             child.status = RequestStatus.RUNNING
             child.metrics.first_scheduled_time = parent.metrics.first_scheduled_time
-            if self.evictor is not None:
-                self.evictor.fork(parent, child)  # evicts the parent first: children share its compressed cache
+            self.evictor.fork(parent, child)  # evicts the parent first: children share its compressed cache
             if self.kv is not None:
                 self.kv.fork(parent.request_id, child.request_id)
             self.scheduler.running.append(child)
@@ -409,8 +410,7 @@ class LLMEngine:
 
     def _finish(self, req: Request, status: RequestStatus) -> None:
         self.scheduler.finish(req, status)
-        if self.evictor is not None:
-            self.evictor.drop(req.request_id)
+        self.evictor.drop(req.request_id)
         m = req.metrics
         n = req.num_output_tokens
         tpot = None
@@ -470,8 +470,7 @@ class LLMEngine:
             m[f"{name}_p99"] = percentile(values, 99)
         m.update(self._kv_metrics())
         m.update(offload_metrics(self))
-        if self.evictor is not None:
-            m.update(self.evictor.metrics())
+        m.update(self.evictor.metrics())
         return m
 
     def _kv_metrics(self) -> dict:

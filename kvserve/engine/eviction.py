@@ -32,6 +32,7 @@ import math
 import torch
 
 from kvserve.engine.request import Request
+from kvserve.kv.eviction import KeepAll
 from kvserve.kv.formats import _flat
 from kvserve.kv.manager import KVCacheManager
 from kvserve.kv.policies import KVPolicy, snapkv_scores
@@ -72,8 +73,11 @@ class _State:
         self.done = False       # one-shot policies: compressed already
 
 
-class Evictor:
-    """Per-request eviction state for one engine; see the module docstring."""
+class Evictor(KeepAll):
+    """The KV manager's eviction strategy under a kv_policy (kv/eviction.py has the calls it answers);
+    per-request state; see the module docstring."""
+
+    uniform = False
 
     def __init__(self, kv: KVCacheManager, storage: KVStorage, model: torch.nn.Module, groups: list[KVGroup]):
         if any(len(g.layers) != 1 for g in groups):
@@ -86,6 +90,7 @@ class Evictor:
         self.layer_group = {g.layers[0]: i for i, g in enumerate(groups)}
         self.targets = [i for i, g in enumerate(groups) if g.spec.kind in EVICTABLE]  # layers policies evict
         self.target_set = set(self.targets)
+        self.observed_groups = frozenset(self.targets)
         self.has_other = len(self.targets) < len(groups)
         self.attn = [layer.self_attn for layer in model.model.layers]
         cfg = model.config
@@ -99,8 +104,7 @@ class Evictor:
         self.num_entries_moved = 0
         self.num_blocks_unshared = 0   # shared (forks, prefix hits) blocks copied before eviction wrote them
         self.num_deferred = 0          # evictions put off a step: no free block to unshare into
-        kv.cache_offsets = self.offsets
-        kv.hit_limit = self.hit_limit
+        kv.eviction = self
 
     # ---- requests ----------------------------------------------------------------------------
     def check(self, policy: KVPolicy) -> None:
@@ -302,8 +306,7 @@ class Evictor:
         copies = [(tables[g][i], b) for (g, i), b in zip(shared, fresh)]
         self.storage.copy_blocks(copies)
         pool.free([old for old, _ in copies])
-        for (g, i), b in zip(shared, fresh):
-            tables[g][i] = b
+        self.kv.replace_blocks(st.req.request_id, [(g, i, b) for (g, i), b in zip(shared, fresh)])
         self.num_blocks_unshared += len(shared)
         return True
 
@@ -434,16 +437,13 @@ def _grown(t: torch.Tensor | None, n: int, add: torch.Tensor | None = None,
 # ---- engine glue -------------------------------------------------------------------------------------
 
 
-def request_policy(evictor: Evictor | None, engine_policy: KVPolicy | None, params, prompt_len: int) -> KVPolicy | None:
+def request_policy(evictor: KeepAll, engine_policy: KVPolicy | None, params, prompt_len: int) -> KVPolicy | None:
     """The resolved policy a request runs under (its own, else the engine's), None when it keeps
     everything; ValueError when it cannot run here."""
     from kvserve.kv.policies import parse_policy
     policy = parse_policy(params.kv_policy) if params.kv_policy is not None else engine_policy
     if policy is None or not policy.evicts:
         return None
-    if evictor is None:
-        raise ValueError(f"kv_policy {policy.spec()!r} needs an engine started with a kv_policy (any, 'full' "
-                         "included: it gives every layer its own block table) and kv_cache_mode='paged'")
     policy = policy.resolve(prompt_len)
     evictor.check(policy)
     return policy

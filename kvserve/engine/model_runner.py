@@ -9,6 +9,7 @@ import torch
 from kvserve.attention import AttentionMetadata, PrefillSpan, StepBatch, select_backend
 from kvserve.engine.input_batch import InputBatch
 from kvserve.engine.request import Request
+from kvserve.kv.eviction import KeepAll
 from kvserve.kv.manager import KVCacheManager
 from kvserve.kv.storage import KVStorage
 
@@ -36,7 +37,7 @@ class ModelRunner:
         self.storage = storage
         self.device = device
         self.block_size = kv.block_size if kv is not None else 1
-        self.evictor = None  # engine/eviction.py: cache lengths, positions and scores of evicting requests
+        self.eviction = KeepAll()  # the KV manager's eviction strategy: cache lengths, positions, scores
         self.backends: list = []
         self.layer_backend: dict[int, object] = {}
         self.layer_group: dict[int, int] = {}
@@ -44,13 +45,15 @@ class ModelRunner:
             self.input_batch = InputBatch(len(kv.groups), max_num_seqs, -(-max_model_len // self.block_size) + 1,
                                           device)
             self.layer_group = dict(storage.layer_group)
-            self.use_evictor(None)
+            self.use_eviction(kv.eviction)
 
-    def use_evictor(self, evictor) -> None:
-        """Set the KV evictor and choose each group's backend: groups whose attention scores the
-        evictor watches read through the gathered path."""
-        self.evictor = evictor
-        observed = evictor.target_set if evictor is not None else set()
+    def use_eviction(self, eviction) -> None:
+        """Use the eviction strategy and choose each group's backend: groups whose attention scores
+        it watches read through the gathered path."""
+        self.eviction = eviction
+        if self.kv is None:
+            return
+        observed = eviction.observed_groups
         self.set_backends([select_backend(self.storage, group, g in observed) for g, group in enumerate(self.kv.groups)])
 
     def set_backends(self, backends: list) -> None:
@@ -82,7 +85,7 @@ class ModelRunner:
         for req, n in order:
             start = req.num_computed_tokens
             ids.extend(req.token_ids[start:start + n])
-            shift = self.evictor.position_shift(req) if self.evictor is not None else 0
+            shift = self.eviction.position_shift(req)
             pos.extend(range(start - shift, start - shift + n))
             if start + n == req.num_tokens:
                 logits_rows.append(len(ids) - 1)
@@ -94,8 +97,7 @@ class ModelRunner:
             row += n
         if cached:
             self._cache_metadata(meta, order, len(decodes), len(ids))
-            if self.evictor is not None:
-                meta.score_hook = self.evictor.score_hook(decodes, prefills)
+            meta.score_hook = self.eviction.score_hook(decodes, prefills)
         return ModelInput(self._tensor(ids), self._tensor(pos), meta, order, logits_rows, sampling)
 
     def _cache_metadata(self, meta: AttentionMetadata, order, num_decodes: int, num_tokens: int) -> None:
@@ -114,12 +116,11 @@ class ModelRunner:
         token_req = torch.repeat_interleave(req_idx, count_t)
         first = torch.cumsum(count_t, 0) - count_t
         token_off = torch.arange(num_tokens, device=self.device) - first[token_req]
-        if self.evictor is None:
+        if self.eviction.uniform:  # every group holds num_computed_tokens: one list for all
             lens = [r.num_computed_tokens for r, _ in order]
-            lens_t = self._tensor(lens)
-            cache_lens, cache_len_t = [lens] * len(self.backends), [lens_t] * len(self.backends)
+            cache_lens, cache_len_t = [lens] * len(self.backends), [self._tensor(lens)] * len(self.backends)
         else:
-            cache_lens = [[self.evictor.cache_len(r, g) for r, _ in order] for g in range(len(self.backends))]
+            cache_lens = [[self.eviction.cache_len(r, g) for r, _ in order] for g in range(len(self.backends))]
             cache_len_t = [self._tensor(x) for x in cache_lens]
         return StepBatch(num_decodes, counts, token_req, token_off, cache_lens, cache_len_t)
 

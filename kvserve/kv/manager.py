@@ -10,10 +10,10 @@ blocks only with requests of the same salt; the tiers key blocks by the same has
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kvserve.kv.block_pool import BlockPool
+from kvserve.kv.eviction import KeepAll
 from kvserve.kv.hashing import DEFAULT_HASH_ALGO, BlockHash, digest_fn, hash_full_blocks
 from kvserve.kv.spec import KVGroup, KVSpec, first_needed_block
 
@@ -60,12 +60,10 @@ class KVCacheManager:
         self.lower = None                      # TierBridge-like: save / locate / load (kv/tiers.py)
         self.loaded_from: dict[int, str] = {}  # block id -> tier it was loaded from, until first used
         self.pool.on_evict = self._on_evict
-        # KV eviction (engine/eviction.py): req_id -> entries dropped per group, None when the request
-        # does not evict. An evicting request's group g holds num_computed - offsets[g] entries; it
-        # publishes no blocks (they would not hold the hashed tokens). `hit_limit`: the most prompt
-        # tokens a request may take from the prefix cache (None: no limit; 0: none).
-        self.cache_offsets: Callable[[str], list[int] | None] | None = None
-        self.hit_limit: Callable[[str], int | None] | None = None
+        # The eviction strategy (kv/eviction.py; engine/eviction.py's Evictor under a kv_policy). An
+        # evicting request's group g holds num_computed - offsets[g] entries and publishes no blocks
+        # (they would not hold the hashed tokens); hit_limit bounds its prefix-cache hits.
+        self.eviction = KeepAll()
         # KIVI formats keep each still-filling block in one of a fixed number of residual rows
         # (kv/storage.py). `residual_rows`: how many (None: the format keeps none, no limit);
         # `rows_held`: the rows the requests' latest steps need, summed over requests.
@@ -105,7 +103,7 @@ class KVCacheManager:
         """Cached blocks per group for the longest usable prefix; the last token is never a hit."""
         state = self._state(req_id)
         empty = [[] for _ in self.groups]
-        limit = self.hit_limit(req_id) if self.hit_limit is not None else None
+        limit = self.eviction.hit_limit(req_id)
         if not self.enable_prefix_caching or len(token_ids) < 2 or limit == 0:
             return empty, 0
         max_blocks = (len(token_ids) - 1) // self.block_size
@@ -258,6 +256,13 @@ class KVCacheManager:
         self.reqs[req_id] = _ReqState(tables)
         return tables
 
+    def replace_blocks(self, req_id: str, changes: list[tuple[int, int, int]]) -> None:
+        """Put block b at index i of the request's table in group g, for each (g, i, b): the caller
+        copied the old block's contents into b and frees the old block itself."""
+        tables = self.reqs[req_id].tables
+        for g, i, b in changes:
+            tables[g][i] = b
+
     def release_tail(self, req_id: str, group: int, num_blocks: int) -> int:
         """Keep the first `num_blocks` blocks of the request's table in `group`, free the rest
         (eviction compacted the survivors into them); returns how many blocks were freed."""
@@ -268,7 +273,7 @@ class KVCacheManager:
         return len(tail)
 
     def _offsets(self, req_id: str) -> list[int] | None:
-        return self.cache_offsets(req_id) if self.cache_offsets is not None else None
+        return self.eviction.offsets(req_id)
 
     def take_pending_copies(self) -> list[tuple[int, int]]:
         """Block copies (src, dst) the storage must run before the next forward."""
