@@ -1,9 +1,9 @@
 """kvserve: an LLM inference engine built around the KV cache."""
 
 from kvserve.outputs import CompletionOutput, RequestOutput
-from kvserve.sampling_params import BeamSearchParams, SamplingParams
+from kvserve.sampling_params import BeamSearchParams, KVRetention, SamplingParams
 
-__all__ = ["LLM", "SamplingParams", "BeamSearchParams", "RequestOutput", "CompletionOutput"]
+__all__ = ["LLM", "SamplingParams", "BeamSearchParams", "KVRetention", "RequestOutput", "CompletionOutput"]
 __version__ = "0.1.0"
 
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 _SAMPLING_EPS = 1e-5
 _MIN_TEMPERATURE = 1e-2  # vLLM's floor for a non-zero temperature: smaller ones overflow
@@ -42,6 +42,39 @@ def _check_temperature(value: object) -> None:
                  f"a number in [0, {FLOAT32_MAX:.4g}] (float32)")
 
 
+@dataclass(frozen=True)
+class KVRetention:
+    """Keep the request's prompt blocks in the prefix cache: evicted last (lowest priority first)
+    until `ttl_s` seconds after they are cached (None: until the pool needs them); `max_tokens`
+    pins only that many leading prompt tokens (None: the whole prompt)."""
+
+    priority: int = 50
+    ttl_s: float | None = None
+    max_tokens: int | None = None
+
+    def __post_init__(self) -> None:
+        _check_int("kv_retention.priority", self.priority, 0, 100)
+        if self.ttl_s is not None:
+            _check_float("kv_retention.ttl_s", self.ttl_s, lambda t: 0 < t < math.inf,
+                         "a number of seconds > 0 (or null for no expiry)")
+            object.__setattr__(self, "ttl_s", float(self.ttl_s))
+        if self.max_tokens is not None:
+            _check_int("kv_retention.max_tokens", self.max_tokens, 1)
+
+
+def as_retention(value: object) -> KVRetention | None:
+    """A KVRetention from None, a KVRetention or a dict of its fields (ValueError naming what is wrong)."""
+    if value is None or isinstance(value, KVRetention):
+        return value
+    names = [f.name for f in fields(KVRetention)]
+    if not isinstance(value, dict):
+        raise ValueError(f"kv_retention must be an object with {names}, got {value!r}")
+    unknown = sorted(set(value) - set(names))
+    if unknown:
+        raise ValueError(f"kv_retention has unknown keys {unknown}; use {names}")
+    return KVRetention(**value)
+
+
 @dataclass
 class SamplingParams:
     """How to pick tokens for one request; fields, defaults and meaning follow vLLM."""
@@ -66,6 +99,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     kv_policy: str | None = None   # KV eviction for this request (kv/policies.py); None = the engine's
     cache_salt: str | None = None  # shares prefix-cache blocks only with requests of the same salt
+    kv_retention: KVRetention | dict | None = None  # pin the prompt's blocks in the prefix cache
 
     def __post_init__(self) -> None:
         self.stop = _normalise_stop(self.stop)
@@ -75,6 +109,7 @@ class SamplingParams:
         self._validate_penalties()
         self._validate_logprobs()
         check_cache_salt(self.cache_salt)
+        self.kv_retention = as_retention(self.kv_retention)
         if self.kv_policy is not None:
             from kvserve.kv.policies import parse_policy
             parse_policy(self.kv_policy)

@@ -1,7 +1,17 @@
-"""Block ids, reference counts, an LRU queue of free blocks, and the hash -> block map."""
+"""Block ids, reference counts, an LRU queue of free blocks, and the hash -> block map.
+
+Retention pins (`pin`) keep chosen cached blocks the longest: a free pinned block waits outside
+the LRU queue, in a queue per priority, and is reused only when no unpinned free block is left
+(lowest priority first, least recently used first within a priority). A pin is a priority, not a
+reservation: it never makes an allocation fail. Pins expire lazily (a heap of expiry times is
+checked when blocks are allocated or pinned); an expired pin's block rejoins the LRU queue at the
+tail, as if freed then. At most `pin_limit` blocks are pinned at once; pins beyond it are refused.
+"""
 
 from __future__ import annotations
 
+import heapq
+import math
 import time
 from collections import OrderedDict
 from collections.abc import Callable
@@ -21,6 +31,8 @@ class Block:
     token_ids: tuple[int, ...] | None = None  # kept with the hash to guard against collisions
     allocated_at: float = 0.0                  # clock time of its latest allocation
     freed_at: float = 0.0                      # clock time its ref count last fell to 0
+    pin_priority: int | None = None            # retention priority while pinned (0-100)
+    pin_expires: float = math.inf              # clock time the pin ends
 
 
 class BlockPool:
@@ -47,6 +59,15 @@ class BlockPool:
         self.clock: Callable[[], float] = time.monotonic
         self.lifetime = TimeHistogram()
         self.reuse_gap = TimeHistogram()
+        # Retention pins: free pinned blocks per priority (LRU order), expiry heap, share and counts.
+        self.pinned_free: dict[int, OrderedDict[int, None]] = {}
+        self.num_pinned_free = 0
+        self.num_pinned = 0
+        self.pin_limit = 0
+        self._expiry: list[tuple[float, int]] = []
+        self.pin_counts = {"taken": 0, "refused": 0, "expired": 0, "evicted": 0}
+        # Called with each block newly pinned (tiers that write back store it now).
+        self.on_pin: Callable[[int, BlockHash, tuple[int, ...]], None] | None = None
 
     @property
     def num_usable(self) -> int:
@@ -55,13 +76,13 @@ class BlockPool:
 
     @property
     def num_free(self) -> int:
-        """Blocks with no owner (cached ones included)."""
-        return len(self.free_queue)
+        """Blocks with no owner (cached and pinned ones included)."""
+        return len(self.free_queue) + self.num_pinned_free
 
     @property
     def num_cached_free(self) -> int:
         """Free blocks that still hold a reusable hash."""
-        return sum(1 for b in self.free_queue if self.blocks[b].block_hash is not None)
+        return sum(1 for b in self.free_queue if self.blocks[b].block_hash is not None) + self.num_pinned_free
 
     @property
     def num_cached(self) -> int:
@@ -74,8 +95,10 @@ class BlockPool:
             raise RuntimeError(f"asked for {n} blocks, only {self.num_free} free")
         out, evicted = [], []
         now = self.clock() if n else 0.0
+        if n:
+            self.expire(now)
         for _ in range(n):
-            block_id, _ = self.free_queue.popitem(last=False)
+            block_id = self.free_queue.popitem(last=False)[0] if self.free_queue else self._pop_pinned()
             block = self.blocks[block_id]
             if block.block_hash is not None and self.on_evict is not None:
                 evicted.append((block_id, block.block_hash, block.token_ids))
@@ -92,7 +115,7 @@ class BlockPool:
         for block_id in block_ids:
             block = self.blocks[block_id]
             if block.ref_cnt == 0:
-                del self.free_queue[block_id]
+                self._unqueue(block)
             block.ref_cnt += 1
 
     def free(self, block_ids: list[int], stamp: bool = True) -> None:
@@ -106,9 +129,12 @@ class BlockPool:
                 raise RuntimeError(f"block {block_id} freed with ref_cnt {block.ref_cnt}")
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
-                self.free_queue[block_id] = None
                 if stamp:
                     block.freed_at = now
+                if block.pin_priority is not None:
+                    self._queue_pinned(block)
+                    continue
+                self.free_queue[block_id] = None
                 if block.block_hash is None:
                     self.free_queue.move_to_end(block_id, last=False)
                     self.lifetime.observe(now - block.allocated_at)  # nothing reusable left in it
@@ -132,7 +158,10 @@ class BlockPool:
             self.on_register(block_id, block_hash, token_ids)
 
     def reset_cache(self, offload: bool = False) -> int:
-        """Forget every hash of free blocks (handing them to `on_evict` first if `offload`)."""
+        """Forget every hash of free blocks, pinned ones too (handing them to `on_evict` first if `offload`)."""
+        for queue in list(self.pinned_free.values()):
+            for block_id in list(queue):
+                self._unpin(self.blocks[block_id])
         dropped = [(b, self.blocks[b].block_hash, self.blocks[b].token_ids) for b in self.free_queue
                    if self.blocks[b].block_hash is not None]
         if offload and dropped and self.on_evict is not None:
@@ -150,3 +179,80 @@ class BlockPool:
             self.lifetime.observe(now - block.allocated_at)
         block.block_hash = None
         block.token_ids = None
+
+    # ---- retention pins --------------------------------------------------------------
+    def pin(self, block_id: int, priority: int, expires_at: float = math.inf) -> bool:
+        """Pin a cached block the caller holds until `expires_at` (a pinned block is raised, never
+        lowered); False when the pin share is full (the block stays a plain cached block)."""
+        block = self.blocks[block_id]
+        if block.block_hash is None or block.ref_cnt == 0:
+            raise RuntimeError(f"block {block_id} must be cached and held to be pinned")
+        self.expire(self.clock())
+        if block.pin_priority is None:
+            if self.num_pinned >= self.pin_limit:
+                self.pin_counts["refused"] += 1
+                return False
+            self.num_pinned += 1
+            self.pin_counts["taken"] += 1
+            block.pin_priority, block.pin_expires = priority, expires_at
+            if self.on_pin is not None:
+                self.on_pin(block_id, block.block_hash, block.token_ids)
+        elif expires_at > block.pin_expires or priority > block.pin_priority:
+            block.pin_priority = max(block.pin_priority, priority)
+            block.pin_expires = max(block.pin_expires, expires_at)
+        else:
+            return True
+        if block.pin_expires < math.inf:
+            heapq.heappush(self._expiry, (block.pin_expires, block_id))
+        return True
+
+    def expire(self, now: float) -> int:
+        """End the pins whose time has come; returns how many ended."""
+        n = 0
+        while self._expiry and self._expiry[0][0] <= now:
+            at, block_id = heapq.heappop(self._expiry)
+            block = self.blocks[block_id]
+            if block.pin_priority is not None and block.pin_expires == at:  # else a stale entry
+                self._unpin(block)
+                n += 1
+        self.pin_counts["expired"] += n
+        return n
+
+    def pin_metrics(self) -> dict:
+        """Pinned blocks (all, free), the share's bound, and pin counters."""
+        return {"kv_pinned_blocks": self.num_pinned, "kv_pinned_blocks_free": self.num_pinned_free,
+                "kv_pin_limit_blocks": self.pin_limit,
+                **{f"kv_pins_{k}": v for k, v in self.pin_counts.items()}}
+
+    def _unpin(self, block: Block) -> None:
+        """Drop the block's pin; a free block moves to the tail of the LRU queue."""
+        if block.ref_cnt == 0:
+            self._unqueue(block)
+            self.free_queue[block.block_id] = None
+        block.pin_priority, block.pin_expires = None, math.inf
+        self.num_pinned -= 1
+
+    def _queue_pinned(self, block: Block) -> None:
+        self.pinned_free.setdefault(block.pin_priority, OrderedDict())[block.block_id] = None
+        self.num_pinned_free += 1
+
+    def _unqueue(self, block: Block) -> None:
+        """Take a free block out of whichever queue holds it."""
+        if block.pin_priority is None:
+            del self.free_queue[block.block_id]
+            return
+        queue = self.pinned_free[block.pin_priority]
+        del queue[block.block_id]
+        if not queue:
+            del self.pinned_free[block.pin_priority]
+        self.num_pinned_free -= 1
+
+    def _pop_pinned(self) -> int:
+        """The least recently used free block of the lowest pin priority, unpinned (no unpinned one is free)."""
+        block_id = next(iter(self.pinned_free[min(self.pinned_free)]))
+        block = self.blocks[block_id]
+        self._unqueue(block)
+        block.pin_priority, block.pin_expires = None, math.inf
+        self.num_pinned -= 1
+        self.pin_counts["evicted"] += 1
+        return block_id

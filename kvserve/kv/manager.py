@@ -6,10 +6,16 @@ the device asks `lower.locate` / `lower.load` to bring blocks back into fresh de
 
 A request's cache salt (`set_salt`) goes into its first block's hash, so salted requests share
 blocks only with requests of the same salt; the tiers key blocks by the same hashes.
+
+A request with retention (`set_retention`) pins its prompt's full blocks as they are cached
+(kv/block_pool.py `pin`): they are evicted last, until the pin expires. Pins hold at most
+`pin_fraction` of the pool; the rest are refused (counted, logged at debug) and the request runs as usual.
 """
 
 from __future__ import annotations
 
+import logging
+import math
 from dataclasses import dataclass, field
 
 from kvserve.kv.block_pool import BlockPool
@@ -18,6 +24,9 @@ from kvserve.kv.hashing import DEFAULT_HASH_ALGO, BlockHash, digest_fn, hash_ful
 from kvserve.kv.spec import KVGroup, KVSpec, first_needed_block
 
 NULL_BLOCK = 0  # with sliding groups, block 0 is reserved to stand in for freed window blocks
+DEFAULT_PIN_FRACTION = 0.5  # share of the pool retention pins may hold
+
+log = logging.getLogger("kvserve")
 
 
 @dataclass
@@ -35,6 +44,14 @@ class _ReqState:
     block_hashes: list[BlockHash] = field(default_factory=list)  # token chain, shared by groups
     num_registered: int = 0   # leading blocks already offered to the hash map (all groups)
     rows: int = 0             # residual rows (KIVI) its latest step needs, see KVCacheManager.residual_rows
+    num_pinned: int = 0       # leading blocks already offered to retention pins
+
+
+@dataclass
+class _Retention:
+    priority: int
+    expires_at: float
+    num_blocks: int  # leading full blocks to pin
 
 
 class KVCacheManager:
@@ -42,11 +59,13 @@ class KVCacheManager:
 
     def __init__(self, num_blocks: int, block_size: int, namespace: BlockHash,
                  enable_prefix_caching: bool = True, groups: list[KVGroup] | None = None,
-                 hash_algo: str = DEFAULT_HASH_ALGO):
+                 hash_algo: str = DEFAULT_HASH_ALGO, pin_fraction: float = DEFAULT_PIN_FRACTION):
         self.block_size = block_size
         self.groups = groups or [KVGroup(KVSpec("full"), [])]
         self.has_sliding = any(g.spec.kind == "sliding" for g in self.groups)
         self.pool = BlockPool(num_blocks, reserved=1 if self.has_sliding else 0)
+        self.pool.pin_limit = int(pin_fraction * self.pool.num_usable)
+        self.retention: dict[str, _Retention] = {}  # req_id -> its pin, for requests with retention
         self.null = NULL_BLOCK if self.has_sliding else -1
         self.namespace = namespace
         digest_fn(hash_algo)  # fails early, saying what to install, when the algorithm is missing
@@ -159,6 +178,17 @@ class KVCacheManager:
         else:
             self.salts.pop(req_id, None)
 
+    def set_retention(self, req_id: str, retention, num_prompt_tokens: int) -> None:
+        """Pin the request's prompt blocks as they are cached; `retention` has priority (0-100),
+        ttl_s (None: no expiry) and max_tokens (None: the whole prompt); None: no pin."""
+        if retention is None or not self.enable_prefix_caching:
+            self.retention.pop(req_id, None)
+            return
+        ttl = retention.ttl_s
+        expires_at = math.inf if ttl is None else self.pool.clock() + ttl
+        n = num_prompt_tokens if retention.max_tokens is None else min(num_prompt_tokens, retention.max_tokens)
+        self.retention[req_id] = _Retention(retention.priority, expires_at, n // self.block_size)
+
     def drop_salt(self, req_id: str) -> None:
         """Forget a finished request's salt."""
         self.salts.pop(req_id, None)
@@ -206,8 +236,12 @@ class KVCacheManager:
             return
         state = self.reqs[req_id]
         num_full = num_computed_tokens // self.block_size
-        if num_full <= state.num_registered:
-            return
+        if num_full > state.num_registered:
+            self._register(req_id, state, token_ids, num_full)
+        if req_id in self.retention:
+            self._pin(req_id, state, num_full)
+
+    def _register(self, req_id: str, state: _ReqState, token_ids: list[int], num_full: int) -> None:
         self._extend_hashes(req_id, state, token_ids, num_full)
         bs = self.block_size
         for i in range(state.num_registered, num_full):
@@ -217,9 +251,25 @@ class KVCacheManager:
                     self.pool.register(table[i], self._key(g, state.block_hashes[i]), tokens)
         state.num_registered = num_full
 
+    def _pin(self, req_id: str, state: _ReqState, num_full: int) -> None:
+        """Pin (or raise the pin of) the request's cached prompt blocks not offered yet."""
+        ret = self.retention[req_id]
+        end = min(num_full, ret.num_blocks)
+        refused = 0
+        for i in range(state.num_pinned, end):
+            for table in state.tables:
+                b = table[i] if i < len(table) else self.null
+                if b != self.null and self.pool.blocks[b].block_hash is not None:
+                    refused += not self.pool.pin(b, ret.priority, ret.expires_at)
+        state.num_pinned = max(state.num_pinned, end)
+        if refused:
+            log.debug("request %s: %d prefix blocks not pinned, the pin share (%d blocks) is full",
+                      req_id, refused, self.pool.pin_limit)
+
     def free(self, req_id: str) -> None:
         """Release the request's blocks, tail first so tails are evicted first."""
         state = self.reqs.pop(req_id, None)
+        self.retention.pop(req_id, None)
         if state is not None:
             self.rows_held -= state.rows
             for table in state.tables:
