@@ -125,6 +125,8 @@ class EngineConfig:
                                      "cpu:4GiB, disk:/path:20GiB, redis://127.0.0.1:6379/0; append :write_through "
                                      "(default for disk, redis) or :write_back (default for cpu)",
                                      flag="--kv-tier", group="swap and KV tiers", metavar="TIER")
+    kv_pin_fraction: float = opt(0.5, "most share of the KV pool that retention pins (a request's kv_retention) "
+                                  "may hold; pins beyond it are refused, 0 turns pins off", group="swap and KV tiers")
     kv_policy: str | None = opt(None, "KV eviction for every request (docs/EVICTION.md): window:W, sinks:S,W, "
                                 "h2o:HEAVY,RECENT, snapkv:BUDGET[,WINDOW,KERNEL] (budgets in tokens or a ratio "
                                 "of the prompt), or full", metavar="POLICY")
@@ -152,6 +154,9 @@ class EngineConfig:
             self.kv_cache_memory = parse_bytes(self.kv_cache_memory)
             if self.kv_cache_memory <= 0:
                 raise ValueError(f"kv_cache_memory must be > 0 bytes, got {self.kv_cache_memory}")
+        if not 0 <= self.kv_pin_fraction <= 1:
+            raise ValueError(f"kv_pin_fraction is a share of the KV pool: give a number in [0, 1], "
+                             f"got {self.kv_pin_fraction}")
         self._validate_offload()
         self._validate_kv_policy()
         from kvserve.kv.hashing import digest_fn

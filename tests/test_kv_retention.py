@@ -162,3 +162,55 @@ def test_bad_retention_is_a_clear_error(bad):
 def test_retention_from_a_dict():
     p = SamplingParams(kv_retention={"priority": 70, "ttl_s": 5})
     assert p.kv_retention == KVRetention(priority=70, ttl_s=5.0, max_tokens=None)
+
+
+def test_pinned_blocks_reach_a_write_back_tier_when_pinned():
+    from test_tiers import attach, run_request, small_cache
+
+    from kvserve.kv.tiers import CpuTier
+
+    kv, storage = small_cache()  # 8 blocks, 4 may be pinned
+    back = CpuTier(1 << 20)
+    bridge = attach(kv, storage, [back])
+    run_request(kv, storage, "plain", list(range(900, 909)), seed=0)  # 2 full blocks, no pin
+    kv.set_retention("a", KVRetention(), 13)
+    run_request(kv, storage, "a", list(range(100, 113)), seed=1)       # 3 full blocks, pinned
+    bridge.write_through()
+    assert bridge.flush(timeout=10)
+    assert back.stats.entries_written == 3 and kv.pool.num_pinned == 3  # written when pinned, not evicted yet
+    run_request(kv, storage, "b", list(range(500, 520)), seed=2)       # 5 blocks: evicts the unpinned ones
+    bridge.write_through()
+    assert bridge.flush(timeout=10)
+    assert back.stats.entries_written == 3 + 2                         # the plain blocks on eviction; pins once
+
+
+# ---- end to end: an agent's context comes back after other traffic --------------------------------
+POOL_20 = 20 * 16 * 46080  # 20 blocks of SmolLM2 in float32
+GREEDY = SamplingParams(temperature=0, max_tokens=4)
+
+
+def test_agent_context_pinned_survives_other_traffic_and_matches_recompute(llm_nocache):
+    from pydoc_data.topics import topics
+
+    from kvserve import LLM
+
+    llm = LLM(kv_cache_memory=POOL_20, max_model_len=256, dtype="float32", kv_pin_fraction=0.75)
+    ids = llm.get_tokenizer().encode(topics["assignment"] + topics["compound"])
+    context, plain = ids[:161], ids[2000:2081]          # 10 and 5 full blocks
+    pin = SamplingParams(temperature=0, max_tokens=4, kv_retention={"priority": 90, "ttl_s": 600})
+    llm.generate([context], pin, use_tqdm=False)
+    llm.generate([plain], GREEDY, use_tqdm=False)
+    for k in range(3):                                  # other traffic: 3 x 6 blocks through 10 unpinned ones
+        llm.generate([ids[3000 + 100 * k:3000 + 100 * k + 81]], GREEDY, use_tqdm=False)
+    kv = llm.engine.kv
+    hits, _ = kv.get_computed_blocks("probe", plain)
+    kv.free("probe")
+    assert hits == [[]]                                 # the unpinned prompt is gone
+    follow_up = context + ids[5000:5009]                # the context comes back with a tool result
+    again = llm.generate([follow_up], pin, use_tqdm=False)[0]
+    assert again.num_cached_tokens == 160
+    oracle = llm_nocache.generate([follow_up], GREEDY, use_tqdm=False)[0]
+    assert again.outputs[0].token_ids == oracle.outputs[0].token_ids
+    m = llm.get_metrics()
+    assert m["kv_pinned_blocks"] == m["kv_pins_taken"] == 10 and m["kv_pins_evicted"] == 0
+    assert m["num_blocks_free"] == 20

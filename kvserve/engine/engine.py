@@ -122,7 +122,7 @@ class LLMEngine:
             self.kv = KVCacheManager(
                 self.pool_plan.num_blocks, self.pool_plan.block_size, self._namespace(),
                 enable_prefix_caching=cfg.enable_prefix_caching and cfg.kv_cache_mode == "paged",
-                groups=self.kv_groups, hash_algo=cfg.prefix_caching_hash_algo)
+                groups=self.kv_groups, hash_algo=cfg.prefix_caching_hash_algo, pin_fraction=cfg.kv_pin_fraction)
             self.storage = KVStorage(self.kv_groups, self.pool_plan.num_blocks, self.pool_plan.block_size,
                                      self.dtype, self.device, self.kv_format, self.kv_residual_rows)
             self.storage.block_is_free = lambda b: self.kv.pool.blocks[b].ref_cnt == 0
@@ -494,6 +494,7 @@ class LLMEngine:
             "prompt_tokens_cached": self.kv.stats.hits,
             "kv_block_lifetime_seconds": pool.lifetime.snapshot(),
             "kv_block_reuse_gap_seconds": pool.reuse_gap.snapshot(),
+            **pool.pin_metrics(),
         }
 
     def reset_prefix_cache(self, offload: bool = False) -> int:

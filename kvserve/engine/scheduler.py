@@ -83,6 +83,7 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
             self.kv.set_salt(req.request_id, req.params.cache_salt)  # before any of its blocks is hashed
+            self.kv.set_retention(req.request_id, req.params.kv_retention, req.num_prompt_tokens)
             if self.swap is not None and self.swap.is_swapped(req.request_id):
                 n = min(req.num_tokens - req.num_computed_tokens, budget)
                 if not self.swap.swap_in(req.request_id, lambda: self.kv.allocate_slots(

@@ -11,7 +11,8 @@ counted and never served.
 has a write policy: a `write_through` tier gets every block the pool registers under a hash (the
 block is full and final), copied on the step thread and stored by a background writer
 (kv/tier_writer.py); a `write_back` tier gets the cached blocks the pool is about to overwrite
-(`save`, while their memory still holds the data). A prefix lookup that misses on the device asks
+(`save`, while their memory still holds the data), and also each block a retention pin takes,
+through the same background writers (`pinned`). A prefix lookup that misses on the device asks
 the bridge which tiers hold the next blocks (`locate`) and loads them into fresh device blocks
 (`load`).
 """
@@ -470,8 +471,10 @@ class TierBridge:
     queue_bytes: int = DEFAULT_QUEUE_BYTES           # per write-through tier
     layout: Layout = field(init=False)
     writers: list[TierWriter] = field(init=False)    # one per write_through tier
+    pin_writers: list[TierWriter] = field(init=False)  # one per write_back tier: pinned blocks
     pool: object = field(default=None, init=False)   # BlockPool, once attached
     _fresh: Evicted = field(default_factory=list, init=False)   # registered since the last write_through
+    _pinned: Evicted = field(default_factory=list, init=False)  # pinned since the last write_through
     _loaded: dict = field(default_factory=dict, init=False)     # block id -> (pool key, tier) of a load
     _warned: set = field(default_factory=set, init=False)
     _located: dict = field(default_factory=dict, init=False)  # hash -> index of the tier that has it
@@ -479,8 +482,9 @@ class TierBridge:
     def __post_init__(self):
         self.layout = self.storage.block_layout()
         self.writers = [TierWriter(t, self.queue_bytes) for t in self.tiers if t.write_policy == "write_through"]
-        if self.writers:  # pending writes reach their tier at exit, or when the bridge is collected
-            weakref.finalize(self, close_writers, list(self.writers))
+        self.pin_writers = [TierWriter(t, self.queue_bytes) for t in self.tiers if t.write_policy == "write_back"]
+        if self.writers or self.pin_writers:  # pending writes reach their tier at exit, or when the bridge is collected
+            weakref.finalize(self, close_writers, self.writers + self.pin_writers)
 
     def attach(self, kv) -> None:
         """Sit below a KVCacheManager: it saves evicted blocks here, loads its misses from here, and
@@ -489,6 +493,8 @@ class TierBridge:
         self.pool = kv.pool
         if self.writers:
             kv.pool.on_register = self.registered
+        if self.pin_writers:
+            kv.pool.on_pin = self.pinned
 
     def key(self, block_hash: BlockHash) -> str:
         """The tier key of one pool key (chained hash + group) in this namespace."""
@@ -522,21 +528,31 @@ class TierBridge:
             return  # just loaded from the only write-through tier: it is there already
         self._fresh.append((block_id, block_hash, token_ids))
 
+    def pinned(self, block_id: int, block_hash: BlockHash, token_ids: tuple[int, ...]) -> None:
+        """The pool pinned a block: remember it for the write_back tiers at the next `write_through`."""
+        self._pinned.append((block_id, block_hash, token_ids))
+
     def write_through(self) -> None:
-        """Copy the blocks registered since the last call and queue them for each write-through tier.
+        """Copy the blocks registered (pinned) since the last call and queue them for each
+        write-through (write-back) tier.
 
         Call between steps. The copies are taken here, on the step thread; the writers never read
         the pool. Blocks whose hash the pool forgot meanwhile (reused) are skipped."""
-        fresh = [f for f in self._fresh if self.pool.blocks[f[0]].block_hash == f[1]]
-        self._fresh = []
+        fresh, pinned = self._fresh, self._pinned
+        self._fresh, self._pinned = [], []
         self._loaded.clear()
-        if not fresh:
+        self._submit(fresh, self.writers)
+        self._submit(pinned, self.pin_writers)
+
+    def _submit(self, blocks: Evicted, writers: list[TierWriter]) -> None:
+        blocks = [f for f in blocks if self.pool.blocks[f[0]].block_hash == f[1]]
+        if not blocks or not writers:
             return
         per_block = self.storage.bytes_per_block
-        take = min(len(fresh), max(w.room(per_block) for w in self.writers))
-        batch = self._batch(fresh[:take]) if take else WriteBatch([], list)
-        for w in self.writers:
-            w.submit(batch, len(fresh), per_block)
+        take = min(len(blocks), max(w.room(per_block) for w in writers))
+        batch = self._batch(blocks[:take]) if take else WriteBatch([], list)
+        for w in writers:
+            w.submit(batch, len(blocks), per_block)
 
     def _batch(self, blocks: Evicted) -> WriteBatch:
         tensors = self.storage.read_blocks([b for b, _, _ in blocks])  # copies of whole blocks
@@ -558,11 +574,11 @@ class TierBridge:
 
     def flush(self, timeout: float | None = FLUSH_TIMEOUT) -> bool:
         """Wait for every queued write-through write; False if `timeout` passed first."""
-        return all([w.flush(timeout) for w in self.writers])
+        return all([w.flush(timeout) for w in self.writers + self.pin_writers])
 
     def close(self) -> None:
         """Flush pending writes and stop the writer threads (they start again if more blocks come)."""
-        close_writers(self.writers)
+        close_writers(self.writers + self.pin_writers)
 
     def locate(self, block_hashes: list[BlockHash]) -> list[str | None]:
         """The first tier (by name) holding each block, None where no tier does."""
@@ -623,7 +639,7 @@ class TierBridge:
 
     def metrics(self) -> dict[str, dict]:
         """Counters per tier, plus bytes held where the tier knows, its write policy and queued blocks."""
-        pending = {id(w.tier): w.pending_blocks for w in self.writers}
+        pending = {id(w.tier): w.pending_blocks for w in self.writers + self.pin_writers}
         return {t.name: {**asdict(t.stats), "usage_bytes": t.usage_bytes, "write_policy": t.write_policy,
                          "pending_writes": pending.get(id(t), 0)} for t in self.tiers}
 

@@ -28,6 +28,9 @@ GAUGES = [
     ("swap_usage_bytes", "Bytes of KV held in the CPU swap tier.", "swap_usage_bytes"),
     ("num_requests_swapped", "Preempted requests whose KV sits in the swap space.", "num_requests_swapped"),
     ("kv_requests_evicting", "Requests running under a KV eviction policy.", "kv_requests_evicting"),
+    ("kv_pinned_blocks", "KV blocks pinned by a request's kv_retention (owned or free).", "kv_pinned_blocks"),
+    ("kv_pin_limit_blocks", "Most KV blocks retention pins may hold (kv_pin_fraction of the pool).",
+     "kv_pin_limit_blocks"),
 ]
 # counters; exposed with a _total suffix
 COUNTERS = [
@@ -42,6 +45,10 @@ COUNTERS = [
     ("generation_tokens", "Tokens generated.", "generation_tokens"),
     ("kv_evicted_tokens", "Tokens dropped by KV eviction policies (per evicting layer).", "kv_evicted_tokens"),
     ("kv_eviction_blocks_freed", "KV blocks given back to the pool by eviction.", "kv_eviction_blocks_freed"),
+    ("kv_pins_taken", "KV blocks newly pinned by kv_retention.", "kv_pins_taken"),
+    ("kv_pins_refused", "KV block pins refused because the pin share was full.", "kv_pins_refused"),
+    ("kv_pins_expired", "KV block pins that reached their ttl.", "kv_pins_expired"),
+    ("kv_pins_evicted", "Pinned free KV blocks reused because no unpinned block was free.", "kv_pins_evicted"),
 ]
 
 TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,

@@ -60,6 +60,7 @@ class _SamplingRequest(_Request):
     logit_bias: dict[str, float] | None = None
     kv_policy: str | None = None   # kvserve extra: KV eviction for this request (docs/EVICTION.md)
     cache_salt: str | None = None  # vLLM's: share prefix-cache blocks only with requests of this salt
+    kv_retention: dict[str, Any] | None = None  # kvserve extra: pin the prompt's blocks (priority, ttl_s, max_tokens)
 
     def _sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         """SamplingParams from the request; raises ValueError naming a bad field."""
@@ -75,7 +76,7 @@ class _SamplingRequest(_Request):
             max_tokens=max_tokens, min_tokens=self.min_tokens, ignore_eos=self.ignore_eos,
             logprobs=logprobs, skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output, kv_policy=self.kv_policy,
-            cache_salt=self.cache_salt,
+            cache_salt=self.cache_salt, kv_retention=self.kv_retention,
             **{k: v for k, v in given.items() if v is not None})
 
     @property
