@@ -267,6 +267,24 @@ def test_prefix_cache_reports_cached_tokens(server):
     assert 0 < cached < again.usage.prompt_tokens
 
 
+def test_kv_retention_pins_the_prompt_and_bad_values_get_400(server):
+    client = server.client()
+    m0 = server.metrics()
+    first = client.completions.create(model=server.model, prompt="Retention test. " + LONG_PROMPT, max_tokens=2,
+                                      temperature=0, extra_body={"kv_retention": {"priority": 80, "ttl_s": 600}})
+    m1 = server.metrics()
+    full_blocks = first.usage.prompt_tokens // 16
+    assert m1["kvserve:kv_pinned_blocks"] - m0["kvserve:kv_pinned_blocks"] == full_blocks > 0
+    assert m1["kvserve:kv_pins_taken_total"] - m0["kvserve:kv_pins_taken_total"] == full_blocks
+    with pytest.raises(openai.BadRequestError) as bad:
+        client.chat.completions.create(model=server.model, messages=[{"role": "user", "content": "hi"}],
+                                       extra_body={"kv_retention": {"priority": 101}})
+    assert bad.value.status_code == 400 and "kv_retention.priority" in bad.value.message
+    with pytest.raises(openai.BadRequestError) as bad:
+        client.completions.create(model=server.model, prompt="hi", extra_body={"kv_retention": {"ttl": 5}})
+    assert "unknown keys ['ttl']" in bad.value.message
+
+
 # ---- bad input -----------------------------------------------------------------------------
 
 LONG = "word " * 3000
