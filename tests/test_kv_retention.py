@@ -214,3 +214,19 @@ def test_agent_context_pinned_survives_other_traffic_and_matches_recompute(llm_n
     m = llm.get_metrics()
     assert m["kv_pinned_blocks"] == m["kv_pins_taken"] == 10 and m["kv_pins_evicted"] == 0
     assert m["num_blocks_free"] == 20
+
+
+@pytest.mark.parametrize("fraction", [-0.1, 1.5])
+def test_pin_fraction_outside_0_1_is_refused(fraction):
+    from kvserve.config import EngineConfig
+
+    with pytest.raises(ValueError, match="kv_pin_fraction"):
+        EngineConfig(kv_pin_fraction=fraction).validate()
+
+
+def test_pin_fraction_zero_turns_pins_off():
+    m, _ = make(pin_fraction=0.0)
+    run(m, "a", prompt(1), KVRetention(priority=100))
+    assert m.pool.num_pinned == 0 and m.pool.pin_counts["refused"] == 3
+    flood(m, 6)
+    assert run(m, "a2", prompt(1)) == 0 and all_free(m)
