@@ -1,9 +1,9 @@
 """kvserve: an LLM inference engine built around the KV cache."""
 
 from kvserve.outputs import CompletionOutput, RequestOutput
-from kvserve.sampling_params import BeamSearchParams, KVRetention, SamplingParams
+from kvserve.sampling_params import BeamSearchParams, KVRetention, RequestOutputKind, SamplingParams
 
-__all__ = ["LLM", "SamplingParams", "BeamSearchParams", "KVRetention", "RequestOutput", "CompletionOutput"]
+__all__ = ["LLM", "SamplingParams", "BeamSearchParams", "KVRetention", "RequestOutputKind", "RequestOutput", "CompletionOutput"]
 __version__ = "0.1.0"
 
 

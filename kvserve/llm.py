@@ -11,7 +11,7 @@ from tqdm.auto import tqdm
 from kvserve.config import EngineConfig
 from kvserve.engine.engine import LLMEngine, PromptType
 from kvserve.outputs import RequestOutput
-from kvserve.sampling_params import BeamSearchParams, SamplingParams
+from kvserve.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 
 CONFIG_FIELDS = {f.name for f in dataclasses.fields(EngineConfig)}
 
@@ -46,7 +46,7 @@ class LLM:
                  use_tqdm: bool = True) -> list[RequestOutput]:
         """Run prompts to completion; outputs come back in prompt order."""
         prompts = _as_list(prompts)
-        params = _params_list(sampling_params, len(prompts))
+        params = [_final_only(sp) for sp in _params_list(sampling_params, len(prompts))]
         reqs = [self.engine.make_request(p, sp) for p, sp in zip(prompts, params)]  # validate all first
         ids = [self.engine.add_request(p, sp) for p, sp in zip(prompts, params)]
         del reqs
@@ -118,6 +118,13 @@ def _as_list(prompts) -> list:
     if isinstance(prompts, (list, tuple)) and prompts and all(isinstance(t, int) for t in prompts):
         return [list(prompts)]
     return list(prompts)
+
+
+def _final_only(sp: SamplingParams) -> SamplingParams:
+    """generate() reads only finished outputs: the engine need not build the others."""
+    if sp.output_kind == RequestOutputKind.FINAL_ONLY:
+        return sp
+    return dataclasses.replace(sp, output_kind=RequestOutputKind.FINAL_ONLY)
 
 
 def _params_list(sp, n: int) -> list[SamplingParams]:

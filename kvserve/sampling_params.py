@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import enum
 import math
 from dataclasses import dataclass, fields
 
@@ -75,6 +76,24 @@ def as_retention(value: object) -> KVRetention | None:
     return KVRetention(**value)
 
 
+class RequestOutputKind(enum.IntEnum):
+    """What the engine's outputs for a request hold (vLLM's names)."""
+
+    CUMULATIVE = 0   # at every step: everything generated so far
+    DELTA = 1        # at every step: only what is new since the last output
+    FINAL_ONLY = 2   # once, when the request finishes (LLM.generate)
+
+
+def _output_kind(kind) -> RequestOutputKind:
+    if kind is None:
+        return RequestOutputKind.CUMULATIVE
+    try:
+        return RequestOutputKind(kind)
+    except ValueError:
+        raise ValueError(f"output_kind must be one of {[k.name for k in RequestOutputKind]} (or 0-2), "
+                         f"got {kind!r}") from None
+
+
 @dataclass
 class SamplingParams:
     """How to pick tokens for one request; fields, defaults and meaning follow vLLM."""
@@ -100,6 +119,7 @@ class SamplingParams:
     kv_policy: str | None = None   # KV eviction for this request (kv/policies.py); None = the engine's
     cache_salt: str | None = None  # shares prefix-cache blocks only with requests of the same salt
     kv_retention: KVRetention | dict | None = None  # pin the prompt's blocks in the prefix cache
+    output_kind: RequestOutputKind | int | None = None  # what each output holds; None = CUMULATIVE
 
     def __post_init__(self) -> None:
         self.stop = _normalise_stop(self.stop)
@@ -109,6 +129,7 @@ class SamplingParams:
         self._validate_penalties()
         self._validate_logprobs()
         check_cache_salt(self.cache_salt)
+        self.output_kind = _output_kind(self.output_kind)
         self.kv_retention = as_retention(self.kv_retention)
         if self.kv_policy is not None:
             from kvserve.kv.policies import parse_policy

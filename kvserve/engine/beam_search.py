@@ -92,6 +92,7 @@ def _fork(engine, parent: Request, token: int, logprob: float) -> Request:
     child = Request(f"{parent.group_id}/{next(engine._ids)}", parent.prompt_token_ids, parent.params,
                     prompt=parent.prompt, group_id=parent.group_id)
     child.token_ids = parent.token_ids + [token]
+    child.output_token_ids = parent.output_token_ids + [token]
     child.cumulative_logprob = parent.cumulative_logprob + logprob
     engine.evictor.fork(parent, child)
     if engine.kv is not None and parent.status != RequestStatus.RUNNING:  # parent was preempted: recompute

@@ -32,7 +32,7 @@ from kvserve.model.quant import cast_unquantized, quantize_model, weight_bytes
 from kvserve.model.registry import build_model
 from kvserve.model.tokenizer import Tokenizer
 from kvserve.outputs import CompletionOutput, RequestOutput
-from kvserve.sampling_params import SamplingParams, check_cache_salt
+from kvserve.sampling_params import RequestOutputKind, SamplingParams, check_cache_salt
 
 log = logging.getLogger("kvserve")
 
@@ -342,7 +342,7 @@ class LLMEngine:
         touched = {r.group_id for r, _ in sched.scheduled}
         self._sample(logits, inp.sampling_reqs)
         self.evictor.after_step(sched.scheduled)
-        return [self._output(gid) for gid in touched if gid in self.groups]
+        return [self._output(gid) for gid in touched if gid in self.groups and self._reports(gid)]
 
     def _sample(self, logits: torch.Tensor, reqs: list[Request]) -> None:
         inputs = [SamplingInput(r.params, r.prompt_token_ids, r.output_token_ids, r.generator,
@@ -431,13 +431,22 @@ class LLMEngine:
                 del req._prompt_rows
 
     # ---- outputs -------------------------------------------------------------------
+    def _finished(self, group_id: str) -> bool:
+        members = self.groups[group_id]
+        head = members[0]
+        return all(r.is_finished for r in members) and (
+            len(members) == head.params.n or head.status == RequestStatus.FINISHED_ABORTED)
+
+    def _reports(self, group_id: str) -> bool:
+        """False for a FINAL_ONLY request still running: its step makes no output."""
+        kind = self.groups[group_id][0].params.output_kind
+        return kind != RequestOutputKind.FINAL_ONLY or self._finished(group_id)
+
     def _output(self, group_id: str) -> RequestOutput:
         members = self.groups[group_id]
         head = members[0]
-        outs = [CompletionOutput(r.index, r.text, list(r.output_token_ids), r.cumulative_logprob,
-                                 r.logprobs, r.finish_reason(), r.stop_reason) for r in members]
-        finished = all(r.is_finished for r in members) and (
-            len(members) == head.params.n or head.status == RequestStatus.FINISHED_ABORTED)
+        outs = [_completion(r) for r in members]
+        finished = self._finished(group_id)
         out = RequestOutput(group_id, head.prompt, head.prompt_token_ids, outs, finished,
                             head.num_cached_tokens, head.prompt_logprobs, head.metrics, head.error)
         if finished:
@@ -539,3 +548,16 @@ def _with_prompt_salt(params: SamplingParams, prompt: PromptType) -> SamplingPar
 def _replace(params: SamplingParams, **changes) -> SamplingParams:
     import dataclasses
     return dataclasses.replace(params, **changes)
+
+
+def _completion(req: Request) -> CompletionOutput:
+    """One completion as the request's output kind asks: everything so far (CUMULATIVE, FINAL_ONLY)
+    or what is new since its last output (DELTA: no copy of what was already reported)."""
+    if req.params.output_kind != RequestOutputKind.DELTA:
+        return CompletionOutput(req.index, req.text, list(req.output_token_ids), req.cumulative_logprob,
+                                req.logprobs, req.finish_reason(), req.stop_reason)
+    t, c = req.num_sent_tokens, req.num_sent_chars
+    req.num_sent_tokens, req.num_sent_chars = req.num_output_tokens, max(c, len(req.text))
+    logprobs = req.logprobs[t:] if req.logprobs is not None else None
+    return CompletionOutput(req.index, req.text[c:], req.output_token_ids[t:], req.cumulative_logprob,
+                            logprobs, req.finish_reason(), req.stop_reason)

@@ -45,6 +45,9 @@ class Request:
 
     def __post_init__(self):
         self.token_ids = list(self.prompt_token_ids)   # prompt + output
+        self.output_token_ids: list[int] = []          # output only (kept, not sliced per step)
+        self.num_sent_tokens = 0                       # DELTA outputs: tokens and text already reported
+        self.num_sent_chars = 0
         self.num_prompt_tokens = len(self.prompt_token_ids)
         self.num_computed_tokens = 0                   # tokens whose K/V are in the cache
         self.num_cached_tokens = 0                     # prompt tokens served from the prefix cache
@@ -65,11 +68,6 @@ class Request:
         return len(self.token_ids)
 
     @property
-    def output_token_ids(self) -> list[int]:
-        """Generated tokens."""
-        return self.token_ids[self.num_prompt_tokens:]
-
-    @property
     def num_output_tokens(self) -> int:
         """How many tokens were generated."""
         return len(self.token_ids) - self.num_prompt_tokens
@@ -82,6 +80,7 @@ class Request:
     def append_token(self, token_id: int, logprob: float, top: dict[int, Logprob] | None) -> None:
         """Record one sampled token."""
         self.token_ids.append(token_id)
+        self.output_token_ids.append(token_id)
         self.cumulative_logprob += logprob
         if self.logprobs is not None and top is not None:
             self.logprobs.append(top)
