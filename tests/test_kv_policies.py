@@ -342,6 +342,38 @@ def test_h2o_on_kept_positions_past_the_trained_context(tiny1):
     assert all_blocks_free(llm)
 
 
+def test_sinks_stream_runs_past_max_model_len_in_a_pool_of_its_bound(tiny1):
+    # 80 blocks = 320 slots: sinks:4,252 plus a full 2048-token chunk would not fit, so the prompt runs
+    # in chunks of 64 (capacity + chunk = the pool); 300 + 1,200 tokens stream past max_model_len=512
+    llm = tiny_llm(tiny1, "sinks:4,252", blocks=80, max_num_batched_tokens=2048, max_model_len=512)
+    eng = llm.engine
+    assert eng._prefill_chunk(eng.kv_policy) == 64
+    oracle = Oracle(llm)
+    rid = eng.add_request([3 + i % 250 for i in range(300)], greedy(1200))
+    held = []
+    while eng.has_unfinished_requests():
+        eng.step()
+        held.append(eng.evictor.blocks_held(rid))
+    assert oracle.checked == 1200 and oracle.worst < 1e-4, oracle.worst
+    assert oracle.max_position < 256 + 64           # positions: cache indices, never the stream's length
+    assert len(held) == 5 + 1199                    # 5 prompt chunks, then one token per step
+    assert max(held) <= 256 // BS                   # after every step: 4 sinks + 252 recent
+    assert all_blocks_free(llm)
+
+
+def test_a_stream_past_max_model_len_needs_positions_below_it(tiny1):
+    llm = tiny_llm(tiny1, "sinks:4,60", max_model_len=128, max_num_batched_tokens=128)
+    with pytest.raises(ValueError, match="raise max_model_len to 164"):     # 64 + a 100-token chunk
+        llm.generate([list(range(3, 103))], greedy(200), use_tqdm=False)
+    h2o = tiny_llm(tiny1, "h2o:8,8", max_model_len=128)                  # original positions: bounded
+    with pytest.raises(ValueError, match="lower max_tokens to at most 118"):
+        h2o.generate([list(range(3, 13))], greedy(200), use_tqdm=False)
+    out = llm.generate([list(range(3, 13))], greedy(200), use_tqdm=False)[0]   # 64 + 10 <= 128
+    with pytest.raises(ValueError, match="cannot hold one sequence under kv_policy 'sinks:4,60'"):
+        tiny_llm(tiny1, "sinks:4,60", blocks=16)                        # 64 slots: no room for one more token
+    assert len(out.outputs[0].token_ids) == 200 and out.outputs[0].finish_reason == "length"
+
+
 def test_recompute_preemption_with_eviction(tiny1):
     # two streams in a pool that holds one and a bit: preemption by recompute, then eviction again
     llm = tiny_llm(tiny1, "sinks:4,20", blocks=12, max_num_batched_tokens=8)
@@ -527,6 +559,28 @@ def test_per_layer_tables_are_transparent_on_the_bundled_model(llm):
     assert len(out[0].outputs[0].token_ids) == 40
     assert per_layer.get_metrics()["kv_evicted_tokens"] > 0
     assert all_blocks_free(per_layer)
+
+
+def test_bundled_model_streams_in_a_24mib_pool():
+    """The bundled model (float32: 30 layers x 1,536 B per token and layer) under sinks:4,252: a 24 MiB
+    pool (1,024 blocks = 34 per layer) now starts with max_model_len=4096 (prefill chunks shrink to
+    288), and a 300-token stream runs past max_model_len=280 with its blocks bounded. The 1,200-token
+    stream with an oracle runs on a tiny checkpoint
+    (test_sinks_stream_runs_past_max_model_len_in_a_pool_of_its_bound): this model decodes ~8 tokens/s
+    on 2 CPU cores."""
+    big = LLM(kv_cache_memory="24MiB", max_model_len=4096, kv_policy="sinks:4,252", dtype="float32")
+    assert big.engine._prefill_chunk(big.engine.kv_policy) == 288
+    del big
+    llm = LLM(kv_cache_memory="24MiB", max_model_len=280, kv_policy="sinks:4,252", dtype="float32")
+    eng = llm.engine
+    rid = eng.add_request("Once upon a time", greedy(300))
+    held = 0
+    while eng.has_unfinished_requests():
+        eng.step()
+        held = max(held, eng.evictor.blocks_held(rid))
+    assert held <= 30 * 256 // 16                    # 16 blocks per layer after every step
+    assert llm.get_metrics()["kv_evicted_tokens"] > 40
+    assert all_blocks_free(llm)
 
 
 def test_cli_flags():

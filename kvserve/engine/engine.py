@@ -154,7 +154,8 @@ class LLMEngine:
                          held, activation, block_size, self.page_bytes_per_token)
         if self.kv_format.has_residual:  # KIVI: full-precision rows for still-filling blocks, from the budget
             plan.num_blocks, self.kv_residual_rows = self._split_residual(plan.budget_bytes, block_size)
-        check_fits(plan, self._blocks_per_sequence(block_size), self.max_model_len)
+        self.pool_plan = plan  # the prefill chunk of a streaming kv_policy is sized from it
+        check_fits(plan, self._blocks_per_sequence(block_size), self.max_model_len, self._bound_note())
         return plan
 
     def _split_residual(self, budget: int, block_size: int) -> tuple[int, int]:
@@ -188,17 +189,45 @@ class LLMEngine:
         if p is None or not p.evicts or not p.is_resolved:
             return self.max_model_len
         n = self.max_model_len
-        return min(n, p.cache_bound(n, n, self.config.max_num_batched_tokens))
+        return min(n, p.cache_bound(n, n, self._prefill_chunk(p)))
 
-    def _blocks_per_sequence(self, block_size: int) -> int:
-        """Blocks one max_model_len sequence holds at most, over all KV groups."""
+    def _blocks_per_sequence(self, block_size: int, kv_len: int | None = None) -> int:
+        """Blocks one sequence holding `kv_len` tokens per layer (default: the most one max_model_len
+        sequence holds) needs, over all KV groups."""
+        kv_len = kv_len or self._kv_len_bound()
         total = 0
         for g in self.kv_groups:
-            n = -(-self._kv_len_bound() // block_size)
+            n = -(-kv_len // block_size)
             if g.spec.kind == "sliding":
                 n = min(n, -(-g.spec.window // block_size) + 1)
             total += n
         return total + (1 if any(g.spec.kind == "sliding" for g in self.kv_groups) else 0)
+
+    def _prefill_chunk(self, policy) -> int:
+        """Most prompt tokens a request under `policy` runs per step: max_num_batched_tokens, or fewer for
+        a streaming policy whose capacity plus one chunk would not fit the pool (it evicts between chunks)."""
+        chunk, plan = self.config.max_num_batched_tokens, self.pool_plan
+        if plan is None or policy is None or not policy.streaming or not policy.is_resolved:
+            return chunk
+
+        def fits(c: int) -> bool:
+            return self._blocks_per_sequence(plan.block_size, policy.capacity + c) <= plan.num_blocks
+        if fits(chunk):
+            return chunk
+        if not fits(1):  # not even one token: the start-up / admission check refuses
+            return 1
+        lo, hi = 1, chunk  # fits(lo), not fits(hi)
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+        return lo
+
+    def _bound_note(self) -> str:
+        """What one sequence holds at most, for the start-up error."""
+        p = self.kv_policy
+        if p is None or not p.streaming or not p.is_resolved:
+            return ""
+        return f"kv_policy {p.spec()!r} holds {p.capacity} tokens per layer plus one prefill chunk (at least 1)"
 
     @torch.inference_mode()
     def _warmup(self) -> None:
@@ -247,11 +276,15 @@ class LLMEngine:
         if bad:
             raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {self.model_config.vocab_size})")
         policy = request_policy(self.evictor, self.kv_policy, params, len(ids))
-        params = self._fit_max_tokens(params, len(ids), policy)
+        chunk = self._prefill_chunk(policy)
+        params = self._fit_max_tokens(params, len(ids), policy, chunk)
         rid = request_id or str(next(self._ids))
         if rid in self.groups:
             raise ValueError(f"request_id {rid!r} is already in use")
-        return Request(rid, ids, params, prompt=text, generator=self._generator(params.seed), kv_policy=policy)
+        req = Request(rid, ids, params, prompt=text, generator=self._generator(params.seed), kv_policy=policy)
+        if chunk < self.config.max_num_batched_tokens:
+            req.prefill_chunk = chunk
+        return req
 
     def add_request(self, prompt: PromptType, params: SamplingParams | None = None,
                     request_id: str | None = None) -> str:
@@ -290,20 +323,25 @@ class LLMEngine:
             return None, list(prompt)
         raise ValueError(f"a prompt must be a string, a list of token ids or a dict, got {type(prompt).__name__}")
 
-    def _fit_max_tokens(self, params: SamplingParams, prompt_len: int, policy=None) -> SamplingParams:
+    def _fit_max_tokens(self, params: SamplingParams, prompt_len: int, policy=None,
+                        chunk: int | None = None) -> SamplingParams:
         room = self.max_model_len - prompt_len
         if room < 1:
             raise ValueError(f"prompt has {prompt_len} tokens but max_model_len is {self.max_model_len}: "
                              "shorten the prompt or raise max_model_len")
+        chunk = chunk or self.config.max_num_batched_tokens
+        top = policy.position_bound(prompt_len, chunk) if policy is not None else None
         if params.max_tokens is None:
             params = _replace(params, max_tokens=room)
-        elif params.max_tokens > room:
+        elif params.max_tokens > room and (top is None or top > self.max_model_len):
+            # a re-indexed stream whose positions stay below max_model_len may run past it
+            hint = f", or raise max_model_len to {top} (a {policy.spec()} stream then runs past it)" if top else ""
             raise ValueError(f"prompt ({prompt_len} tokens) + max_tokens ({params.max_tokens}) exceeds "
-                             f"max_model_len={self.max_model_len}: lower max_tokens to at most {room}")
+                             f"max_model_len={self.max_model_len}: lower max_tokens to at most {room}{hint}")
         if self.kv is not None:
             kv_len = prompt_len + params.max_tokens
             if policy is not None:  # admitted against the policy's bound, not the full length
-                kv_len = policy.cache_bound(prompt_len, kv_len, self.config.max_num_batched_tokens)
+                kv_len = policy.cache_bound(prompt_len, kv_len, chunk)
             need = self.kv.max_blocks_for_tokens(kv_len)
             if need > self.kv.num_blocks:
                 raise ValueError(f"request needs {need} KV blocks but the whole pool has {self.kv.num_blocks}: "
@@ -373,6 +411,7 @@ class LLMEngine:
                             generator=self._generator(parent.params.seed, i), arrival_time=parent.arrival_time)
             child.num_computed_tokens = parent.num_computed_tokens
             child.num_cached_tokens = parent.num_cached_tokens
+            child.prefill_chunk = parent.prefill_chunk
             child.status = RequestStatus.RUNNING
             child.metrics.first_scheduled_time = parent.metrics.first_scheduled_time
             self.evictor.fork(parent, child)  # evicts the parent first: children share its compressed cache
@@ -398,7 +437,7 @@ class LLMEngine:
                                         or token in p.stop_token_ids):
             req.stop_reason = token if token in p.stop_token_ids else None
             self._finish(req, RequestStatus.FINISHED_STOPPED)
-        elif n_out >= p.max_tokens or req.num_tokens >= self.max_model_len:
+        elif n_out >= p.max_tokens:  # make_request fits max_tokens to max_model_len (streams may run past)
             self._finish(req, RequestStatus.FINISHED_LENGTH)
 
     def _fail(self, req: Request, error: str) -> None:

@@ -101,12 +101,14 @@ def plan_pool(kv_cache_memory: int | None, utilization: float | None, device: to
     return PoolPlan(num_blocks, block_size, bytes_per_token, budget, source)
 
 
-def check_fits(plan: PoolPlan, blocks_per_sequence: int, max_model_len: int) -> None:
-    """Refuse a pool that cannot hold one max_model_len sequence."""
+def check_fits(plan: PoolPlan, blocks_per_sequence: int, max_model_len: int, bound: str = "") -> None:
+    """Refuse a pool that cannot hold one max_model_len sequence (or, under a kv_policy that bounds
+    the cache, what the policy keeps of one: `bound` says what)."""
     if plan.num_blocks < blocks_per_sequence:
         need_bytes = blocks_per_sequence * plan.block_size * plan.bytes_per_token
+        what = f"one sequence under {bound}" if bound else f"one sequence of max_model_len={max_model_len}"
+        fix = "lower the policy's window" if bound else "lower max_model_len"
         raise ValueError(
             f"KV cache too small: {plan.num_blocks} blocks x {plan.block_size} tokens "
-            f"({gib(plan.nbytes)} from {plan.source}) cannot hold one sequence of "
-            f"max_model_len={max_model_len} ({blocks_per_sequence} blocks, {gib(need_bytes)}). "
-            "Raise kv_cache_memory / gpu_memory_utilization or lower max_model_len.")
+            f"({gib(plan.nbytes)} from {plan.source}) cannot hold {what} ({blocks_per_sequence} blocks, "
+            f"{gib(need_bytes)}). Raise kv_cache_memory / gpu_memory_utilization or {fix}.")

@@ -42,6 +42,8 @@ class Request:
     generator: torch.Generator | None = None
     arrival_time: float = field(default_factory=time.monotonic)
     kv_policy: object | None = None       # resolved kv.policies.KVPolicy when the request evicts
+    prefill_chunk: int | None = None      # most tokens per step when below the step budget (a streaming
+                                          # kv_policy in a pool too small for its capacity + a full chunk)
 
     def __post_init__(self):
         self.token_ids = list(self.prompt_token_ids)   # prompt + output

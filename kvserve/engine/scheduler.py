@@ -64,7 +64,7 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            n = _chunk(req, req.num_computed_tokens, budget)
             if n == 0:  # nothing new to run (a beam waiting for its siblings)
                 i += 1
                 continue
@@ -85,7 +85,7 @@ class Scheduler:
             self.kv.set_salt(req.request_id, req.params.cache_salt)  # before any of its blocks is hashed
             self.kv.set_retention(req.request_id, req.params.kv_retention, req.num_prompt_tokens)
             if self.swap is not None and self.swap.is_swapped(req.request_id):
-                n = min(req.num_tokens - req.num_computed_tokens, budget)
+                n = _chunk(req, req.num_computed_tokens, budget)
                 if not self.swap.swap_in(req.request_id, lambda: self.kv.allocate_slots(
                         req.request_id, req.num_computed_tokens, n)):
                     break  # stays first in line (FCFS) until enough blocks are free
@@ -97,7 +97,7 @@ class Scheduler:
                 budget -= n
                 continue
             hits, num_hit = self._prefix_hits(req)
-            n = min(req.num_tokens - num_hit, budget)
+            n = _chunk(req, num_hit, budget)
             if not self.kv.allocate_slots(req.request_id, num_hit, n, hits):
                 break
             self.waiting.popleft()
@@ -169,3 +169,8 @@ class Scheduler:
             self.kv.drop_salt(req.request_id)
         if self.swap is not None:
             self.swap.drop(req.request_id)
+
+
+def _chunk(req: Request, start: int, budget: int) -> int:
+    """Tokens to run from `start`: the rest of the sequence, within the budget and the request's chunk."""
+    return min(req.num_tokens - start, budget, req.prefill_chunk or budget)

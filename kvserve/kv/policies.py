@@ -116,6 +116,14 @@ class KVPolicy:
             return max(prompt_len, min(prompt_len, self.capacity) + total_len - prompt_len)
         return total_len
 
+    def position_bound(self, prompt_len: int, chunk: int) -> int | None:
+        """Positions a request under this policy uses stay below this however long it runs: re-indexing
+        policies place every token at its cache index (at most capacity + one prefill chunk); None when
+        positions are the original ones and grow with the stream (resolved policies)."""
+        if not self.reindex:
+            return None
+        return self.capacity + max(1, min(chunk, prompt_len))
+
     # ---- selection -----------------------------------------------------------------------------
     def select(self, pos: torch.Tensor, scores: torch.Tensor | None = None,
                generator: torch.Generator | None = None) -> torch.Tensor:
