@@ -86,10 +86,10 @@ def test_compare_variants_on_llama3_70b():
 # --- formats ----------------------------------------------------------------------------------
 
 
-def test_fp8_and_int8_count_one_fp32_scale_per_token_per_head():
-    # 2 * 32 * 8 * 128 = 65,536 elements; each 1 B + 4 B / 128 (fp32 scale per head vector)
+def test_fp8_and_int8_count_one_fp16_scale_per_token_per_head():
+    # 2 * 32 * 8 * 128 = 65,536 elements; each 1 B + 2 B / 128 (fp16 scale per head vector)
     for fmt in ("fp8", "int8"):
-        assert preset_plan("Llama-3-8B", kv_dtype=fmt).kv_bytes_per_token == 65536 + 65536 * 4 // 128 == 67584
+        assert preset_plan("Llama-3-8B", kv_dtype=fmt).kv_bytes_per_token == 65536 + 65536 * 2 // 128 == 66560
 
 
 def test_kivi_rates_and_residual():

@@ -61,10 +61,10 @@ KV_FORMATS: dict[str, KVFormat] = {
     "bf16": KVFormat("bf16", 16, note="native bfloat16"),
     "fp16": KVFormat("fp16", 16, note="native float16"),
     "fp8": KVFormat(
-        "fp8", 8, scale_bytes=4, note="e4m3 payload + one fp32 scale per token per KV head (K and V each)"
+        "fp8", 8, scale_bytes=2, note="e4m3 payload + one fp16 scale per token per KV head (K and V each)"
     ),
     "int8": KVFormat(
-        "int8", 8, scale_bytes=4, note="symmetric int8 + one fp32 scale per token per KV head (K and V each)"
+        "int8", 8, scale_bytes=2, note="symmetric int8 + one fp16 scale per token per KV head (K and V each)"
     ),
     "kivi4": KVFormat(
         "kivi4", 4, scale_bytes=4, group_size=KIVI_GROUP, residual_tokens=KIVI_RESIDUAL,
