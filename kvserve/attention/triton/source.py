@@ -1,0 +1,113 @@
+"""What a kernel reads for one KV entry (K, V or the MLA latent): its tensors in one format, and
+the @triton.jit helper that loads one block's tile of it as float32, dequantized in registers.
+
+Layouts are those of kvserve/kv/formats.py, every tensor contiguous, indexed by block id first:
+- native: data [NB, BS, H, W] floats (W = the vector width);
+- int8 / fp8: data [NB, BS, H, W] int8 / raw fp8 bytes, scale [NB, BS, H, 1] float16;
+- KIVI keys: data [NB, BS, H, W*bits/8] codes, scale and zero [NB, BS/32, H, W] float16 (per channel
+  over 32 tokens); KIVI values: the same codes, scale and zero [NB, BS, H, W/VG] (per token over
+  VG channels); the still-filling block of a KIVI entry reads its residual row [rows, BS, H, W].
+An MLA latent is [NB, BS, W] (H = 1); its value view reads the first `dim` < W columns.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from kvserve.kv.formats import (
+    KIVI_GROUP,
+    Fp8Codec,
+    Int8Codec,
+    KiviKeyCodec,
+    KiviValueCodec,
+    NativeCodec,
+)
+
+NATIVE, INT8, FP8_E4M3, FP8_E5M2, KIVI_K, KIVI_V = range(6)
+
+
+@dataclass
+class KVSource:
+    """One entry of one layer as a kernel sees it (see the module docstring for the layouts)."""
+
+    fmt: int
+    data: torch.Tensor
+    scale: torch.Tensor | None = None
+    zero: torch.Tensor | None = None
+    residual: torch.Tensor | None = None   # KIVI: [rows, BS, H, W] in the model dtype
+    heads: int = 1
+    width: int = 0      # elements per stored vector (before packing)
+    dim: int = 0        # leading elements the kernel reads (width, or the MLA rank for values)
+    bits: int = 8
+    vgroup: int = 1     # KIVI values: channels per scale group
+
+    def args(self) -> tuple:
+        """Pointers for the kernel: data, scale, zero, residual (the data again where absent)."""
+        d = self.data
+        return (d, d if self.scale is None else self.scale, d if self.zero is None else self.zero,
+                d if self.residual is None else self.residual)
+
+    def value_view(self, dim: int) -> KVSource:
+        """The first `dim` columns of each vector (MLA: the latent's c_kv part serves as V)."""
+        return KVSource(self.fmt, self.data, self.scale, self.zero, self.residual, self.heads, self.width,
+                        dim, self.bits, self.vgroup)
+
+
+def source_of(codec, tensors: list[torch.Tensor], residual: torch.Tensor | None = None) -> KVSource | None:
+    """The KVSource of an entry kept by `codec` in `tensors`; None for a codec no kernel reads."""
+    shape = codec.shape
+    heads, width = (shape[0], shape[1]) if len(shape) == 2 else (1, shape[0])
+    base = dict(heads=heads, width=width, dim=width)
+    if isinstance(codec, NativeCodec):
+        return KVSource(NATIVE, tensors[0], **base)
+    if isinstance(codec, Int8Codec):
+        return KVSource(INT8, tensors[0], tensors[1], **base)
+    if isinstance(codec, Fp8Codec):
+        fmt = FP8_E4M3 if codec.fp8 == torch.float8_e4m3fn else FP8_E5M2
+        return KVSource(fmt, tensors[0], tensors[1], **base)
+    if isinstance(codec, KiviKeyCodec) and codec.group == KIVI_GROUP:
+        return KVSource(KIVI_K, *tensors, residual=residual, bits=codec.bits, **base)
+    if isinstance(codec, KiviValueCodec):
+        return KVSource(KIVI_V, *tensors, residual=residual, bits=codec.bits, vgroup=codec.group, **base)
+    return None
+
+
+@triton.jit
+def load_tile(data, scale, zero, res, blk, row, use_res, tok, d, head, H, W, D, mask,
+              BS: tl.constexpr, FMT: tl.constexpr, BITS: tl.constexpr, VG: tl.constexpr):
+    """Entries of block `blk` at in-block offsets `tok` [N], columns `d` [DB], KV head `head`:
+    [N, DB] float32 (masked entries 0). KIVI blocks with `use_res` read their residual `row`."""
+    vec = (blk.to(tl.int64) * BS + tok) * H + head                                   # [N]
+    if FMT == 0:
+        x = tl.load(data + vec[:, None] * W + d[None, :], mask=mask, other=0.0).to(tl.float32)
+    elif FMT == 1:
+        x = tl.load(data + vec[:, None] * W + d[None, :], mask=mask, other=0).to(tl.float32)
+        x = x * tl.load(scale + vec, mask=tok < BS, other=0.0).to(tl.float32)[:, None]
+    elif FMT == 2:
+        raw = tl.load(data + vec[:, None] * W + d[None, :], mask=mask, other=0)
+        x = raw.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+        x = x * tl.load(scale + vec, mask=tok < BS, other=0.0).to(tl.float32)[:, None]
+    elif FMT == 3:
+        raw = tl.load(data + vec[:, None] * W + d[None, :], mask=mask, other=0)
+        x = raw.to(tl.float8e5, bitcast=True).to(tl.float32)
+        x = x * tl.load(scale + vec, mask=tok < BS, other=0.0).to(tl.float32)[:, None]
+    else:
+        PER: tl.constexpr = 8 // BITS
+        byte = tl.load(data + vec[:, None] * (W // PER) + (d // PER)[None, :], mask=mask, other=0).to(tl.int32)
+        code = ((byte >> ((d % PER) * BITS)[None, :]) & ((1 << BITS) - 1)).to(tl.float32)
+        if FMT == 4:   # keys: per channel over groups of 32 tokens
+            grp = (blk.to(tl.int64) * (BS // 32) + tok // 32) * H + head
+            meta = grp[:, None] * W + d[None, :]
+        else:          # values: per token over groups of VG channels
+            meta = vec[:, None] * (W // VG) + (d // VG)[None, :]
+        sc = tl.load(scale + meta, mask=mask, other=0.0).to(tl.float32)
+        zp = tl.load(zero + meta, mask=mask, other=0.0).to(tl.float32)
+        x = code * sc + zp
+        if use_res:
+            rvec = (row.to(tl.int64) * BS + tok) * H + head
+            x = tl.load(res + rvec[:, None] * W + d[None, :], mask=mask, other=0.0).to(tl.float32)
+    return x
