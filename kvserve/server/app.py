@@ -41,6 +41,8 @@ from kvserve.outputs import CompletionOutput, RequestOutput
 from kvserve.sampling_params import SamplingParams
 from kvserve.server import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_QUEUE, inputs
 from kvserve.server import protocol as P
+from kvserve.server.dashboard import PUBLIC_PREFIX, add_dashboard_routes
+from kvserve.server.kv_state import KVStateTracker, StateHub
 from kvserve.server.metrics import ServerMetrics
 
 log = logging.getLogger("kvserve.server")
@@ -125,7 +127,8 @@ class ApiKeyMiddleware:
         self.keys = [(k.encode(), tenant_salt(k)) for k in api_keys]
 
     async def __call__(self, scope, receive, send):
-        if not self.keys or scope["type"] != "http" or scope["path"] == "/health":
+        path = scope.get("path", "")
+        if not self.keys or scope["type"] != "http" or path == "/health" or path.startswith(PUBLIC_PREFIX):
             return await self.app(scope, receive, send)
         scheme, _, token = dict(scope["headers"]).get(b"authorization", b"").partition(b" ")
         token = token.strip()
@@ -145,19 +148,24 @@ class ApiKeyMiddleware:
 def build_app(engine: LLMEngine, *, served_model_name: str | None = None,
               api_key: str | list[str] | None = None, max_queue: int | None = DEFAULT_MAX_QUEUE,
               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-              allow_special_tokens_in_content: bool = False, cache_isolation: str = "salt") -> FastAPI:
+              allow_special_tokens_in_content: bool = False, cache_isolation: str = "salt",
+              record: str | None = None) -> FastAPI:
     """A FastAPI app serving `engine`; the engine thread starts and stops with the app.
 
     `api_key`: one key or several (each a tenant under cache_isolation='api-key').
     `allow_special_tokens_in_content`: parse special-token text in chat messages as control
     tokens (trusted callers only); by default it is encoded as plain text.
     `cache_isolation`: none | salt | api-key, who shares prefix-cache blocks (docs/SERVING.md).
+    `record`: append every KV state snapshot to this JSON-lines file (the dashboard replays it).
     """
     api_keys = [api_key] if isinstance(api_key, str) else [k for k in api_key or [] if k]
     check_cache_isolation(cache_isolation, api_keys)
     name = served_model_name or engine.model_config.name
     metrics = ServerMetrics(name, engine.max_model_len)
-    aengine = AsyncEngine(engine, max_queue=max_queue, on_finished=metrics.observe_finished)
+    tracker = KVStateTracker(engine, name)
+    aengine = AsyncEngine(engine, max_queue=max_queue,
+                          on_finished=lambda rec: (metrics.observe_finished(rec), tracker.observe_finished(rec)))
+    hub = StateHub(tracker, aengine.call, record=record)
     state = ServerState(engine, aengine, metrics, name, max_body_bytes, allow_special_tokens_in_content,
                         cache_isolation=cache_isolation)
 
@@ -165,7 +173,9 @@ def build_app(engine: LLMEngine, *, served_model_name: str | None = None,
     async def lifespan(app: FastAPI):
         state.byte_limit = await state.tokenize(inputs.prompt_byte_limit, engine.tokenizer, engine.max_model_len)
         aengine.start()
+        hub.start()
         yield
+        await hub.stop()
         await aengine.shutdown()
         state.tokenize_pool.shutdown(wait=False, cancel_futures=True)
         await asyncio.to_thread(engine.close)  # pending KV tier writes reach disk / Redis (SIGTERM too)
@@ -176,6 +186,7 @@ def build_app(engine: LLMEngine, *, served_model_name: str | None = None,
     app.add_middleware(ApiKeyMiddleware, api_keys=api_keys)
     _add_error_handlers(app)
     _add_routes(app, state)
+    add_dashboard_routes(app, hub)
     return app
 
 

@@ -54,6 +54,9 @@ def register(subparsers) -> None:
                         "only for trusted callers (default: encoded as plain text)")
     p.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="on SIGTERM, seconds running requests may take to finish before they are aborted")
+    p.add_argument("--record", default=None, metavar="FILE",
+                   help="append the KV state stream (one JSON snapshot per line, at most 4 a second while "
+                        "something changes) to FILE; the dashboard at /dashboard replays it")
     p.add_argument("--uvicorn-log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug", "trace"])
     p.add_argument("--no-access-log", action="store_true", help="do not log one line per HTTP request")
@@ -77,7 +80,7 @@ def cmd_serve(args) -> int:
     app = build_app(engine, served_model_name=args.served_model_name, api_key=api_keys,
                     max_queue=args.max_queue, max_body_bytes=args.max_body_bytes,
                     allow_special_tokens_in_content=args.allow_special_tokens_in_content,
-                    cache_isolation=args.cache_isolation)
+                    cache_isolation=args.cache_isolation, record=args.record)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
                             access_log=not args.no_access_log,
                             timeout_graceful_shutdown=args.shutdown_timeout + 5)

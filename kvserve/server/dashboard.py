@@ -1,0 +1,62 @@
+"""Routes of the KV-cache dashboard: `/v1/kv/state` (JSON), `/v1/kv/stream` (server-sent events) and
+the page at `/dashboard` (static files shipped in kvserve/server/static/, no build step).
+
+The page and its files carry no data, so they load without the API key (a browser cannot send a
+header when it opens a URL); the page then sends the key as a bearer header to the two data routes,
+which the API-key middleware guards like every other route.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+
+from fastapi import FastAPI
+from fastapi.responses import FileResponse, StreamingResponse
+from fastapi.staticfiles import StaticFiles
+
+from kvserve.server.kv_state import StateHub
+
+STATIC_DIR = Path(__file__).with_name("static")
+PUBLIC_PREFIX = "/dashboard"   # the page and its static files: no API key needed
+KEEPALIVE_SECONDS = 15.0
+
+
+def add_dashboard_routes(app: FastAPI, hub: StateHub) -> None:
+    """Add the state routes and the page to `app`."""
+
+    @app.get("/v1/kv/state")
+    async def kv_state():
+        return await hub.state()
+
+    @app.get("/v1/kv/stream")
+    async def kv_stream():
+        return StreamingResponse(_events(hub), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    @app.get("/dashboard")
+    async def dashboard():
+        return FileResponse(STATIC_DIR / "index.html", headers={"Cache-Control": "no-cache"})
+
+    app.mount("/dashboard/static", StaticFiles(directory=STATIC_DIR), name="dashboard-static")
+
+
+async def _events(hub: StateHub):
+    """The current state (with history) at once, then each new snapshot; a comment keeps it alive."""
+    queue = hub.subscribe()
+    try:
+        yield _sse(await hub.state())
+        while True:
+            try:
+                snap = await asyncio.wait_for(queue.get(), KEEPALIVE_SECONDS)
+            except asyncio.TimeoutError:
+                yield ": keepalive\n\n"
+                continue
+            yield _sse(snap)
+    finally:
+        hub.unsubscribe(queue)
+
+
+def _sse(snap: dict) -> str:
+    return f"data: {json.dumps(snap, separators=(',', ':'))}\n\n"
