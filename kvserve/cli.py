@@ -114,10 +114,21 @@ def cmd_chat(args) -> int:
     return 0
 
 
+def package_version() -> str:
+    """The installed package's version (its metadata), else the source tree's."""
+    from importlib.metadata import PackageNotFoundError, version
+    try:
+        return version("kvserve")
+    except PackageNotFoundError:
+        import kvserve
+        return kvserve.__version__
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The top-level parser with every subcommand."""
     parser = argparse.ArgumentParser(prog="kvserve", description="An LLM inference engine built around the KV cache.")
     parser.add_argument("-v", "--verbose", action="store_true")
+    parser.add_argument("--version", action="version", version=f"kvserve {package_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="generate text for one or more prompts")
     gen.add_argument("prompt", nargs="+")
@@ -156,6 +167,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.func(args)
     except (ValueError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except ModuleNotFoundError as e:
+        if e.name is not None:  # an import that failed, not a missing package kvserve explained
+            raise
         print(f"error: {e}", file=sys.stderr)
         return 2
 

@@ -35,6 +35,7 @@ from pathlib import Path
 
 import torch
 
+from kvserve.extras import require
 from kvserve.kv.hashing import BlockHash
 from kvserve.kv.tier_writer import (
     DEFAULT_QUEUE_BYTES,
@@ -362,7 +363,7 @@ class RedisTier:
 
     def __init__(self, url: str, timeout: float = 1.0, max_backoff: float = 30.0,
                  write_policy: str = "write_through"):
-        import redis
+        redis = require("redis", "redis", "the Redis KV tier")
         from redis.backoff import NoBackoff
         from redis.retry import Retry
         self.url = url

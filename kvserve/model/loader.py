@@ -17,6 +17,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from kvserve.model.config import ModelConfig
+from kvserve.model.names import model_display_name
 
 logger = logging.getLogger("kvserve")
 
@@ -87,7 +88,6 @@ HF_DROPPED_PREFIXES = (
 _EXPERT_RE = re.compile(r"(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight")
 _LAYER_RE = re.compile(r"model\.layers\.(\d+)\.")
 _BLOCK_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
-_QUANT_SUFFIX_RE = re.compile(r"[.\-_](I?Q\d\w*|F16|F32|BF16)$", re.IGNORECASE)
 
 
 def resolve_model_path(model: str | None) -> str:
@@ -159,14 +159,6 @@ def is_gguf(path: str | Path) -> bool:
     """True when `path` is a file with a .gguf suffix."""
     path = Path(path)
     return path.is_file() and path.suffix.lower() == ".gguf"
-
-
-def model_display_name(path: str | Path) -> str:
-    """Short name for a model: the GGUF file stem without its quantization tag, or the folder name."""
-    path = Path(path)
-    if path.suffix.lower() != ".gguf":
-        return path.name
-    return _QUANT_SUFFIX_RE.sub("", path.stem)
 
 
 def default_cache_root() -> Path:

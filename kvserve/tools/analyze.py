@@ -20,6 +20,7 @@ import os
 import sys
 import time
 
+from kvserve.extras import require
 from kvserve.kv import sizing
 from kvserve.tools import presets
 from kvserve.tools.plan import format_table, human_bytes
@@ -181,8 +182,7 @@ def format_analysis(a: dict) -> str:
 
 def plot_analysis(path: str, shape: ModelShape, num_tokens: int) -> None:
     """Write a PNG: FLOPs per token vs position (by component) and cumulative K/V rows."""
-    import matplotlib
-
+    matplotlib = require("matplotlib", "plots", "--plot")
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 

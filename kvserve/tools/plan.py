@@ -8,6 +8,7 @@ import re
 import sys
 from dataclasses import asdict, dataclass, field, replace
 
+from kvserve.extras import require
 from kvserve.kv import sizing
 from kvserve.tools import presets
 from kvserve.tools.presets import Hardware, ModelShape
@@ -344,8 +345,7 @@ def format_list() -> str:
 
 def plot_kv_vs_context(path: str, model: ModelShape, p: Plan, variants: list[ModelShape] | None = None) -> None:
     """Write a PNG of KV GiB (batch, per GPU) vs context: one line per format, or per variant."""
-    import matplotlib
-
+    matplotlib = require("matplotlib", "plots", "--plot")
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 

@@ -14,6 +14,7 @@ import re
 from dataclasses import dataclass, replace
 
 from kvserve.kv.sizing import KVLayout
+from kvserve.model.names import gguf_display_name
 
 GIB = 1 << 30
 
@@ -313,7 +314,7 @@ def shape_from_gguf(path: str) -> ModelShape:
     vocab = int(meta.get(f"{arch}.vocab_size") or _gguf_vocab(reader))
     params = sum(int(t.n_elements) for t in reader.tensors)
     return ModelShape(
-        name=str(meta.get("general.name") or os.path.basename(path)), num_layers=layers,
+        name=gguf_display_name(meta.get("general.name"), path), num_layers=layers,
         hidden_size=hidden, num_heads=heads, num_kv_heads=kv_heads,
         head_dim=int(meta.get(f"{arch}.attention.value_length")
                      or meta.get(f"{arch}.attention.key_length") or hidden // heads),
