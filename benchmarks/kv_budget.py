@@ -1,7 +1,7 @@
 """Tokens a KV budget holds in each format, from the engine's real pool (no generation).
 
 One engine per format loads the bundled SmolLM2-135M-Instruct; for each budget the engine builds
-its pool again (`LLMEngine._init_cache`, the set-up the constructor runs) and the table reports
+its pool again (`LLMEngine._build_cache`, the set-up the constructor runs) and the table reports
 its blocks, KIVI's residual rows and the bytes the pool's tensors hold.
 
     python benchmarks/kv_budget.py              # prints the table and writes BENCHMARKS.md
@@ -33,7 +33,7 @@ def measure(fmt: str, budgets: list[str]) -> dict[str, dict]:
         e.config.kv_cache_memory = parse_bytes(budget)
         e.storage = e.kv = e.runner = None  # free the old pool before the next one is allocated
         gc.collect()
-        e._init_cache()
+        e._build_cache(e.planner.loaded)
         m = llm.get_metrics()
         out[budget] = dict(blocks=m["num_blocks_total"], rows=e.kv_residual_rows, bytes=m["kv_cache_bytes"],
                            residual_bytes=m["kv_cache_residual_bytes"], page=e.page_bytes_per_token)

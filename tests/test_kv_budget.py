@@ -26,13 +26,14 @@ def pools():
 def planned_pool(llm, budget: str) -> tuple[int, int]:
     """(blocks, residual rows) the engine sizes its pool to for `budget` (the plan the pool is built from)."""
     e = llm.engine
-    kept = e.config.kv_cache_memory, e.kv_residual_rows
+    planner = e.planner
+    kept = e.config.kv_cache_memory, planner.residual_rows, planner.plan
     e.config.kv_cache_memory = parse_bytes(budget)
     try:
-        plan = e._plan_pool()
-        return plan.num_blocks, e.kv_residual_rows
+        plan = planner.plan_pool()
+        return plan.num_blocks, planner.residual_rows
     finally:
-        e.config.kv_cache_memory, e.kv_residual_rows = kept
+        e.config.kv_cache_memory, planner.residual_rows, planner.plan = kept
 
 
 def test_64mib_pool_is_the_plan_and_fits_the_budget(pools):

@@ -284,11 +284,11 @@ def test_prefix_hits_preemption_forks_chunks_every_format(tiny, family, fmt, mon
     assert all_blocks_free(big)
     # room for one max_model_len sequence, prefill chunks of 24 tokens: preemption, and chunk
     # boundaries inside blocks
-    small = LLM(tiny[family], kv_cache_memory=_blocks_budget(big, big.engine._blocks_per_sequence(32), 3),
+    small = LLM(tiny[family], kv_cache_memory=_blocks_budget(big, big.engine.planner.blocks_per_sequence(32), 3),
                 max_num_seqs=3,
                 max_num_batched_tokens=24, **common)
     out = small.generate(PROMPT_IDS, greedy(), use_tqdm=False)
-    assert small.get_metrics()["num_blocks_total"] == big.engine._blocks_per_sequence(32)
+    assert small.get_metrics()["num_blocks_total"] == big.engine.planner.blocks_per_sequence(32)
     assert small.get_metrics()["num_preemptions"] > 0
     assert_same_completions(out, ref, tol=1e-3)
     assert all_blocks_free(small)

@@ -347,7 +347,7 @@ def test_sinks_stream_runs_past_max_model_len_in_a_pool_of_its_bound(tiny1):
     # in chunks of 64 (capacity + chunk = the pool); 300 + 1,200 tokens stream past max_model_len=512
     llm = tiny_llm(tiny1, "sinks:4,252", blocks=80, max_num_batched_tokens=2048, max_model_len=512)
     eng = llm.engine
-    assert eng._prefill_chunk(eng.kv_policy) == 64
+    assert eng.planner.prefill_chunk(eng.kv_policy) == 64
     oracle = Oracle(llm)
     rid = eng.add_request([3 + i % 250 for i in range(300)], greedy(1200))
     held = []
@@ -569,7 +569,7 @@ def test_bundled_model_streams_in_a_24mib_pool():
     (test_sinks_stream_runs_past_max_model_len_in_a_pool_of_its_bound): this model decodes ~8 tokens/s
     on 2 CPU cores."""
     big = LLM(kv_cache_memory="24MiB", max_model_len=4096, kv_policy="sinks:4,252", dtype="float32")
-    assert big.engine._prefill_chunk(big.engine.kv_policy) == 288
+    assert big.engine.planner.prefill_chunk(big.engine.kv_policy) == 288
     del big
     llm = LLM(kv_cache_memory="24MiB", max_model_len=280, kv_policy="sinks:4,252", dtype="float32")
     eng = llm.engine

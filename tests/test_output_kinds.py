@@ -38,8 +38,9 @@ def test_final_only_reports_once(llm):
 
 def test_generate_builds_no_output_before_a_request_finishes(llm, monkeypatch):
     built = []
-    real = llm.engine._output
-    monkeypatch.setattr(llm.engine, "_output", lambda gid: built.append(gid) or real(gid))
+    processor = llm.engine.output_processor
+    real = processor.output
+    monkeypatch.setattr(processor, "output", lambda gid: built.append(gid) or real(gid))
     params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
     out = llm.generate([PROMPT, "Two plus two is"], params, use_tqdm=False)
     assert [len(o.outputs[0].token_ids) for o in out] == [10, 10]

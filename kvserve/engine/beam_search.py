@@ -1,4 +1,8 @@
-"""Beam search over the engine: beams are requests that share KV blocks copy-on-write."""
+"""Beam search over the engine's step: beams are requests that share KV blocks copy-on-write.
+
+Each engine step hands the beams' logits to `BeamSearch.take`; once every live beam has its
+next-token log-probs, the best continuations fork from their beams (engine.fork) and the old
+beams are released (engine.release)."""
 
 from __future__ import annotations
 
@@ -20,99 +24,90 @@ def run_beam_search(engine, prompt, params: BeamSearchParams) -> BeamSearchOutpu
     if engine.has_unfinished_requests():
         raise RuntimeError("beam_search needs an idle engine; finish or abort other requests first")
     sp = SamplingParams(max_tokens=params.max_tokens, temperature=0.0, ignore_eos=params.ignore_eos)
-    root = engine.make_request(prompt, sp, request_id=f"beam-{next(engine._ids)}")
-    if root.kv_policy is not None:
-        engine.evictor.add(root, root.kv_policy)   # every beam evicts on its own (forks copy the state)
-    engine.scheduler.add(root)
-    eos = set(engine.sampler.eos_token_ids)
-    live, done = [root], []
+    root = engine.make_request(prompt, sp)
+    search = BeamSearch(engine, root, params)
+    engine.admit(root)
     try:
-        for step in range(params.max_tokens):
-            logprobs = _logprobs_of(engine, live)
-            live, finished = _select(engine, live, logprobs, params, eos, step)
-            done.extend(finished)
-            if not live:
-                break
-        done.extend((r, "length") for r in live)
-        return _output(engine, root, done, params)
+        while search.live:
+            ran = search.steps
+            engine.step(search.take)
+            if search.steps == ran:
+                raise RuntimeError("beam search stalled: the KV pool cannot hold the beams")
+        return search.output()
     finally:
-        for r in live:
+        for r in search.live:
             if not r.is_finished:
-                _end(engine, r, RequestStatus.FINISHED_ABORTED)
+                engine.release(r, RequestStatus.FINISHED_ABORTED)
 
 
-def _logprobs_of(engine, beams: list[Request]) -> dict[str, torch.Tensor]:
-    """Run steps until every live beam has next-token log-probs."""
-    out: dict[str, torch.Tensor] = {}
-    while len(out) < len(beams):
-        sched = engine.scheduler.schedule()
-        if not sched.scheduled:
-            raise RuntimeError("beam search stalled: the KV pool cannot hold the beams")
-        inp, logits, _ = engine.runner.execute(sched.scheduled)
-        for req, n in sched.scheduled:
-            req.num_computed_tokens += n
-            if engine.kv is not None:
-                engine.kv.cache_blocks(req.request_id, req.token_ids, req.num_computed_tokens)
-        engine.evictor.after_step(sched.scheduled)
-        for req, row in zip(inp.sampling_reqs, torch.log_softmax(logits, dim=-1)):
-            out[req.request_id] = row
-    return out
+class BeamSearch:
+    """The live beams, the finished ones, and the log-probs gathered for the next expansion."""
 
+    def __init__(self, engine, root: Request, params: BeamSearchParams):
+        self.engine, self.root, self.params = engine, root, params
+        self.eos = set(engine.sampler.eos_token_ids)
+        self.live: list[Request] = [root]
+        self.done: list[tuple[Request, str]] = []
+        self.logprobs: dict[str, torch.Tensor] = {}
+        self.steps = 0         # engine steps that ran
+        self.num_forks = 0
 
-def _select(engine, live, logprobs, params, eos, step):
-    """Keep the best `beam_width` continuations by cumulative log-prob; EOS ends a beam."""
-    k = 2 * params.beam_width
-    cands = []
-    for beam in live:
-        top = torch.topk(logprobs[beam.request_id], k)
-        for lp, tok in zip(top.values.tolist(), top.indices.tolist()):
-            cands.append((beam.cumulative_logprob + lp, beam, tok, lp))
-    cands.sort(key=lambda c: -c[0])
-    new, finished = [], []
-    for total, parent, tok, lp in cands:
-        if len(new) == params.beam_width:
-            break
-        child = _fork(engine, parent, tok, lp)
-        if tok in eos and not params.ignore_eos:
-            _end(engine, child, RequestStatus.FINISHED_STOPPED)
-            finished.append((child, "stop"))
-        else:
-            new.append(child)
-    for beam in live:
-        _end(engine, beam, RequestStatus.FINISHED_STOPPED)
-    return new, finished
+    def take(self, logits: torch.Tensor, reqs: list[Request]) -> None:
+        """The engine's sample function: keep the rows, expand once every live beam has one."""
+        self.steps += 1
+        for req, row in zip(reqs, torch.log_softmax(logits, dim=-1)):
+            self.logprobs[req.request_id] = row
+        if len(self.logprobs) == len(self.live):
+            self._expand()
+            self.logprobs = {}
 
+    def _expand(self) -> None:
+        """Keep the best `beam_width` continuations by cumulative log-prob; EOS ends a beam."""
+        p = self.params
+        cands = []
+        for beam in self.live:
+            top = torch.topk(self.logprobs[beam.request_id], 2 * p.beam_width)
+            for lp, tok in zip(top.values.tolist(), top.indices.tolist()):
+                cands.append((beam.cumulative_logprob + lp, beam, tok, lp))
+        cands.sort(key=lambda c: -c[0])
+        new = []
+        for _, parent, tok, lp in cands:
+            if len(new) == p.beam_width:   # beams that end with EOS do not take a place
+                break
+            child = self._fork(parent, tok, lp)
+            if tok in self.eos and not p.ignore_eos:
+                self.engine.release(child, RequestStatus.FINISHED_STOPPED)
+                self.done.append((child, "stop"))
+            else:
+                new.append(child)
+        for beam in self.live:
+            self.engine.release(beam, RequestStatus.FINISHED_STOPPED)
+        self.live = new
+        if self.live and self.live[0].num_output_tokens >= p.max_tokens:
+            self.done.extend((r, "length") for r in self.live)
+            self.end_live()
 
-def _end(engine, req: Request, status: RequestStatus) -> None:
-    engine.scheduler.finish(req, status)
-    engine.evictor.drop(req.request_id)
-
-
-def _fork(engine, parent: Request, token: int, logprob: float) -> Request:
-    child = Request(f"{parent.group_id}/{next(engine._ids)}", parent.prompt_token_ids, parent.params,
-                    prompt=parent.prompt, group_id=parent.group_id)
-    child.token_ids = parent.token_ids + [token]
-    child.output_token_ids = parent.output_token_ids + [token]
-    child.cumulative_logprob = parent.cumulative_logprob + logprob
-    engine.evictor.fork(parent, child)
-    if engine.kv is not None and parent.status != RequestStatus.RUNNING:  # parent was preempted: recompute
-        child.status = RequestStatus.PREEMPTED
-        engine.scheduler.waiting.append(child)
+    def _fork(self, parent: Request, token: int, logprob: float) -> Request:
+        self.num_forks += 1
+        child = self.engine.fork(parent, f"{self.root.request_id}/{self.num_forks}")
+        child.append_token(token, logprob, None)
         return child
-    child.num_computed_tokens = parent.num_computed_tokens
-    child.status = RequestStatus.RUNNING
-    if engine.kv is not None:
-        engine.kv.fork(parent.request_id, child.request_id)
-    engine.scheduler.running.append(child)
-    return child
 
+    def end_live(self) -> None:
+        """Release the beams still running (they stay listed in `done` if they were kept)."""
+        for r in self.live:
+            if not r.is_finished:
+                self.engine.release(r, RequestStatus.FINISHED_LENGTH)
+        self.live = []
 
-def _output(engine, root, done, params) -> BeamSearchOutput:
-    seqs = []
-    for req, reason in done:
-        toks = req.output_token_ids
-        score = beam_score(req.num_tokens, req.cumulative_logprob, params.length_penalty, reason == "stop")
-        text = engine.tokenizer.decode(toks) if engine.tokenizer is not None else ""
-        seqs.append(BeamSearchSequence(toks, text, req.cumulative_logprob, score, reason))
-    seqs.sort(key=lambda s: -s.score)
-    return BeamSearchOutput(root.prompt, root.prompt_token_ids, seqs[:params.beam_width])
+    def output(self) -> BeamSearchOutput:
+        """The best `beam_width` sequences by length-normalised score."""
+        p, tok = self.params, self.engine.tokenizer
+        seqs = []
+        for req, reason in self.done:
+            toks = req.output_token_ids
+            score = beam_score(req.num_tokens, req.cumulative_logprob, p.length_penalty, reason == "stop")
+            text = tok.decode(toks) if tok is not None else ""
+            seqs.append(BeamSearchSequence(toks, text, req.cumulative_logprob, score, reason))
+        seqs.sort(key=lambda s: -s.score)
+        return BeamSearchOutput(self.root.prompt, self.root.prompt_token_ids, seqs[:p.beam_width])

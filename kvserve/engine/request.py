@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kvserve.engine.detokenizer import TextBuffer
 from kvserve.engine.sampler import Logprob
 from kvserve.outputs import RequestMetrics
 from kvserve.sampling_params import SamplingParams
@@ -59,7 +60,7 @@ class Request:
         self.cumulative_logprob = 0.0
         self.logprobs: list[dict[int, Logprob]] | None = [] if self.params.logprobs is not None else None
         self.prompt_logprobs: list | None = None
-        self.text = ""
+        self.output_text = TextBuffer()                # detokenized output, appended piece by piece
         self.metrics = RequestMetrics(self.arrival_time)
         if self.group_id is None:
             self.group_id = self.request_id
@@ -73,6 +74,11 @@ class Request:
     def num_output_tokens(self) -> int:
         """How many tokens were generated."""
         return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def text(self) -> str:
+        """The output text so far."""
+        return self.output_text.text()
 
     @property
     def is_finished(self) -> bool:
@@ -90,6 +96,20 @@ class Request:
         if self.metrics.first_token_time is None:
             self.metrics.first_token_time = now
         self.metrics.last_token_time = now
+
+    def fork(self, request_id: str, index: int = 0, generator: torch.Generator | None = None) -> Request:
+        """A copy of this sequence so far under a new id (same group), not yet scheduled."""
+        child = Request(request_id, self.prompt_token_ids, self.params, prompt=self.prompt, group_id=self.group_id,
+                        index=index, generator=generator, arrival_time=self.arrival_time,
+                        kv_policy=self.kv_policy, prefill_chunk=self.prefill_chunk)
+        child.token_ids = list(self.token_ids)
+        child.output_token_ids = list(self.output_token_ids)
+        child.cumulative_logprob = self.cumulative_logprob
+        if self.logprobs is not None:
+            child.logprobs = list(self.logprobs)
+        child.num_cached_tokens = self.num_cached_tokens
+        child.metrics.first_scheduled_time = self.metrics.first_scheduled_time
+        return child
 
     def finish_reason(self) -> str | None:
         """OpenAI-style finish reason, None while running."""

@@ -120,23 +120,19 @@ def run_forced(llm, forced: list[tuple[list[int], list[int]]], greedy: list[tupl
             else:
                 tok = int(row.argmax())
                 tokens[rid].append(tok)
-            eng._append(req, tok, 0.0, None)
+            eng.append_token(req, tok)
 
     ids_f, ids_g = [], []
-    eng._sample = sample
-    try:
-        for ctx, tgt in forced:
-            rid = eng.add_request({"prompt_token_ids": ctx}, SamplingParams(max_tokens=len(tgt), ignore_eos=True))
-            logits[rid], targets[rid] = [], list(tgt)
-            ids_f.append(rid)
-        for ctx, n in greedy:
-            rid = eng.add_request({"prompt_token_ids": ctx}, SamplingParams(max_tokens=n, ignore_eos=True))
-            tokens[rid] = []
-            ids_g.append(rid)
-        while eng.has_unfinished_requests():
-            eng.step()
-    finally:
-        del eng._sample
+    for ctx, tgt in forced:
+        rid = eng.add_request({"prompt_token_ids": ctx}, SamplingParams(max_tokens=len(tgt), ignore_eos=True))
+        logits[rid], targets[rid] = [], list(tgt)
+        ids_f.append(rid)
+    for ctx, n in greedy:
+        rid = eng.add_request({"prompt_token_ids": ctx}, SamplingParams(max_tokens=n, ignore_eos=True))
+        tokens[rid] = []
+        ids_g.append(rid)
+    while eng.has_unfinished_requests():
+        eng.step(sample)
     return [torch.stack(logits[r]) for r in ids_f], [tokens[r] for r in ids_g]
 
 

@@ -89,19 +89,14 @@ def run_jobs(llm, jobs: list[Job]) -> list[Job]:
             job.tokens.append(tok)
             held = eng.evictor.blocks_held(req.request_id) * block_bytes
             job.held_bytes, job.peak_bytes = held, max(job.peak_bytes, held)
-            eng._append(req, tok, 0.0, None)
+            eng.append_token(req, tok)
 
-    saved = eng._sample
-    eng._sample = sample
-    try:
-        for job in jobs:
-            params = SamplingParams(max_tokens=len(job.force) + job.generate, ignore_eos=True,
-                                    kv_policy=job.policy)
-            by_id[eng.add_request({"prompt_token_ids": job.prompt}, params)] = job
-        while eng.has_unfinished_requests():
-            eng.step()
-    finally:
-        eng._sample = saved
+    for job in jobs:
+        params = SamplingParams(max_tokens=len(job.force) + job.generate, ignore_eos=True,
+                                kv_policy=job.policy)
+        by_id[eng.add_request({"prompt_token_ids": job.prompt}, params)] = job
+    while eng.has_unfinished_requests():
+        eng.step(sample)
     return jobs
 
 

@@ -1,0 +1,273 @@
+"""What an LLMEngine is built from: the model (weights, tokenizer, context length) and the KV cache
+(layer groups, storage format, pool size and the bounds one sequence needs)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass
+
+import torch
+
+from kvserve.config import DTYPES, EngineConfig
+from kvserve.engine.memory import PoolPlan, check_fits, gib, measure_activation_peak, plan_pool
+from kvserve.kv.formats import KVCacheFormat, build_kv_format, split_budget
+from kvserve.kv.hashing import namespace_hash
+from kvserve.kv.manager import KVCacheManager
+from kvserve.kv.policies import parse_policy
+from kvserve.kv.spec import group_layers
+from kvserve.kv.storage import KVStorage
+from kvserve.model.config import ModelConfig
+from kvserve.model.layers import fuse_projections
+from kvserve.model.loader import gguf_linear_types, load_weights, resolve_model_path
+from kvserve.model.quant import cast_unquantized, quantize_model, weight_bytes
+from kvserve.model.registry import build_model
+from kvserve.model.tokenizer import Tokenizer
+
+log = logging.getLogger("kvserve")
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+# ---- the model ----------------------------------------------------------------------------------------
+@dataclass
+class LoadedModel:
+    """A model on its device with its tokenizer and the formats it runs in."""
+
+    path: str
+    config: ModelConfig
+    tokenizer: Tokenizer | None
+    model: torch.nn.Module
+    weight_format: str
+    dtype: torch.dtype
+    max_model_len: int
+    seconds: float
+
+    @property
+    def quantized(self) -> bool:
+        """True when the linear weights are stored in another format than the activations."""
+        return DTYPES.get(self.weight_format) != self.dtype
+
+    def eos_ids(self) -> list[int]:
+        """The model's end-of-sequence ids, plus the tokenizer's."""
+        ids = list(self.config.eos_token_ids)
+        tok_eos = self.tokenizer.eos_token_id if self.tokenizer is not None else None
+        if tok_eos is not None and tok_eos not in ids:
+            ids.append(tok_eos)
+        return ids
+
+
+def load_model(config: EngineConfig, device: torch.device, dtype: torch.dtype) -> LoadedModel:
+    """Load weights and tokenizer, build the model, quantize its linear layers if asked."""
+    t0 = time.perf_counter()
+    path = resolve_model_path(config.model)
+    auto = config.weights == "auto" and config.dtype == "auto"
+    weight_format, why = config.weight_format(gguf_linear_types(path) if auto else None)
+    quantized = DTYPES.get(weight_format) != dtype
+    # quantized weights are made from float32, not from an already rounded copy
+    model_config, weights = load_weights(path, torch.float32 if quantized else dtype)
+    tokenizer = load_tokenizer(path)
+    model = _build_model(model_config, weights, device, dtype, weight_format if quantized else None)
+    seconds = time.perf_counter() - t0
+    log.info("weights: %s, activations and KV %s (%s); %.1f MiB of weights", weight_format,
+             str(dtype).removeprefix("torch."), why, weight_bytes(model) / 2**20)
+    return LoadedModel(path, model_config, tokenizer, model, weight_format, dtype,
+                       _max_model_len(config, model_config), seconds)
+
+
+def _build_model(mc: ModelConfig, weights: dict[str, torch.Tensor], device: torch.device, dtype: torch.dtype,
+                 quant: str | None) -> torch.nn.Module:
+    model = build_model(mc)
+    missing, unexpected = model.load_state_dict(weights, strict=False)
+    missing = [k for k in missing if not (k == "lm_head.weight" and mc.tie_word_embeddings)]
+    if missing or unexpected:
+        raise ValueError(f"checkpoint does not match the model: missing {missing[:5]}, unexpected {unexpected[:5]}")
+    if quant is None:
+        model = model.to(device=device, dtype=dtype).eval()
+        fuse_projections(model)
+        return model
+    model = model.to(device=device).eval()
+    fuse_projections(model)
+    quantize_model(model, quant)
+    cast_unquantized(model, dtype)
+    return model
+
+
+def _max_model_len(config: EngineConfig, mc: ModelConfig) -> int:
+    limit = mc.max_position_embeddings
+    n = config.max_model_len or limit
+    if n > limit and not config.kv_policy:
+        raise ValueError(f"max_model_len={n} exceeds the model's context length {limit}")
+    if n > limit:  # a kv_policy stream may run past it (sinks/window re-index positions: docs/EVICTION.md)
+        log.warning("max_model_len=%d exceeds the model's context length %d (allowed with kv_policy)", n, limit)
+    return n
+
+
+def load_tokenizer(path: str) -> Tokenizer | None:
+    """The model's tokenizer; None for a HF directory that ships none (token-id prompts only)."""
+    if os.path.isdir(path) and not any(os.path.exists(os.path.join(path, f)) for f in TOKENIZER_FILES):
+        log.warning("no tokenizer files in %s: prompts must be token ids and outputs have no text", path)
+        return None
+    return Tokenizer.load(path)
+
+
+# ---- the KV cache -------------------------------------------------------------------------------------
+class CachePlanner:
+    """Sizes one engine's KV cache: layer groups, storage format, pool plan, and what one sequence needs.
+
+    `engine` is the engine being built; it already holds its model, tokenizer, device and dtype
+    (per-head precision calibration runs the model)."""
+
+    def __init__(self, engine, loaded: LoadedModel):
+        cfg = self.config = engine.config
+        self.loaded = loaded
+        self.device = engine.device
+        self.max_model_len = loaded.max_model_len
+        self.policy = parse_policy(cfg.kv_policy) if cfg.kv_policy else None   # engine-wide default
+        self.groups = group_layers(loaded.model.kv_specs(), size=1 if self.policy is not None else None)
+        self.format = self._kv_format(engine)   # kv/formats.py: how K/V are stored, what a token costs
+        self.residual_rows = 0
+        self.plan: PoolPlan | None = None
+
+    @property
+    def block_size(self) -> int:
+        """Contiguous layout: one max_model_len "block" per sequence, reserved up front."""
+        return self.max_model_len if self.config.kv_cache_mode == "contiguous" else self.config.block_size
+
+    def _kv_format(self, engine) -> KVCacheFormat:
+        """The KV storage format from the config (calibrating per-head precision if asked)."""
+        cfg = self.config
+        high = None
+        if cfg.kv_cache_head_precision and cfg.kv_cache_mode != "none":
+            from kvserve.engine.kv_calibration import choose_high_precision_heads
+            high = choose_high_precision_heads(engine, self.groups, cfg)
+        return build_kv_format(self.groups, self.loaded.dtype, self.block_size, cfg.kv_cache_dtype,
+                               cfg.kv_cache_dtype_k, cfg.kv_cache_dtype_v, cfg.kv_cache_dtype_skip_layers,
+                               cfg.kv_cache_rotation, high, cfg.kv_cache_head_precision_dtype)
+
+    def plan_pool(self) -> PoolPlan:
+        """Blocks that fit the memory budget (and KIVI residual rows); refuses a pool too small for one sequence."""
+        cfg, block_size = self.config, self.block_size
+        activation = 0
+        if cfg.kv_cache_memory is None and (cfg.gpu_memory_utilization is not None or self.device.type == "cuda"):
+            activation = measure_activation_peak(self.device, self.warmup)
+        plan = plan_pool(cfg.kv_cache_memory, cfg.gpu_memory_utilization, self.device,
+                         weight_bytes(self.loaded.model), activation, block_size, self.format.page_bytes_per_token)
+        if self.format.has_residual:  # KIVI: full-precision rows for still-filling blocks, from the budget
+            plan.num_blocks, self.residual_rows = self.split_residual(plan.budget_bytes, block_size)
+        self.plan = plan  # the prefill chunk of a streaming kv_policy is sized from it
+        check_fits(plan, self.blocks_per_sequence(block_size), self.max_model_len, self.bound_note())
+        return plan
+
+    def split_residual(self, budget: int, block_size: int) -> tuple[int, int]:
+        """(blocks, residual rows) of a KIVI pool; one sequence needs two rows per KV group (the block
+        a prefill chunk completes and the one it leaves filling)."""
+        groups = len(self.groups)
+        blocks, rows = split_budget(max(0, budget), block_size, self.format.page_bytes_per_token,
+                                    self.format.residual_bytes_per_token, self.config.max_num_seqs * groups,
+                                    min_rows=2 * groups)
+        if rows < 2 * groups:
+            raise ValueError(f"KV cache too small for {self.format.description}: {max(0, budget) / 2**20:.1f} MiB "
+                             f"cannot hold the {2 * groups} full-precision residual rows one sequence needs plus "
+                             "its blocks. Raise kv_cache_memory / gpu_memory_utilization.")
+        return blocks, rows
+
+    def kv_len_bound(self) -> int:
+        """Most tokens one layer holds for one sequence: max_model_len, or less under a bounding kv_policy."""
+        p, n = self.policy, self.max_model_len
+        if p is None or not p.evicts or not p.is_resolved:
+            return n
+        return min(n, p.cache_bound(n, n, self.prefill_chunk(p)))
+
+    def blocks_per_sequence(self, block_size: int, kv_len: int | None = None) -> int:
+        """Blocks one sequence holding `kv_len` tokens per layer (default: the most one max_model_len
+        sequence holds) needs, over all KV groups."""
+        kv_len = kv_len or self.kv_len_bound()
+        total = 0
+        for g in self.groups:
+            n = -(-kv_len // block_size)
+            if g.spec.kind == "sliding":
+                n = min(n, -(-g.spec.window // block_size) + 1)
+            total += n
+        return total + (1 if any(g.spec.kind == "sliding" for g in self.groups) else 0)
+
+    def prefill_chunk(self, policy) -> int:
+        """Most prompt tokens a request under `policy` runs per step: max_num_batched_tokens, or fewer for
+        a streaming policy whose capacity plus one chunk would not fit the pool (it evicts between chunks)."""
+        chunk, plan = self.config.max_num_batched_tokens, self.plan
+        if plan is None or policy is None or not policy.streaming or not policy.is_resolved:
+            return chunk
+
+        def fits(c: int) -> bool:
+            return self.blocks_per_sequence(plan.block_size, policy.capacity + c) <= plan.num_blocks
+        if fits(chunk):
+            return chunk
+        if not fits(1):  # not even one token: the start-up / admission check refuses
+            return 1
+        lo, hi = 1, chunk  # fits(lo), not fits(hi)
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+        return lo
+
+    def bound_note(self) -> str:
+        """What one sequence holds at most, for the start-up error."""
+        p = self.policy
+        if p is None or not p.streaming or not p.is_resolved:
+            return ""
+        return f"kv_policy {p.spec()!r} holds {p.capacity} tokens per layer plus one prefill chunk (at least 1)"
+
+    @torch.inference_mode()
+    def warmup(self) -> None:
+        """One no-cache forward of max_num_batched_tokens tokens to measure activation memory."""
+        from kvserve.attention import AttentionMetadata, PrefillSpan
+        model = self.loaded.model
+        n = min(self.config.max_num_batched_tokens, self.max_model_len)
+        ids = torch.zeros(n, dtype=torch.long, device=self.device)
+        meta = AttentionMetadata(prefills=[PrefillSpan(0, n, n)])
+        hidden = model(ids, torch.arange(n, device=self.device), meta)
+        model.compute_logits(hidden[-256:])
+        for layer in model.model.layers:
+            layer.self_attn.kv_rows = 0
+
+    def namespace(self) -> bytes:
+        """What a block hash is scoped to: model, dtype, block size, KV format, weight format."""
+        mc, lm = self.loaded.config, self.loaded
+        return namespace_hash(mc.name, mc.architecture, lm.dtype, self.config.block_size,
+                              mc.num_layers, mc.num_kv_heads, mc.head_dim, self.format.description,
+                              *([f"weights={lm.weight_format}"] if lm.quantized else []),
+                              algo=self.config.prefix_caching_hash_algo)
+
+    def build(self) -> tuple[KVCacheManager | None, KVStorage | None]:
+        """Plan the pool and build the KV manager and storage over it (None, None without a cache)."""
+        cfg = self.config
+        if cfg.kv_cache_mode == "none":
+            return None, None
+        plan = self.plan_pool()
+        kv = KVCacheManager(
+            plan.num_blocks, plan.block_size, self.namespace(),
+            enable_prefix_caching=cfg.enable_prefix_caching and cfg.kv_cache_mode == "paged",
+            groups=self.groups, hash_algo=cfg.prefix_caching_hash_algo, pin_fraction=cfg.kv_pin_fraction)
+        storage = KVStorage(self.groups, plan.num_blocks, plan.block_size, self.loaded.dtype, self.device,
+                            self.format, self.residual_rows)
+        storage.block_is_free = lambda b: kv.pool.blocks[b].ref_cnt == 0
+        kv.residual_rows = self.residual_rows or None  # the scheduler admits this many filling blocks
+        return kv, storage
+
+    def log(self, storage: KVStorage | None) -> None:
+        """The pool at start-up: blocks, tokens, bytes, format and concurrency at max_model_len."""
+        if self.plan is None:
+            log.info("KV cache: none (every step recomputes the whole sequence)")
+            return
+        p, fmt = self.plan, self.format
+        per_seq = self.blocks_per_sequence(p.block_size)
+        log.info("KV cache (%s): %d blocks x %d tokens = %d tokens (%s, format %s, %d B/token, %d KV group(s)) "
+                 "from %s; max concurrency at max_model_len=%d: %.1fx", self.config.kv_cache_mode, p.num_blocks,
+                 p.block_size, p.num_tokens // len(self.groups), gib(p.nbytes), fmt.description,
+                 fmt.bytes_per_token, len(self.groups), p.source, self.max_model_len, p.num_blocks / per_seq)
+        if self.residual_rows:
+            log.info("KV cache residual: %d full-precision rows of %d tokens for still-filling blocks (%s)",
+                     self.residual_rows, p.block_size, gib(storage.residual_nbytes))
+        for note in fmt.notes:
+            log.info("KV cache format: %s", note)
