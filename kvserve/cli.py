@@ -156,6 +156,8 @@ def _register_tools(sub) -> None:
     analyze.register(sub)
     from kvserve.tools import evaluate
     evaluate.register(sub)
+    from kvserve.tools import top
+    top.register(sub)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -25,6 +25,7 @@ KEEPALIVE_SECONDS = 15.0
 
 def add_dashboard_routes(app: FastAPI, hub: StateHub) -> None:
     """Add the state routes and the page to `app`."""
+    app.state.kv_hub = hub
 
     @app.get("/v1/kv/state")
     async def kv_state():
