@@ -14,6 +14,7 @@ metadata from the step batch; `forward` writes a layer's new entries and attends
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -187,12 +188,42 @@ class PagedBackend(GatheredBackend):
         return out
 
 
-def select_backend(storage: KVStorage, group: KVGroup, observed: bool) -> GatheredBackend:
-    """PagedBackend when every layer of the group keeps plain K/V in the model dtype and no KV
-    eviction watches its attention scores; GatheredBackend otherwise."""
+def select_backend(storage: KVStorage, group: KVGroup, observed: bool, kind: str = "auto") -> GatheredBackend:
+    """The group's backend. `kind` 'triton' (or 'auto' on CUDA with triton installed) picks the
+    Triton kernels (FlashInfer first for native 16-bit caches under 'auto', when installed) where
+    they read the group's format and no KV eviction watches its attention scores. Otherwise
+    PagedBackend when every layer keeps plain K/V in the model dtype and nothing watches the
+    scores; GatheredBackend else."""
+    if kind != "torch" and not observed:
+        fast = _kernel_backend(storage, group, kind)
+        if fast is not None:
+            return fast
     native = group.spec.kind != "mla" and all(
         storage.native_kv(layer) is not None and storage.rotation(layer) is None for layer in group.layers)
     return PagedBackend(storage, group) if native and not observed else GatheredBackend(storage, group)
+
+
+def _kernel_backend(storage: KVStorage, group: KVGroup, kind: str):
+    """A kernel backend (kvserve/attention/triton/) for the group, or None; imports lazily."""
+    from kvserve.attention import triton as kernels
+
+    cuda = storage.slots[0][0].device.type == "cuda"
+    if kind == "auto" and not cuda:
+        return None
+    if not kernels.available():
+        if kind == "triton":
+            raise ValueError("attention_backend='triton' needs the triton package: pip install 'kvserve[triton]'")
+        return None
+    if not cuda and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError("attention_backend='triton' off CUDA runs the Triton interpreter: set TRITON_INTERPRET=1")
+    from kvserve.attention.triton.backend import TritonBackend, supports
+    from kvserve.attention.triton.flashinfer import flashinfer_backend
+
+    if kind == "auto":
+        fi = flashinfer_backend(storage, group)
+        if fi is not None:
+            return fi
+    return TritonBackend(storage, group) if supports(storage, group) else None
 
 
 def _own_block_context(layer: int, storage: KVStorage, span, idx: torch.Tensor,

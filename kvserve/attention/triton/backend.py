@@ -1,0 +1,102 @@
+"""TritonBackend: attention over the paged cache with the Triton kernels of this package.
+
+Decode rows: one `paged_decode` launch per layer over the rows' block tables (every format of
+source.py, KIVI included). Prefill chunks: one `paged_extend` launch over all of them for native,
+int8 and fp8 caches; KIVI chunks take the torch path (their queries see their own block exact,
+from the chunk's fresh entries). Writes: the store kernel for native, int8 and fp8 entries; the
+storage's own write for KIVI (residual rows). A rotation is applied around the kernels as the
+torch backends do. Chosen by `select_backend` (kvserve/attention/backends.py).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvserve.attention.backends import GatheredBackend, StepBatch, _own_block_context
+from kvserve.attention.metadata import AttentionMetadata, Context, GroupMetadata
+from kvserve.attention.triton.decode import paged_decode
+from kvserve.attention.triton.extend import EXTENDABLE, paged_extend
+from kvserve.attention.triton.source import KVSource, source_of
+from kvserve.attention.triton.store import STORABLE, store
+from kvserve.kv.spec import KVGroup
+from kvserve.kv.storage import KVStorage
+
+
+def layer_sources(storage: KVStorage, layer: int) -> list[KVSource] | None:
+    """The KVSource of each entry of `layer`, or None when some entry is split by heads (per-head
+    precision) or kept in a format no kernel reads."""
+    j = storage.layer_slot[layer]
+    out = []
+    for e, entry in enumerate(storage.parts[j]):
+        if len(entry) != 1 or entry[0][1] is not None:
+            return None
+        part, _, tensors = entry[0]
+        src = source_of(part.codec, tensors, storage.residual[j][e])
+        if src is None:
+            return None
+        out.append(src)
+    return out
+
+
+def supports(storage: KVStorage, group: KVGroup) -> bool:
+    """True when the kernels read every layer of the group."""
+    return all(layer_sources(storage, layer) is not None for layer in group.layers)
+
+
+class TritonBackend(GatheredBackend):
+    """Paged decode, extend and write kernels over the group's storage (see the module docstring)."""
+
+    # ---- metadata ----------------------------------------------------------------------------
+    def prepare(self, step: StepBatch, g: int, table: torch.Tensor) -> GroupMetadata:
+        md = super().prepare(step, g, table)
+        d = step.num_decodes
+        counts = step.counts
+        if len(counts) > d:
+            dev = table.device
+            news = torch.tensor(counts[d:], device=dev)
+            md.extend = (table[d:], torch.cumsum(news, 0) - news, news,
+                         step.cache_len_t[g][d:len(counts)] + news)
+        return md
+
+    def _prepare_decodes(self, md: GroupMetadata, step: StepBatch, g: int, table: torch.Tensor) -> None:
+        start, end = self._decode_range(step, g)
+        width = max(1, -(-(max(step.cache_lens[g][:step.num_decodes]) + 1) // self.block_size))
+        md.decode = (table[:step.num_decodes, :width], start, end)
+
+    # ---- attention ---------------------------------------------------------------------------
+    def forward(self, layer: int, q, new: list[torch.Tensor], meta: AttentionMetadata, scale: float,
+                window: int | None, math) -> torch.Tensor:
+        rot = self.storage.rotation(layer) if math.rotates else None
+        if rot is not None:
+            q, new = q @ rot, [x @ rot for x in new]
+        md = meta.group(layer)
+        srcs = layer_sources(self.storage, layer)
+        self._write(layer, md.slot_mapping, new, srcs)
+        k, v = srcs if len(srcs) == 2 else (srcs[0], srcs[0].value_view(math.rank))
+        out = q.new_empty(math.out_shape(q, new))
+        d = meta.num_decodes
+        if d:
+            table, start, end = md.decode
+            out[:d] = paged_decode(q[:d], k, v, table, start, end, scale,
+                                   row_of_block=self.storage.row_of_block, sealed=self.storage.sealed)
+        if meta.prefills:
+            if k.fmt in EXTENDABLE and v.fmt in EXTENDABLE:
+                table, q_start, q_len, ctx_len = md.extend
+                out[d:] = paged_extend(q[d:], k, v, table, q_start, q_len, ctx_len, scale, self.window)
+            else:
+                for ctx in self._prefill_contexts(layer, meta, md, new, window):
+                    out[ctx.rows] = math.prefill(q[ctx.rows], ctx.entries, ctx.mask, scale)
+        return out if rot is None else out @ rot.mT
+
+    def _write(self, layer: int, slots: torch.Tensor, new: list[torch.Tensor], srcs: list[KVSource]) -> None:
+        if all(s.fmt in STORABLE for s in srcs):
+            for x, s in zip(new, srcs):
+                store(x, slots, s)
+        else:
+            self.storage.write(layer, slots, *new)
+
+    def _prefill_contexts(self, layer, meta, md: GroupMetadata, new, window) -> list[Context]:
+        """KIVI chunks: stored earlier blocks, their own block exact (as GatheredBackend)."""
+        return [_own_block_context(layer, self.storage, span, idx, [x[span.start:span.start + span.num_tokens]
+                                                                   for x in new], window)
+                for span, idx in zip(meta.prefills, md.prefill_idx)]
