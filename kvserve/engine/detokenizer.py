@@ -49,7 +49,8 @@ class TextBuffer:
         return self.parts[0] if self.parts else ""
 
     def since(self, start: int) -> str:
-        """The text from character `start` on."""
+        """The text from character `start` on (all of it for a negative `start`)."""
+        start = max(0, start)
         if start >= self.length:
             return ""
         pieces, have = [], 0
