@@ -96,7 +96,7 @@ def test_state_needs_the_key_and_the_page_does_not(served):
 def test_counts_match_the_engine_under_load_and_a_shared_prefix_is_shared(served, monkeypatch):
     for t in start_load(served.url, [PREFIX + "Warm."], 2):  # the prefix is cached before the load
         t.join()
-    threads = start_load(served.url, [PREFIX + f"Question {i}:" for i in range(4)], 24)
+    threads = start_load(served.url, [PREFIX + f"Question {i}:" for i in range(4)], 16)
     events = stream_events(served.url, 4)  # the stream, meanwhile
     shared = []
     for _ in range(20):
@@ -180,7 +180,7 @@ def test_top_shows_the_block_counts_under_tmux(served):
         screen = wait_screen(session, "blocks total")
         total = len(state(served.url)["pool"]["state"])
         assert f"total {total}  free {idle['f']}  cached {idle['c']}  used 0  shared 0" in screen, screen
-        threads = start_load(served.url, [PREFIX + "Top."], 48)
+        threads = start_load(served.url, [PREFIX + "Top."], 16)
         screen = wait_screen(session, "running")
         for t in threads:
             t.join()

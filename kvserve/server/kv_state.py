@@ -273,7 +273,6 @@ class StateHub:
         """A queue that receives each new snapshot (only the newest is kept)."""
         q: asyncio.Queue = asyncio.Queue(maxsize=1)
         self.subscribers.add(q)
-        self._key = None  # the next tick sends a snapshot even if nothing changed
         return q
 
     def unsubscribe(self, q: asyncio.Queue) -> None:

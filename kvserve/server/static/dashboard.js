@@ -262,7 +262,7 @@ function renderRequests(snap) {
     const tr = el("tr", { "data-index": String(i) });
     tr.append(el("td", {}, r.id));
     tr.append(el("td", { class: "state-" + r.state }, r.state + (r.swap_blocks ? ` (${r.swap_blocks} host blocks)` : "")));
-    tr.append(el("td", {}, `${r.prompt_tokens} + ${r.output_tokens} (${r.computed_tokens} cached)`));
+    tr.append(el("td", {}, `${r.prompt_tokens} + ${r.output_tokens} · ${r.computed_tokens} in cache`));
     tr.append(el("td", {}, String(r.prefix_hit_tokens)));
     const kept = r.kept_tokens ? ` · ${Math.min(...r.kept_tokens)}–${Math.max(...r.kept_tokens)} kept` : "";
     tr.append(el("td", {}, (r.policy || "—") + kept));
