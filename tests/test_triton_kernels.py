@@ -240,12 +240,13 @@ def test_engine_tokens_match_torch_backend(tiny_llama, fmt):
               max_num_batched_tokens=24)
     prompts = [[(5 * i + 3) % 250 + 3 for i in range(n)] for n in (19, 7)]
     params = SamplingParams(temperature=0, max_tokens=5, logprobs=2, ignore_eos=True)
-    ref = llm.generate(prompts, params, use_tqdm=False)
     eng = llm.engine
-    groups = eng.kv.groups
-    assert [type(select_backend(eng.storage, g, False, "auto")).__name__ for g in groups] != ["TritonBackend"]
-    eng.runner.set_backends([select_backend(eng.storage, g, False, "triton") for g in groups])
+    auto = [type(select_backend(eng.storage, g, False, "auto")).__name__ for g in eng.kv.groups]
+    assert (auto == ["TritonBackend"]) == (DEVICE == "cuda")   # auto: the kernels on CUDA only
+    runs = []
+    for kind in ("torch", "triton"):
+        eng.runner.set_backends([select_backend(eng.storage, g, False, kind) for g in eng.kv.groups])
+        llm.reset_prefix_cache()
+        runs.append(llm.generate(prompts, params, use_tqdm=False))
     assert eng.runner.backend_names() == ["TritonBackend"]
-    llm.reset_prefix_cache()
-    out = llm.generate(prompts, params, use_tqdm=False)
-    assert_same_completions(out, ref, tol=1e-4)
+    assert_same_completions(runs[1], runs[0], tol=1e-4)
