@@ -6,8 +6,9 @@ evictor through their attributes; it never changes them. `StateHub` polls the en
 `interval` seconds, only building a snapshot when something changed), keeps a short history of
 counters for the charts, feeds the `/v1/kv/stream` subscribers and writes the `--record` file.
 
-Blocks are sent as parallel per-block arrays (`state`, `ref`, `group`) indexed by block id, with the
-hash and holders only for the blocks that have them, so a snapshot stays small for large pools.
+Blocks are sent as parallel per-block arrays indexed by block id: `state` (one letter each), `ref`,
+`group`, `hash` (one string, 16 hex digits per block, all zero for none); holders only for held
+blocks. Encoding them is a few list comprehensions, so a snapshot stays cheap for large pools.
 """
 
 from __future__ import annotations
@@ -27,7 +28,9 @@ log = logging.getLogger("kvserve.server")
 
 SCHEMA = 1
 HISTORY_SECONDS = 300.0   # counters kept for the charts
-HASH_CHARS = 16           # hex digits of a block hash shown
+HASH_BYTES = 8            # leading bytes of a block hash shown (16 hex digits; all zero: no hash)
+NO_HASH = bytes(HASH_BYTES)
+MAX_SHARE = 0.02          # most of the engine thread's time the stream's snapshots may take
 # one letter per block: free, cached-free (holds a reusable hash), used (one holder), shared (ref > 1),
 # reserved (the null block of sliding-window models)
 FREE, CACHED, USED, SHARED, RESERVED = "f", "c", "u", "s", "r"
@@ -202,7 +205,7 @@ def _pool(engine, requests: list[dict]) -> dict:
     kv = engine.kv
     if kv is None:
         return {"counts": {FREE: 0, CACHED: 0, USED: 0, SHARED: 0}, "state": "", "ref": [], "group": [],
-                "hash": {}, "holders": {}, "pinned": []}
+                "hash": "", "holders": {}, "pinned": []}
     pool = kv.pool
     group = [-1] * pool.num_blocks
     holders: dict[int, list[int]] = {}
@@ -212,25 +215,16 @@ def _pool(engine, requests: list[dict]) -> dict:
                 if b != kv.null:
                     group[b] = g
                     holders.setdefault(b, []).append(i)
-    states, refs, hashes, pinned = [], [], {}, []
-    for b in pool.blocks:
-        refs.append(b.ref_cnt)
-        states.append(_block_state(b, pool.reserved))
-        if b.block_hash is not None:
-            hashes[b.block_id] = b.block_hash.hex()[:HASH_CHARS]
-        if b.pin_priority is not None:
-            pinned.append(b.block_id)
-    counts = {k: states.count(k) for k in (FREE, CACHED, USED, SHARED)}
-    return {"counts": counts, "state": "".join(states), "ref": refs, "group": group,
+    blocks = pool.blocks
+    refs = [b.ref_cnt for b in blocks]
+    state = "".join([(SHARED if b.ref_cnt > 1 else USED) if b.ref_cnt else
+                     (CACHED if b.block_hash is not None else FREE) for b in blocks])
+    state = RESERVED * pool.reserved + state[pool.reserved:]
+    hashes = b"".join([NO_HASH if b.block_hash is None else b.block_hash[:HASH_BYTES] for b in blocks]).hex()
+    pinned = [b.block_id for b in blocks if b.pin_priority is not None] if pool.num_pinned else []
+    counts = {k: state.count(k) for k in (FREE, CACHED, USED, SHARED)}
+    return {"counts": counts, "state": state, "ref": refs, "group": group,
             "hash": hashes, "holders": holders, "pinned": pinned}
-
-
-def _block_state(b, reserved: int) -> str:
-    if b.block_id < reserved:
-        return RESERVED
-    if b.ref_cnt == 0:
-        return CACHED if b.block_hash is not None else FREE
-    return SHARED if b.ref_cnt > 1 else USED
 
 
 class StateHub:
@@ -247,6 +241,7 @@ class StateHub:
         self._record = None
         self._task: asyncio.Task | None = None
         self._key = None
+        self.cost = 0.0              # seconds the latest snapshot took on the engine thread
 
     def start(self) -> None:
         """Start polling (on the running event loop)."""
@@ -288,7 +283,7 @@ class StateHub:
             except Exception as exc:  # the engine stopped: nothing more to show
                 log.info("KV state stream stops: %r", exc)
                 return
-            await asyncio.sleep(self.interval)
+            await asyncio.sleep(max(self.interval, self.cost / MAX_SHARE))  # a large pool: fewer
 
     async def _tick(self) -> None:
         full = bool(self.subscribers or self._record)
@@ -308,7 +303,9 @@ class StateHub:
             return None
         if not full:
             return new, self.tracker.sample(engine), None
+        t0 = time.perf_counter()
         snap = self.tracker.snapshot(engine)
+        self.cost = time.perf_counter() - t0
         return new, snap["sample"], snap
 
     def _publish(self, snap: dict) -> None:

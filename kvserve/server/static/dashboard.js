@@ -232,7 +232,8 @@ function blockText(b) {
   const holders = (pool.holders[b] || []).map((i) => current.requests[i].id);
   const parts = [`block ${b}`, state, `ref ${pool.ref[b]}`];
   if (pool.group[b] >= 0) parts.push(`group ${pool.group[b]}`);
-  parts.push("hash " + (pool.hash[b] || "—"));
+  const hash = pool.hash.substr(b * 16, 16);
+  parts.push("hash " + (/^0+$/.test(hash) ? "—" : hash));
   parts.push("held by " + (holders.length ? holders.join(", ") : "nobody"));
   return parts.join(" · ");
 }
