@@ -50,13 +50,15 @@ def _serve_module() -> str:
 class Server:
     """A `kvserve serve` subprocess; output goes to a temp file (a full pipe would block it)."""
 
-    def __init__(self, *extra: str, api_key: str | None = None, env: dict | None = None):
+    def __init__(self, *extra: str, api_key: str | None = None, env: dict | None = None,
+                 command: list[str] | None = None):
+        """`command` runs kvserve (default: this interpreter's `-m kvserve.cli`)."""
         from kvserve.model.loader import resolve_model_path
         resolve_model_path(None)  # fails with the install command if the bundled model is missing
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = tempfile.NamedTemporaryFile("w+", prefix="kvserve-serve-", suffix=".log", delete=False)
-        cmd = [sys.executable, "-m", _serve_module(), "serve", "--port", str(self.port),
+        cmd = [*(command or [sys.executable, "-m", _serve_module()]), "serve", "--port", str(self.port),
                "--uvicorn-log-level", "warning", *ENGINE_ARGS, *extra]
         self.api_key = api_key
         full_env = {**os.environ, "OMP_NUM_THREADS": "1"}

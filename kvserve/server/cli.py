@@ -44,6 +44,9 @@ def register(subparsers) -> None:
                         "same API key; none = everyone, and a request's cache_salt is refused "
                         "(docs/SERVING.md)")
     p.add_argument("--served-model-name", default=None, help="model name in the API (default: the model's)")
+    p.add_argument("--metrics-names", default="kvserve", choices=["kvserve", "vllm"],
+                   help="vllm: /metrics also exports every metric vLLM has under its vllm: name (same "
+                        "labels), so dashboards built for vLLM work (default: kvserve: names only)")
     p.add_argument("--max-queue", type=int, default=DEFAULT_MAX_QUEUE,
                    help="waiting requests allowed before new ones get 429 with Retry-After "
                         "(a batch of more prompts than this gets 400)")
@@ -81,6 +84,8 @@ def cmd_serve(args) -> int:
                     max_queue=args.max_queue, max_body_bytes=args.max_body_bytes,
                     allow_special_tokens_in_content=args.allow_special_tokens_in_content,
                     cache_isolation=args.cache_isolation, record=args.record)
+    if args.metrics_names == "vllm":
+        app.state.kvserve.metrics.export_vllm_names()
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
                             access_log=not args.no_access_log,
                             timeout_graceful_shutdown=args.shutdown_timeout + 5)

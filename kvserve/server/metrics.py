@@ -3,6 +3,8 @@
 Gauges and counters are read from LLMEngine.get_metrics() at scrape time (the same numbers
 LLM.get_metrics() gives); histograms are observed once per finished request by the engine
 thread (AsyncEngine's on_finished hook). Each app has its own CollectorRegistry.
+`kvserve serve --metrics-names vllm` also exports the metrics vLLM has under their `vllm:` names
+(VLLM_NAMES), so dashboards built for vLLM read kvserve too.
 """
 
 from __future__ import annotations
@@ -10,12 +12,37 @@ from __future__ import annotations
 import threading
 
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 from prometheus_client.registry import Collector
 
 from kvserve.engine.async_engine import FinishedRequest
 
 PREFIX = "kvserve:"
+VLLM_PREFIX = "vllm:"
+# kvserve name -> its vLLM names: vLLM v1's, then the older ones dashboards still query
+VLLM_NAMES = {
+    "num_requests_running": ("num_requests_running",),
+    "num_requests_waiting": ("num_requests_waiting",),
+    "num_requests_swapped": ("num_requests_swapped",),
+    "kv_cache_usage_perc": ("kv_cache_usage_perc", "gpu_cache_usage_perc"),
+    "prefix_cache_queries": ("prefix_cache_queries", "gpu_prefix_cache_queries"),
+    "prefix_cache_hits": ("prefix_cache_hits", "gpu_prefix_cache_hits"),
+    "num_preemptions": ("num_preemptions",),
+    "prompt_tokens": ("prompt_tokens",),
+    "generation_tokens": ("generation_tokens",),
+    "request_success": ("request_success",),
+    "time_to_first_token_seconds": ("time_to_first_token_seconds",),
+    "inter_token_latency_seconds": ("inter_token_latency_seconds", "time_per_output_token_seconds"),
+    "e2e_request_latency_seconds": ("e2e_request_latency_seconds",),
+    "request_queue_time_seconds": ("request_queue_time_seconds",),
+    "request_prompt_tokens": ("request_prompt_tokens",),
+    "request_generation_tokens": ("request_generation_tokens",),
+}
 
 # (name, help, key in get_metrics()) — gauges read at scrape time
 GAUGES = [
@@ -167,6 +194,25 @@ def _block_time_families(snap: dict, model_name: str):
         yield family
 
 
+class _Renamed(Collector):
+    """The families of `source` that `names` lists, again under each new name (same labels, values)."""
+
+    def __init__(self, source: CollectorRegistry, names: dict[str, tuple[str, ...]], prefix: str):
+        self.source, self.names, self.prefix = source, names, prefix
+
+    def collect(self):
+        for family in self.source.collect():
+            for name in self.names.get(family.name.removeprefix(PREFIX), ()):
+                yield _renamed(family, self.prefix + name)
+
+
+def _renamed(family: Metric, name: str) -> Metric:
+    """A copy of `family` named `name`; its samples keep their suffixes (_total, _bucket, ...)."""
+    out = Metric(name, family.documentation, family.type)
+    out.samples = [s._replace(name=name + s.name[len(family.name):]) for s in family.samples]
+    return out
+
+
 class ServerMetrics:
     """The app's registry: engine gauges/counters plus per-request histograms."""
 
@@ -175,6 +221,7 @@ class ServerMetrics:
         self.registry = CollectorRegistry()
         self.engine = _EngineCollector(model_name)
         self.registry.register(self.engine)
+        self.aliases = CollectorRegistry()  # the same metrics under other engines' names
 
         def hist(name: str, doc: str, buckets: list[float]):
             return Histogram(PREFIX + name, doc, ["model_name"], registry=self.registry,
@@ -187,6 +234,10 @@ class ServerMetrics:
         self.queue = hist("request_queue_time_seconds", "Arrival to first scheduled.", REQUEST_BUCKETS)
         self.prompt_tokens = hist("request_prompt_tokens", "Prompt tokens per request.", tokens)
         self.generation_tokens = hist("request_generation_tokens", "Generated tokens per request.", tokens)
+
+    def export_vllm_names(self) -> None:
+        """Also export the metrics vLLM has under their `vllm:` names (`--metrics-names vllm`)."""
+        self.aliases.register(_Renamed(self.registry, VLLM_NAMES, VLLM_PREFIX))
 
     def observe_finished(self, r: FinishedRequest) -> None:
         """Observe one finished request (called on the engine thread)."""
@@ -202,4 +253,4 @@ class ServerMetrics:
         """The exposition text for one scrape, given a fresh engine metrics snapshot."""
         with self.engine.lock:
             self.engine.snapshot = snapshot
-        return generate_latest(self.registry)
+        return generate_latest(self.registry) + generate_latest(self.aliases)
