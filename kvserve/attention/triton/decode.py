@@ -1,9 +1,10 @@
 """Paged decode: one query token per row over the blocks of its block table, read in place.
 
 One program per (row, KV head, split): the G = Hq / Hkv query heads of a KV head are the rows of
-one tile, so each block is read once for all of them. A program walks its blocks one at a time
-with an online softmax. Long contexts are cut into splits (flash-decoding): each split writes a
-partial output and its log-sum-exp, and a second kernel combines them exactly. Positions before
+one tile, so each block is read once for all of them. A program walks its blocks with an online
+softmax, a tile of about 64 keys (several blocks, each by its id) at a time. Long contexts are cut
+into splits (flash-decoding): each split writes a partial output and its log-sum-exp, and a second
+kernel combines them exactly. Positions before
 `start` (a sliding window) or from `end` on are masked. K and V may be in any format of
 source.py, dequantized in registers; an MLA latent is K and (its first `rank` columns) V at once.
 """
@@ -25,7 +26,7 @@ def _decode_kernel(q, out, part_o, part_lse, table, starts, ends, row_of_block, 
                    HQ, HKV, G, KW, KD, VW, VD, pages_per_split, num_splits,
                    BS: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr,
                    K_FMT: tl.constexpr, V_FMT: tl.constexpr, K_BITS: tl.constexpr, V_BITS: tl.constexpr,
-                   V_GROUP: tl.constexpr, RESIDUAL: tl.constexpr, SPLIT: tl.constexpr):
+                   V_GROUP: tl.constexpr, RESIDUAL: tl.constexpr, SPLIT: tl.constexpr, PAGES: tl.constexpr):
     b = tl.program_id(0)
     h = tl.program_id(1)
     s = tl.program_id(2)
@@ -38,26 +39,30 @@ def _decode_kernel(q, out, part_o, part_lse, table, starts, ends, row_of_block, 
     heads = h * G + g
     dk = tl.arange(0, BLOCK_DK)
     dv = tl.arange(0, BLOCK_DV)
-    tok = tl.arange(0, BS)
+    t = tl.arange(0, PAGES * BS)          # a tile spans PAGES blocks
+    off = t % BS
     qv = tl.load(q + (b * HQ + heads)[:, None] * KD + dk[None, :],
                  mask=(g < G)[:, None] & (dk < KD)[None, :], other=0.0).to(tl.float32)
     m = tl.full([BLOCK_G], NEG, tl.float32)
     l = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_DV], tl.float32)
-    for p in range(p0, p1):
-        blk = tl.load(table + b.to(tl.int64) * table_stride + p)
-        row = 0
-        use_res = False
+    for p in range(p0, p1, PAGES):
+        page = p + t // BS
+        live = page < p1
+        blk = tl.load(table + b.to(tl.int64) * table_stride + page, mask=live, other=0)
+        pos = page * BS + off
+        visible = live & (pos >= start) & (pos < end)
         if RESIDUAL:
-            row = tl.load(row_of_block + blk)
-            use_res = (row >= 0) & ((tl.load(sealed + blk) == 0) | (p == own))
-        pos = p * BS + tok
-        visible = (pos >= start) & (pos < end)
-        k = load_tile(kd, ks, kz, kr, blk, row, use_res, tok, dk, h, HKV, KW, KD,
-                      (tok < BS)[:, None] & (dk < KD)[None, :], BS, K_FMT, K_BITS, 1)
-        v = load_tile(vd, vs, vz, vr, blk, row, use_res, tok, dv, h, HKV, VW, VD,
-                      (tok < BS)[:, None] & (dv < VD)[None, :], BS, V_FMT, V_BITS, V_GROUP)
-        sc = tl.dot(qv, tl.trans(k), input_precision="ieee") * sm_scale          # [BLOCK_G, BS]
+            row = tl.load(row_of_block + blk, mask=live, other=-1)
+            use_res = (row >= 0) & ((tl.load(sealed + blk, mask=live, other=1) == 0) | (page == own))
+        else:
+            row = off
+            use_res = off < 0
+        k = load_tile(kd, ks, kz, kr, blk, off, row, use_res, dk, h, HKV, KW, KD, visible, dk < KD,
+                      BS, K_FMT, K_BITS, 1)
+        v = load_tile(vd, vs, vz, vr, blk, off, row, use_res, dv, h, HKV, VW, VD, visible, dv < VD,
+                      BS, V_FMT, V_BITS, V_GROUP)
+        sc = tl.dot(qv, tl.trans(k), input_precision="ieee") * sm_scale          # [BLOCK_G, tile]
         sc = tl.where(visible[None, :], sc, float("-inf"))
         m_new = tl.maximum(m, tl.max(sc, 1))
         alpha = tl.exp(m - m_new)
@@ -98,6 +103,11 @@ def num_splits_for(rows: int, kv_heads: int, max_pages: int, device: torch.devic
     return max(1, min(want, max_pages // min_pages, 64))
 
 
+def tile_tokens(dim: int) -> int:
+    """Keys per tile: 64 (32 for head dims over 128, to bound the registers a tile takes)."""
+    return 64 if dim <= 128 else 32
+
+
 def _pow2(n: int, low: int = 16) -> int:
     return max(low, triton.next_power_of_2(n))
 
@@ -115,8 +125,10 @@ def paged_decode(q: torch.Tensor, k: KVSource, v: KVSource, table: torch.Tensor,
     table = table.to(torch.int32).contiguous()
     starts, ends = starts.to(torch.int32).contiguous(), ends.to(torch.int32).contiguous()
     max_pages = table.shape[1]
+    pages = max(1, tile_tokens(kd) // bs)
     splits = num_splits or num_splits_for(b, hkv, max_pages, q.device)
     per = -(-max_pages // splits)
+    per = -(-per // pages) * pages                     # whole tiles per split
     splits = -(-max_pages // per)
     res = k.residual is not None or v.residual is not None
     rob = row_of_block if res else table
@@ -128,7 +140,7 @@ def paged_decode(q: torch.Tensor, k: KVSource, v: KVSource, table: torch.Tensor,
         q, o32, part_o, part_lse, table, starts, ends, rob, sl, *k.args(), *v.args(), scale, table.stride(0),
         hq, hkv, hq // hkv, k.width, kd, v.width, vd, per, splits,
         BS=bs, BLOCK_G=_pow2(hq // hkv), BLOCK_DK=_pow2(kd), BLOCK_DV=_pow2(vd), K_FMT=k.fmt, V_FMT=v.fmt,
-        K_BITS=k.bits, V_BITS=v.bits, V_GROUP=v.vgroup, RESIDUAL=res, SPLIT=splits > 1)
+        K_BITS=k.bits, V_BITS=v.bits, V_GROUP=v.vgroup, RESIDUAL=res, SPLIT=splits > 1, PAGES=pages)
     if splits > 1:
         _combine_kernel[(b * hq,)](part_o, part_lse, o32, splits, vd, BLOCK_S=_pow2(splits, 2),
                                    BLOCK_DV=_pow2(vd))

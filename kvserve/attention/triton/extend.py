@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kvserve.attention.triton.decode import NEG
+from kvserve.attention.triton.decode import NEG, tile_tokens
 from kvserve.attention.triton.source import FP8_E4M3, FP8_E5M2, INT8, NATIVE, KVSource, load_tile
 
 EXTENDABLE = (NATIVE, INT8, FP8_E4M3, FP8_E5M2)
@@ -24,7 +24,7 @@ EXTENDABLE = (NATIVE, INT8, FP8_E4M3, FP8_E5M2)
 def _extend_kernel(q, out, q_start, q_len, ctx_len, table, kd, ks, kz, kr, vd, vs, vz, vr, sm_scale,
                    table_stride, window, HQ, HKV, G, KW, KD, VW, VD,
                    BS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_DK: tl.constexpr,
-                   BLOCK_DV: tl.constexpr, K_FMT: tl.constexpr, V_FMT: tl.constexpr):
+                   BLOCK_DV: tl.constexpr, K_FMT: tl.constexpr, V_FMT: tl.constexpr, PAGES: tl.constexpr):
     r = tl.program_id(0)
     tile = tl.program_id(1)
     h = tl.program_id(2)
@@ -40,7 +40,8 @@ def _extend_kernel(q, out, q_start, q_len, ctx_len, table, kd, ks, kz, kr, vd, v
     qpos = ctx - n + i
     dk = tl.arange(0, BLOCK_DK)
     dv = tl.arange(0, BLOCK_DV)
-    tok = tl.arange(0, BS)
+    t = tl.arange(0, PAGES * BS)          # a tile spans PAGES blocks
+    off = t % BS
     qrow = (first + i).to(tl.int64) * HQ + h * G + gh
     qv = tl.load(q + qrow[:, None] * KD + dk[None, :], mask=ok[:, None] & (dk < KD)[None, :],
                  other=0.0).to(tl.float32)
@@ -50,15 +51,20 @@ def _extend_kernel(q, out, q_start, q_len, ctx_len, table, kd, ks, kz, kr, vd, v
     m = tl.full([BLOCK_M * BLOCK_G], NEG, tl.float32)
     l = tl.zeros([BLOCK_M * BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_M * BLOCK_G, BLOCK_DV], tl.float32)
-    for p in range(lo // BS, (hi_pos - 1) // BS + 1):
-        blk = tl.load(table + r.to(tl.int64) * table_stride + p)
-        kpos = p * BS + tok
-        k = load_tile(kd, ks, kz, kr, blk, 0, False, tok, dk, h, HKV, KW, KD,
-                      (tok < BS)[:, None] & (dk < KD)[None, :], BS, K_FMT, 8, 1)
-        v = load_tile(vd, vs, vz, vr, blk, 0, False, tok, dv, h, HKV, VW, VD,
-                      (tok < BS)[:, None] & (dv < VD)[None, :], BS, V_FMT, 8, 1)
+    p_end = (hi_pos - 1) // BS + 1
+    for p in range(lo // BS, p_end, PAGES):
+        page = p + t // BS
+        live = page < p_end
+        blk = tl.load(table + r.to(tl.int64) * table_stride + page, mask=live, other=0)
+        kpos = page * BS + off
+        valid = live & (kpos >= lo) & (kpos < hi_pos)
+        k = load_tile(kd, ks, kz, kr, blk, off, off, off < 0, dk, h, HKV, KW, KD, valid, dk < KD,
+                      BS, K_FMT, 8, 1)
+        v = load_tile(vd, vs, vz, vr, blk, off, off, off < 0, dv, h, HKV, VW, VD, valid, dv < VD,
+                      BS, V_FMT, 8, 1)
         sc = tl.dot(qv, tl.trans(k), input_precision="ieee") * sm_scale
-        visible = (kpos[None, :] <= qpos[:, None]) & ((window <= 0) | (kpos[None, :] > qpos[:, None] - window))
+        visible = valid[None, :] & (kpos[None, :] <= qpos[:, None]) & \
+            ((window <= 0) | (kpos[None, :] > qpos[:, None] - window))
         sc = tl.where(visible, sc, float("-inf"))
         m_new = tl.maximum(m, tl.max(sc, 1))
         alpha = tl.exp(m - m_new)
@@ -91,5 +97,5 @@ def paged_extend(q: torch.Tensor, k: KVSource, v: KVSource, table: torch.Tensor,
         q, out, *i32[:3], i32[3], *k.args(), *v.args(), scale, i32[3].stride(0), window or 0,
         hq, hkv, g, k.width, kd, v.width, vd, BS=bs, BLOCK_M=block_m, BLOCK_G=block_g,
         BLOCK_DK=max(16, triton.next_power_of_2(kd)), BLOCK_DV=max(16, triton.next_power_of_2(vd)),
-        K_FMT=k.fmt, V_FMT=v.fmt)
+        K_FMT=k.fmt, V_FMT=v.fmt, PAGES=max(1, tile_tokens(kd) // bs))
     return out.to(q.dtype)

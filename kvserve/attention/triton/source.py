@@ -77,37 +77,39 @@ def source_of(codec, tensors: list[torch.Tensor], residual: torch.Tensor | None 
 
 
 @triton.jit
-def load_tile(data, scale, zero, res, blk, row, use_res, tok, d, head, H, W, D, mask,
+def load_tile(data, scale, zero, res, blk, off, row, use_res, d, head, H, W, D, tmask, dmask,
               BS: tl.constexpr, FMT: tl.constexpr, BITS: tl.constexpr, VG: tl.constexpr):
-    """Entries of block `blk` at in-block offsets `tok` [N], columns `d` [DB], KV head `head`:
-    [N, DB] float32 (masked entries 0). KIVI blocks with `use_res` read their residual `row`."""
-    vec = (blk.to(tl.int64) * BS + tok) * H + head                                   # [N]
+    """Entries at (block `blk`, offset `off`) [N] (a tile may span several blocks), columns `d`
+    [DB] of KV head `head`: [N, DB] float32, 0 where `tmask` [N] or `dmask` [DB] is False.
+    KIVI entries whose `use_res` [N] is True read their block's residual `row` [N] instead."""
+    vec = (blk.to(tl.int64) * BS + off) * H + head                                   # [N]
+    mask = tmask[:, None] & dmask[None, :]
     if FMT == 0:
         x = tl.load(data + vec[:, None] * W + d[None, :], mask=mask, other=0.0).to(tl.float32)
-    elif FMT == 1:
-        x = tl.load(data + vec[:, None] * W + d[None, :], mask=mask, other=0).to(tl.float32)
-        x = x * tl.load(scale + vec, mask=tok < BS, other=0.0).to(tl.float32)[:, None]
-    elif FMT == 2:
+    elif FMT <= 3:
         raw = tl.load(data + vec[:, None] * W + d[None, :], mask=mask, other=0)
-        x = raw.to(tl.float8e4nv, bitcast=True).to(tl.float32)
-        x = x * tl.load(scale + vec, mask=tok < BS, other=0.0).to(tl.float32)[:, None]
-    elif FMT == 3:
-        raw = tl.load(data + vec[:, None] * W + d[None, :], mask=mask, other=0)
-        x = raw.to(tl.float8e5, bitcast=True).to(tl.float32)
-        x = x * tl.load(scale + vec, mask=tok < BS, other=0.0).to(tl.float32)[:, None]
+        if FMT == 1:
+            x = raw.to(tl.float32)
+        elif FMT == 2:
+            x = raw.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+        else:
+            x = raw.to(tl.float8e5, bitcast=True).to(tl.float32)
+        x = x * tl.load(scale + vec, mask=tmask, other=0.0).to(tl.float32)[:, None]
     else:
         PER: tl.constexpr = 8 // BITS
-        byte = tl.load(data + vec[:, None] * (W // PER) + (d // PER)[None, :], mask=mask, other=0).to(tl.int32)
+        packed = tmask & ~use_res
+        pmask = packed[:, None] & dmask[None, :]
+        byte = tl.load(data + vec[:, None] * (W // PER) + (d // PER)[None, :], mask=pmask, other=0).to(tl.int32)
         code = ((byte >> ((d % PER) * BITS)[None, :]) & ((1 << BITS) - 1)).to(tl.float32)
         if FMT == 4:   # keys: per channel over groups of 32 tokens
-            grp = (blk.to(tl.int64) * (BS // 32) + tok // 32) * H + head
+            grp = (blk.to(tl.int64) * (BS // 32) + off // 32) * H + head
             meta = grp[:, None] * W + d[None, :]
         else:          # values: per token over groups of VG channels
             meta = vec[:, None] * (W // VG) + (d // VG)[None, :]
-        sc = tl.load(scale + meta, mask=mask, other=0.0).to(tl.float32)
-        zp = tl.load(zero + meta, mask=mask, other=0.0).to(tl.float32)
-        x = code * sc + zp
-        if use_res:
-            rvec = (row.to(tl.int64) * BS + tok) * H + head
-            x = tl.load(res + rvec[:, None] * W + d[None, :], mask=mask, other=0.0).to(tl.float32)
+        sc = tl.load(scale + meta, mask=pmask, other=0.0).to(tl.float32)
+        zp = tl.load(zero + meta, mask=pmask, other=0.0).to(tl.float32)
+        rvec = (row.to(tl.int64) * BS + off) * H + head
+        rmask = (tmask & use_res)[:, None] & dmask[None, :]
+        exact = tl.load(res + rvec[:, None] * W + d[None, :], mask=rmask, other=0.0).to(tl.float32)
+        x = tl.where(use_res[:, None], exact, code * sc + zp)
     return x
