@@ -8,7 +8,8 @@ static cache and torch.compile, on a Llama-shaped model of ~1B parameters with r
 Per run: output tokens per second over the whole generate call (prefill included), the decode
 step time (a max_tokens=1 run's time taken off), and the decode bandwidth it implies: weights plus
 the KV bytes every step reads at the mean context, over the step time, against the GPU's peak
-(--peak-tbs, 4.3 TB/s for an H200). A long-context row per format (--long) shows what a smaller
+(--peak-tbs, 4.3 TB/s for an H200). First, the decode kernel alone per format at 32K context
+(--kernel-ctx): the bandwidth its KV reads reach. A long-context row per format (--long) shows what a smaller
 cache buys when KV reads dominate. Runs stop starting once --budget-s has passed (marked skipped).
 """
 
@@ -26,6 +27,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import command_line, git_state, md_table, replace_section  # noqa: E402
 
+DEVICE = "cuda"
 SHAPE = dict(vocab_size=32000, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
              num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=16384,
              tie_word_embeddings=True, rms_norm_eps=1e-5)
@@ -141,6 +143,66 @@ def run_transformers(path: Path, sizes: list[int], ctx: int, out_len: int, deadl
     return rows
 
 
+def kernel_bandwidth(fmt: str, rows: int, ctx: int, heads: tuple[int, int] = (32, 8), dim: int = 128,
+                     bs: int = 16) -> tuple[float, float]:
+    """(ms, TB/s) of one paged_decode launch: `rows` sequences of `ctx` tokens in a pool of format
+    `fmt` (one layer, blocks in random order), bytes = the KV the launch reads."""
+    import triton
+
+    from kvserve.attention.triton.backend import layer_sources
+    from kvserve.attention.triton.decode import paged_decode
+    from kvserve.kv.formats import build_kv_format
+    from kvserve.kv.spec import KVSpec, group_layers
+    from kvserve.kv.storage import KVStorage
+
+    bs = 32 if fmt.startswith("kivi") else bs
+    groups = group_layers([KVSpec("full", heads[1], dim)])
+    per = ctx // bs
+    nb = rows * per
+    st = KVStorage(groups, nb, bs, torch.bfloat16, DEVICE, build_kv_format(groups, torch.bfloat16, bs, fmt),
+                   residual_rows=2)
+    table = torch.randperm(nb, device=DEVICE).view(rows, per)
+    step = 1 << 18
+    for a in range(0, rows * ctx, step):  # whole blocks, row-major: KIVI quantizes each at once
+        slots = (table.flatten()[a // bs:(a + step) // bs, None] * bs + torch.arange(bs, device=DEVICE)).flatten()
+        kv = [torch.randn(slots.numel(), heads[1], dim, device=DEVICE, dtype=torch.bfloat16) for _ in range(2)]
+        st.write(0, slots, *kv)
+    k, v = layer_sources(st, 0)
+    q = torch.randn(rows, heads[0], dim, device=DEVICE, dtype=torch.bfloat16)
+    ends = torch.full((rows,), ctx, device=DEVICE)
+    starts = torch.zeros_like(ends)
+    bench = triton.testing.do_bench if DEVICE == "cuda" else lambda f: timed_cpu(f) * 1e3
+    ms = bench(lambda: paged_decode(q, k, v, table, starts, ends, dim ** -0.5,
+                                                      row_of_block=st.row_of_block, sealed=st.sealed))
+    nbytes = rows * ctx * st.format.slot_bytes_per_token(0)
+    del st
+    if DEVICE == "cuda":
+        torch.cuda.empty_cache()
+    return ms, nbytes / ms / 1e9
+
+
+def timed_cpu(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def kernel_table(formats: list[str], sizes: list[int], ctx: int, peak: float, deadline: float) -> str:
+    body = []
+    for fmt in formats:
+        for n in sizes:
+            if time.perf_counter() > deadline:
+                body.append([fmt, str(n), str(ctx), "—", "—", "—", "skipped (time budget)"])
+                continue
+            try:
+                ms, tbs = kernel_bandwidth(fmt, n, ctx)
+                body.append([fmt, str(n), str(ctx), f"{ms:.3f}", f"{tbs:.2f}", f"{100 * tbs / peak:.0f}%", ""])
+            except Exception as e:  # a failing format must not hide the others
+                body.append([fmt, str(n), str(ctx), "—", "—", "—", f"error: {type(e).__name__}: {e}"[:120]])
+            print(body[-1], flush=True)
+    return md_table(["KV format", "seqs", "context", "ms per layer", "KV TB/s", "of peak", "notes"], body)
+
+
 def _skip(row: Row) -> Row:
     row.note = "skipped (time budget)"
     return row
@@ -166,6 +228,8 @@ def main() -> None:
     ap.add_argument("--peak-tbs", type=float, default=4.3, help="the GPU's memory bandwidth, TB/s")
     ap.add_argument("--budget-s", type=float, default=270, help="start no run after this many seconds")
     ap.add_argument("--no-hf", action="store_true")
+    ap.add_argument("--kernel-ctx", type=int, default=32768, help="context of the decode kernel rows (0: none)")
+    ap.add_argument("--kernel-seqs", default="1,16,64")
     ap.add_argument("--no-write", action="store_true")
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -174,13 +238,18 @@ def main() -> None:
     sizes = [int(x) for x in args.seqs.split(",")]
     formats = args.formats.split(",")
     rows: list[Row] = []
+    kernels = ""
+    if args.kernel_ctx:
+        kernels = kernel_table(formats, [int(x) for x in args.kernel_seqs.split(",")], args.kernel_ctx,
+                               args.peak_tbs, deadline)
+        print(kernels, flush=True)
     with tempfile.TemporaryDirectory() as tmp:
         path = build_model(Path(tmp) / "llama-1b-random")
-        for fmt in formats:
+        for i, fmt in enumerate(formats):  # the first format, then transformers, then the others
             rows += run_kvserve(path, fmt, sizes, args.prompt_len, args.output_len, deadline)
+            if i == 0 and not args.no_hf:
+                rows += run_transformers(path, sizes, args.prompt_len, args.output_len, deadline)
             print(table(rows, args.peak_tbs), flush=True)
-        if not args.no_hf:
-            rows += run_transformers(path, sizes, args.prompt_len, args.output_len, deadline)
         if args.long:
             for fmt in formats:
                 rows += run_kvserve(path, fmt, [args.long_seqs], args.long, args.output_len, deadline)
@@ -192,7 +261,9 @@ def main() -> None:
                  f"{SHAPE['num_attention_heads']}/{SHAPE['num_key_value_heads']} heads, random bfloat16 weights "
                  f"({weight_bytes() / 1e9:.2f} GB). Decode TB/s = (weights + KV read at the mean context) / "
                  f"decode step; peak {args.peak_tbs} TB/s. Command: `{command_line()}`.")
-        replace_section("GPU throughput", facts + "\n\n" + text)
+        kernel_text = ("Decode kernel alone (`paged_decode`, one layer, 32 query / 8 KV heads of 128, blocks "
+                       "in random order; TB/s = KV bytes read / time):\n\n" + kernels + "\n\n") if kernels else ""
+        replace_section("GPU throughput", facts + "\n\n" + kernel_text + "End to end:\n\n" + text)
 
 
 if __name__ == "__main__":
