@@ -84,7 +84,7 @@ def test_the_page_shows_the_pool_live_with_the_key(served, browser, tmp_path):
     def busy():
         classes = map_classes(browser)
         seen.add(tuple(classes))
-        return len(seen) >= 3 and any("shared" in c for c in classes) and rows(browser) >= 4
+        return len(seen) >= 5 and any("shared" in c for c in classes) and rows(browser) >= 4
     wait_for(busy, what="the map to change under load")
     assert len(map_classes(browser)) == total and map_classes(browser) != before
     shot = tmp_path / "dashboard.png"
