@@ -88,6 +88,7 @@ def test_state_needs_the_key_and_the_page_does_not(served):
     page = httpx.get(f"{served.url}/dashboard")
     assert page.status_code == 200 and 'id="blockmap"' in page.text
     assert httpx.get(f"{served.url}/dashboard/static/dashboard.js").status_code == 200
+    assert httpx.get(f"{served.url}/dashboard-data").status_code == 401  # only the page itself is open
     s = state(served.url)
     assert s["kv"]["bytes_per_token"] == served.engine.kv_bytes_per_token
     assert s["kv"]["format"] == served.engine.kv_format.description

@@ -41,7 +41,7 @@ from kvserve.outputs import CompletionOutput, RequestOutput
 from kvserve.sampling_params import SamplingParams
 from kvserve.server import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_QUEUE, inputs
 from kvserve.server import protocol as P
-from kvserve.server.dashboard import PUBLIC_PREFIX, add_dashboard_routes
+from kvserve.server.dashboard import add_dashboard_routes, is_public
 from kvserve.server.kv_state import KVStateTracker, StateHub
 from kvserve.server.metrics import ServerMetrics
 
@@ -128,7 +128,7 @@ class ApiKeyMiddleware:
 
     async def __call__(self, scope, receive, send):
         path = scope.get("path", "")
-        if not self.keys or scope["type"] != "http" or path == "/health" or path.startswith(PUBLIC_PREFIX):
+        if not self.keys or scope["type"] != "http" or path == "/health" or is_public(path):
             return await self.app(scope, receive, send)
         scheme, _, token = dict(scope["headers"]).get(b"authorization", b"").partition(b" ")
         token = token.strip()

@@ -19,8 +19,13 @@ from fastapi.staticfiles import StaticFiles
 from kvserve.server.kv_state import StateHub
 
 STATIC_DIR = Path(__file__).with_name("static")
-PUBLIC_PREFIX = "/dashboard"   # the page and its static files: no API key needed
+PAGE = "/dashboard"
 KEEPALIVE_SECONDS = 15.0
+
+
+def is_public(path: str) -> bool:
+    """The page and its static files: served without the API key."""
+    return path == PAGE or path.startswith(PAGE + "/static/")
 
 
 def add_dashboard_routes(app: FastAPI, hub: StateHub) -> None:
@@ -36,11 +41,11 @@ def add_dashboard_routes(app: FastAPI, hub: StateHub) -> None:
         return StreamingResponse(_events(hub), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
-    @app.get("/dashboard")
+    @app.get(PAGE)
     async def dashboard():
         return FileResponse(STATIC_DIR / "index.html", headers={"Cache-Control": "no-cache"})
 
-    app.mount("/dashboard/static", StaticFiles(directory=STATIC_DIR), name="dashboard-static")
+    app.mount(PAGE + "/static", StaticFiles(directory=STATIC_DIR), name="dashboard-static")
 
 
 async def _events(hub: StateHub):
