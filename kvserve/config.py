@@ -20,7 +20,7 @@ INT4_NATIVE_GGUF = {"Q4_0", "Q4_1", "Q4_K"}
 # Measured with `kvserve eval weights` (BENCHMARKS.md "Weight formats"): the gate is mean KL < 2e-3
 # and top-1 >= 97% against float32, teacher-forced on held-out text.
 AUTO_INT4_REASON = ("weights=auto on CPU: the GGUF keeps its linear weights in 4-bit groups of 32 ({types}), so "
-                    "int4 keeps them (LM head in float; passes the gate KL < 2e-3, top-1 >= 97% vs float32: "
+                    "int4 keeps them (LM head in float16; passes the gate KL < 2e-3, top-1 >= 97% vs float32: "
                     "docs/WEIGHTS.md); dtype='float32' gives the float32 oracle")
 _UNITS = {"": 1, "b": 1, "kb": 1000, "mb": 1000**2, "gb": 1000**3, "tb": 1000**4,
           "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}
@@ -109,6 +109,9 @@ class EngineConfig:
     attention_backend: str = opt("auto", "attention kernels: auto (Triton, or FlashInfer for 16-bit caches, on CUDA "
                                  "when installed; torch otherwise), torch, triton (docs/KERNELS.md)",
                                  choices=["auto", "torch", "triton"])
+    enforce_eager: bool = opt(False, "run the model eagerly: no compiled regions, no compile at start-up "
+                              "(float32 weights with float32 activations, the oracle, always run eagerly; "
+                              "KVSERVE_ENFORCE_EAGER=1 sets this for every engine of a process)")
     # KV cache storage format (kvserve/kv/formats.py; docs/QUANTIZATION.md)
     kv_cache_dtype: str = opt("auto", "auto, float16, bfloat16, float32, fp8_e4m3, fp8_e5m2, int8, kivi4, kivi2 "
                               "(kivi picks --block-size 32 unless told)", group="KV cache format")
@@ -241,6 +244,17 @@ class EngineConfig:
         if self.dtype == "auto":
             return torch.bfloat16 if self.torch_device().type == "cuda" else torch.float32
         return DTYPES[self.dtype]
+
+    def compiles(self, weight_format: str) -> tuple[bool, str]:
+        """(whether the model's regions run compiled, why) for linear weights in `weight_format`."""
+        from kvserve.model.regions import EAGER_ENV, eager_by_env
+        if self.enforce_eager:
+            return False, "enforce_eager=True"
+        if eager_by_env():
+            return False, f"{EAGER_ENV}=1"
+        if weight_format == "float32" and self.torch_dtype() == torch.float32:
+            return False, "float32 weights and activations (the oracle) run eagerly"
+        return True, "compiled regions (enforce_eager=True turns them off)"
 
     def weight_format(self, gguf_types: set[str] | None = None) -> tuple[str, str]:
         """(format of the linear weights, why it was picked); `gguf_types`: the block types of the

@@ -5,6 +5,9 @@ import os
 # One OpenMP thread per process: the suite runs engines, servers and references side by side on
 # two cores, and oversubscribed OpenMP threads slow small matmuls down by orders of magnitude.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# Engines run eagerly unless a test asks for compiled regions (tests/test_compiled.py): a compile costs
+# tens of seconds per process here, and the float32 oracle runs eagerly anyway.
+os.environ.setdefault("KVSERVE_ENFORCE_EAGER", "1")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402

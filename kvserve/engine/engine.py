@@ -7,6 +7,7 @@ built from (model, tokenizer, KV cache sizing) lives in builder.py."""
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -24,8 +25,11 @@ from kvserve.engine.request import Request, RequestStatus
 from kvserve.engine.sampler import Sampler, SamplingError, SamplingInput
 from kvserve.engine.scheduler import Scheduler
 from kvserve.kv.eviction import KeepAll
+from kvserve.model.regions import compile_regions
 from kvserve.outputs import RequestOutput
 from kvserve.sampling_params import SamplingParams, check_cache_salt
+
+log = logging.getLogger("kvserve")
 
 PromptType = str | list[int] | dict
 SampleFn = Callable[[torch.Tensor, list[Request]], None]
@@ -57,12 +61,19 @@ class LLMEngine:
         self.model, self.weight_format, self.load_seconds = loaded.model, loaded.weight_format, loaded.seconds
         self.max_model_len = loaded.max_model_len
         extend_positions(self.model, self.max_model_len)
+        self.compiled = self._compile()
         self.stats = EngineStats()
         self.sampler = Sampler(loaded.eos_ids(), self.model_config.vocab_size, config.seed)
         self._build_cache(loaded)
         self.output_processor = OutputProcessor(self.tokenizer, self.sampler.eos_token_ids, self.stats, self.release)
         self.groups = self.output_processor.groups   # user request id -> its requests (n > 1: forks)
         self._ids = itertools.count()
+
+    def _compile(self) -> bool:
+        """Compile the model's dense regions unless the config says eager (model/regions.py)."""
+        wanted, why = self.config.compiles(self.weight_format)
+        log.info("model regions: %s", why)
+        return wanted and compile_regions(self.model, self.device)
 
     def _build_cache(self, loaded) -> None:
         """KV manager, storage, eviction, swap, tiers and the scheduler and runner over them."""

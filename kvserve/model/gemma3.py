@@ -10,6 +10,7 @@ from kvserve.kv.spec import KVSpec
 from kvserve.model.base import CausalLM
 from kvserve.model.config import ModelConfig
 from kvserve.model.layers import Fused, RotaryEmbedding
+from kvserve.model.regions import EAGER
 
 
 class GemmaRMSNorm(nn.Module):
@@ -69,16 +70,24 @@ class Gemma3Attention(nn.Module):
         """Cached keys [m, kv_heads, head_dim] rotated at p -> rotated at p - delta (KV eviction)."""
         return self.rope.shift(k, delta)
 
-    def forward(self, x, positions, meta):
+    def project(self, x, positions):
+        """Q [n, heads, head_dim] and K, V [n, kv_heads, head_dim] of the new tokens, normed and rotated."""
         n = x.shape[0]
         q, k, v = self.qkv(x)
         q = self.q_norm(q.view(n, self.num_heads, self.head_dim))
         k = self.k_norm(k.view(n, self.num_kv_heads, self.head_dim))
         v = v.view(n, self.num_kv_heads, self.head_dim)
-        self.kv_rows += n
         q, k = self.rope(positions, q, k)
-        o = attend(q, k, v, self.layer, meta, self.scale, self.window)
-        return self.o_proj(o.reshape(n, -1))
+        return q, k, v
+
+    def attend(self, q, k, v, meta):
+        """Write K/V to the cache and attend (the layer's backend); out [n, heads, head_dim]."""
+        self.kv_rows += q.shape[0]
+        return attend(q, k, v, self.layer, meta, self.scale, self.window)
+
+    def forward(self, x, positions, meta):
+        o = self.attend(*self.project(x, positions), meta)
+        return self.o_proj(o.flatten(1))
 
 
 class Gemma3DecoderLayer(nn.Module):
@@ -94,9 +103,15 @@ class Gemma3DecoderLayer(nn.Module):
         self.pre_feedforward_layernorm = GemmaRMSNorm(cfg.hidden_size, eps)
         self.post_feedforward_layernorm = GemmaRMSNorm(cfg.hidden_size, eps)
 
-    def forward(self, x, positions, meta):
-        x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), positions, meta))
+    def pre_attention(self, x, positions):
+        return self.self_attn.project(self.input_layernorm(x), positions)
+
+    def post_attention(self, x, o):
+        x = x + self.post_attention_layernorm(self.self_attn.o_proj(o.flatten(1)))
         return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+
+    def forward(self, x, positions, meta):
+        return self.post_attention(x, self.self_attn.attend(*self.pre_attention(x, positions), meta))
 
 
 class Gemma3Model(nn.Module):
@@ -114,13 +129,12 @@ class Gemma3Model(nn.Module):
             Gemma3DecoderLayer(cfg, i, local_rope if kinds[i] == "sliding" else global_rope, kinds[i] == "sliding")
             for i in range(cfg.num_layers))
         self.norm = GemmaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.regions = EAGER  # model/regions.py: eager or compiled
 
     def forward(self, input_ids, positions, meta):
         x = self.embed_tokens(input_ids)
         x = x * torch.tensor(self.embed_scale, dtype=x.dtype)
-        for layer in self.layers:
-            x = layer(x, positions, meta)
-        return self.norm(x)
+        return self.norm(self.regions.run(self.layers, x, positions, meta))
 
 
 class Gemma3ForCausalLM(CausalLM):

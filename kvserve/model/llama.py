@@ -10,6 +10,7 @@ from kvserve.kv.spec import KVSpec
 from kvserve.model.base import CausalLM
 from kvserve.model.config import ModelConfig
 from kvserve.model.layers import Fused, GatedMLP, RMSNorm, RotaryEmbedding
+from kvserve.model.regions import EAGER
 
 
 def layer_spec(cfg: ModelConfig, layer: int) -> KVSpec:
@@ -48,18 +49,26 @@ class LlamaAttention(nn.Module):
         """Cached keys [m, kv_heads, head_dim] rotated at p -> rotated at p - delta (KV eviction)."""
         return self.rope.shift(k, delta)
 
-    def forward(self, x, positions, meta: AttentionMetadata):
+    def project(self, x, positions):
+        """Q [n, heads, head_dim] and K, V [n, kv_heads, head_dim] of the new tokens, rotated."""
         n = x.shape[0]
         q, k, v = self.qkv(x)
         q = q.view(n, self.num_heads, self.head_dim)
         k = k.view(n, self.num_kv_heads, self.head_dim)
         v = v.view(n, self.num_kv_heads, self.head_dim)
-        self.kv_rows += n
         if hasattr(self, "q_norm"):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rope(positions, q, k)
-        o = attend(q, k, v, self.layer, meta, self.head_dim ** -0.5, self.window)
-        return self.o_proj(o.reshape(n, -1))
+        return q, k, v
+
+    def attend(self, q, k, v, meta: AttentionMetadata):
+        """Write K/V to the cache and attend (the layer's backend); out [n, heads, head_dim]."""
+        self.kv_rows += q.shape[0]
+        return attend(q, k, v, self.layer, meta, self.head_dim ** -0.5, self.window)
+
+    def forward(self, x, positions, meta: AttentionMetadata):
+        o = self.attend(*self.project(x, positions), meta)
+        return self.o_proj(o.flatten(1))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -72,9 +81,15 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x, positions, meta):
-        x = x + self.self_attn(self.input_layernorm(x), positions, meta)
+    def pre_attention(self, x, positions):
+        return self.self_attn.project(self.input_layernorm(x), positions)
+
+    def post_attention(self, x, o):
+        x = x + self.self_attn.o_proj(o.flatten(1))
         return x + self.mlp(self.post_attention_layernorm(x))
+
+    def forward(self, x, positions, meta):
+        return self.post_attention(x, self.self_attn.attend(*self.pre_attention(x, positions), meta))
 
 
 class LlamaModel(nn.Module):
@@ -86,12 +101,10 @@ class LlamaModel(nn.Module):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i, rope) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.regions = EAGER  # model/regions.py: eager or compiled
 
     def forward(self, input_ids, positions, meta):
-        x = self.embed_tokens(input_ids)
-        for layer in self.layers:
-            x = layer(x, positions, meta)
-        return self.norm(x)
+        return self.norm(self.regions.run(self.layers, self.embed_tokens(input_ids), positions, meta))
 
 
 class LlamaForCausalLM(CausalLM):
