@@ -222,31 +222,35 @@ def test_store_mla_latent():
 
 
 @pytest.fixture(scope="module")
-def tiny_llama(tmp_path_factory):
+def tiny(tmp_path_factory):
     from family_checkpoints import make_tiny_checkpoint
 
-    return make_tiny_checkpoint("llama", tmp_path_factory.mktemp("triton_tiny") / "llama")
+    root = tmp_path_factory.mktemp("triton_tiny")
+    return {f: make_tiny_checkpoint(f, root / f) for f in ("llama", "gemma3")}
 
 
-@pytest.mark.parametrize("fmt", ["auto", "int8"])
-def test_engine_tokens_match_torch_backend(tiny_llama, fmt):
-    """Greedy tokens and log-probs of a tiny model: TritonBackend equals the torch backends."""
+@pytest.mark.parametrize("family, fmt", [("llama", dict(kv_cache_dtype="auto")),
+                                         ("gemma3", dict(kv_cache_dtype="int8", kv_cache_rotation=True)),
+                                         ("llama", dict(kv_cache_dtype="kivi4"))], ids=["native", "int8-rot", "kivi4"])
+def test_engine_tokens_match_torch_backend(tiny, family, fmt):
+    """Greedy tokens and log-probs of a tiny model (gemma3: sliding-window layers; a Hadamard
+    rotation): TritonBackend equals the torch backends, over chunked prefill and decode."""
     from helpers import assert_same_completions
 
     from kvserve import LLM, SamplingParams
     from kvserve.attention import select_backend
 
-    llm = LLM(tiny_llama, kv_cache_memory="4MiB", max_model_len=128, dtype="float32", kv_cache_dtype=fmt,
-              max_num_batched_tokens=24)
-    prompts = [[(5 * i + 3) % 250 + 3 for i in range(n)] for n in (19, 7)]
+    llm = LLM(tiny[family], kv_cache_memory="4MiB", max_model_len=128, dtype="float32",
+              max_num_batched_tokens=24, **fmt)
+    prompts = [[(5 * i + 3) % 250 + 3 for i in range(n)] for n in (37, 7)]  # KIVI: a block fills
     params = SamplingParams(temperature=0, max_tokens=5, logprobs=2, ignore_eos=True)
     eng = llm.engine
-    auto = [type(select_backend(eng.storage, g, False, "auto")).__name__ for g in eng.kv.groups]
-    assert (auto == ["TritonBackend"]) == (DEVICE == "cuda")   # auto: the kernels on CUDA only
+    auto = {type(select_backend(eng.storage, g, False, "auto")).__name__ for g in eng.kv.groups}
+    assert (auto == {"TritonBackend"}) == (DEVICE == "cuda")   # auto: the kernels on CUDA only
     runs = []
     for kind in ("torch", "triton"):
         eng.runner.set_backends([select_backend(eng.storage, g, False, kind) for g in eng.kv.groups])
         llm.reset_prefix_cache()
         runs.append(llm.generate(prompts, params, use_tqdm=False))
-    assert eng.runner.backend_names() == ["TritonBackend"]
+    assert set(eng.runner.backend_names()) == {"TritonBackend"}
     assert_same_completions(runs[1], runs[0], tol=1e-4)

@@ -54,14 +54,16 @@ class TritonBackend(GatheredBackend):
         if len(counts) > d:
             dev = table.device
             news = torch.tensor(counts[d:], device=dev)
-            md.extend = (table[d:], torch.cumsum(news, 0) - news, news,
-                         step.cache_len_t[g][d:len(counts)] + news)
+            i32 = torch.int32
+            md.extend = (table[d:].to(i32), (torch.cumsum(news, 0) - news).to(i32), news.to(i32),
+                         (step.cache_len_t[g][d:len(counts)] + news).to(i32), max(counts[d:]))
         return md
 
     def _prepare_decodes(self, md: GroupMetadata, step: StepBatch, g: int, table: torch.Tensor) -> None:
         start, end = self._decode_range(step, g)
         width = max(1, -(-(max(step.cache_lens[g][:step.num_decodes]) + 1) // self.block_size))
-        md.decode = (table[:step.num_decodes, :width], start, end)
+        i32 = torch.int32  # once per step, not per layer
+        md.decode = (table[:step.num_decodes, :width].to(i32).contiguous(), start.to(i32), end.to(i32))
 
     # ---- attention ---------------------------------------------------------------------------
     def forward(self, layer: int, q, new: list[torch.Tensor], meta: AttentionMetadata, scale: float,
@@ -81,8 +83,9 @@ class TritonBackend(GatheredBackend):
                                    row_of_block=self.storage.row_of_block, sealed=self.storage.sealed)
         if meta.prefills:
             if k.fmt in EXTENDABLE and v.fmt in EXTENDABLE:
-                table, q_start, q_len, ctx_len = md.extend
-                out[d:] = paged_extend(q[d:], k, v, table, q_start, q_len, ctx_len, scale, self.window)
+                table, q_start, q_len, ctx_len, longest = md.extend
+                out[d:] = paged_extend(q[d:], k, v, table, q_start, q_len, ctx_len, scale, self.window,
+                                       max_len=longest)
             else:
                 for ctx in self._prefill_contexts(layer, meta, md, new, window):
                     out[ctx.rows] = math.prefill(q[ctx.rows], ctx.entries, ctx.mask, scale)

@@ -78,9 +78,10 @@ def _extend_kernel(q, out, q_start, q_len, ctx_len, table, kd, ks, kz, kr, vd, v
 
 def paged_extend(q: torch.Tensor, k: KVSource, v: KVSource, table: torch.Tensor, q_start: torch.Tensor,
                  q_len: torch.Tensor, ctx_len: torch.Tensor, scale: float, window: int | None = None,
-                 block_m: int = 16) -> torch.Tensor:
+                 block_m: int = 16, max_len: int | None = None) -> torch.Tensor:
     """q [T, Hq, KD]: request r's new tokens are rows [q_start[r], q_start[r] + q_len[r]), at positions
-    ctx_len[r] - q_len[r] ... ctx_len[r] - 1 of table row r ([R, W] block ids) -> [T, Hq, VD]."""
+    ctx_len[r] - q_len[r] ... ctx_len[r] - 1 of table row r ([R, W] block ids) -> [T, Hq, VD].
+    `max_len` (the longest q_len, when the caller knows it) saves a device-to-host read."""
     if k.fmt not in EXTENDABLE or v.fmt not in EXTENDABLE:
         raise ValueError("paged_extend reads native, int8 and fp8 caches")
     t, hq, kd = q.shape
@@ -88,10 +89,11 @@ def paged_extend(q: torch.Tensor, k: KVSource, v: KVSource, table: torch.Tensor,
     q = q.contiguous()
     g = hq // hkv
     block_g = triton.next_power_of_2(g)
-    block_m = max(1, min(block_m, triton.next_power_of_2(int(q_len.max())), 64 // block_g))
+    longest = int(q_len.max()) if max_len is None else max_len
+    block_m = max(1, min(block_m, triton.next_power_of_2(longest), 64 // block_g))
     block_m = max(block_m, -(-16 // block_g))                      # tl.dot wants at least 16 rows
     out = torch.empty((t, hq, vd), dtype=torch.float32, device=q.device)
-    tiles = -(-int(q_len.max()) // block_m)
+    tiles = -(-longest // block_m)
     i32 = [x.to(torch.int32).contiguous() for x in (q_start, q_len, ctx_len, table)]
     _extend_kernel[(len(q_len), tiles, hkv)](
         q, out, *i32[:3], i32[3], *k.args(), *v.args(), scale, i32[3].stride(0), window or 0,
