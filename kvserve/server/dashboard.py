@@ -9,14 +9,13 @@ which the API-key middleware guards like every other route.
 from __future__ import annotations
 
 import asyncio
-import json
 from pathlib import Path
 
 from fastapi import FastAPI
 from fastapi.responses import FileResponse, StreamingResponse
 from fastapi.staticfiles import StaticFiles
 
-from kvserve.server.kv_state import StateHub
+from kvserve.server.kv_state import StateHub, encode
 
 STATIC_DIR = Path(__file__).with_name("static")
 PAGE = "/dashboard"
@@ -52,17 +51,17 @@ async def _events(hub: StateHub):
     """The current state (with history) at once, then each new snapshot; a comment keeps it alive."""
     queue = hub.subscribe()
     try:
-        yield _sse(await hub.state())
+        yield _sse(encode(await hub.state()))
         while True:
             try:
-                snap = await asyncio.wait_for(queue.get(), KEEPALIVE_SECONDS)
+                text = await asyncio.wait_for(queue.get(), KEEPALIVE_SECONDS)
             except asyncio.TimeoutError:
                 yield ": keepalive\n\n"
                 continue
-            yield _sse(snap)
+            yield _sse(text)
     finally:
         hub.unsubscribe(queue)
 
 
-def _sse(snap: dict) -> str:
-    return f"data: {json.dumps(snap, separators=(',', ':'))}\n\n"
+def _sse(text: str) -> str:
+    return f"data: {text}\n\n"

@@ -21,6 +21,7 @@ import time
 from collections import deque
 from collections.abc import Awaitable, Callable
 
+from kvserve.engine.async_engine import EngineDeadError
 from kvserve.engine.offload import offload_metrics
 from kvserve.kv.sizing import kv_projection_rows
 
@@ -265,7 +266,7 @@ class StateHub:
         return {**snap, "history": list(self.history)}
 
     def subscribe(self) -> asyncio.Queue:
-        """A queue that receives each new snapshot (only the newest is kept)."""
+        """A queue that receives each new snapshot as JSON text (only the newest is kept)."""
         q: asyncio.Queue = asyncio.Queue(maxsize=1)
         self.subscribers.add(q)
         return q
@@ -280,9 +281,11 @@ class StateHub:
                 await self._tick()
             except asyncio.CancelledError:
                 raise
-            except Exception as exc:  # the engine stopped: nothing more to show
-                log.info("KV state stream stops: %r", exc)
+            except EngineDeadError as exc:  # the engine stopped: nothing more to show
+                log.info("KV state stream stops: %s", exc)
                 return
+            except Exception:  # a bad snapshot is logged; the next one is tried
+                log.exception("KV state snapshot failed")
             await asyncio.sleep(max(self.interval, self.cost / MAX_SHARE))  # a large pool: fewer
 
     async def _tick(self) -> None:
@@ -309,9 +312,16 @@ class StateHub:
         return new, snap["sample"], snap
 
     def _publish(self, snap: dict) -> None:
+        """Encode once; every subscriber and the recording get the same JSON text."""
+        text = encode(snap)
         for q in list(self.subscribers):
             if q.full():
                 q.get_nowait()
-            q.put_nowait(snap)
+            q.put_nowait(text)
         if self._record is not None:
-            self._record.write(json.dumps(snap, separators=(",", ":")) + "\n")
+            self._record.write(text + "\n")
+
+
+def encode(snap: dict) -> str:
+    """A snapshot as compact JSON (one line)."""
+    return json.dumps(snap, separators=(",", ":"), allow_nan=False)

@@ -4,6 +4,7 @@
 const KEY_STORE = "kvserve.apiKey";
 const HISTORY_SECONDS = 300;
 const MAX_CHIPS = 96;
+const MAX_GROUPS = 4;      // block tables drawn per request (KV groups)
 const STATE_CLASS = { f: "free", c: "cached", u: "used", s: "shared", r: "reserved" };
 const $ = (id) => document.getElementById(id);
 
@@ -268,7 +269,9 @@ function renderRequests(snap) {
     const kept = r.kept_tokens ? ` · ${Math.min(...r.kept_tokens)}–${Math.max(...r.kept_tokens)} kept` : "";
     tr.append(el("td", {}, (r.policy || "—") + kept));
     const td = el("td", { class: "table" });
-    td.append(chips(r.blocks[0] || [], pool));
+    const groups = r.blocks.slice(0, MAX_GROUPS);
+    groups.forEach((table, g) => td.append(chips(table, pool, groups.length > 1 ? `g${g}` : null)));
+    if (r.blocks.length > MAX_GROUPS) td.append(el("span", { class: "dim" }, `+${r.blocks.length - MAX_GROUPS} more groups`));
     tr.append(td);
     return tr;
   });
@@ -278,8 +281,9 @@ function renderRequests(snap) {
   $("req-counts").textContent = Object.entries(by).map(([k, v]) => `${k} ${v}`).join(" · ") || "none";
 }
 
-function chips(table, pool) {
+function chips(table, pool, label) {
   const box = el("div", { class: "chips" });
+  if (label) box.append(el("span", { class: "dim" }, label));
   table.slice(0, MAX_CHIPS).forEach((b) => {
     const st = pool.state[b];
     const cls = st === "r" ? "null" : STATE_CLASS[st];
