@@ -14,7 +14,8 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 triton = pytest.importorskip("triton")
 
-from kvserve.attention.metadata import window_mask  # noqa: E402
+from kvserve.attention.backends import _own_block_context  # noqa: E402
+from kvserve.attention.metadata import PrefillSpan, window_mask  # noqa: E402
 from kvserve.attention.triton.decode import paged_decode  # noqa: E402
 from kvserve.attention.triton.extend import paged_extend  # noqa: E402
 from kvserve.attention.triton.source import source_of  # noqa: E402
@@ -32,7 +33,8 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 class Pool:
     """One layer's KV storage in format `fmt`, filled with random K/V for ragged requests."""
 
-    def __init__(self, spec: KVSpec, fmt: str, lens: list[int], bs: int, dtype=torch.float32, seed=0):
+    def __init__(self, spec: KVSpec, fmt: str, lens: list[int], bs: int, dtype=torch.float32, seed=0,
+                 split: list[int] | None = None):
         gen = torch.Generator().manual_seed(seed)
         self.spec, self.bs, self.lens = spec, bs, lens
         groups = group_layers([spec])
@@ -49,12 +51,16 @@ class Pool:
             self.table[r, :k] = perm[used:used + k]
             used += k
         self.table = self.table.to(DEVICE)
-        # a prefill of all but the last token, then a decode step's write (KIVI: blocks filled by
-        # it are sealed, and their queries still see them exact)
-        for a, b in ((0, -1), (-1, 0)):
-            slots = torch.cat([self.slots(r, a % n if a else 0, b % n if b else n) for r, n in enumerate(lens)])
+        # a prefill up to split[r] (default: all but the last token), then one more write of the rest
+        # (a decode step or a chunk; KIVI: blocks it fills are sealed, their queries see them exact)
+        split = split or [n - 1 for n in lens]
+        for part in range(2):
+            spans = [(0, c) if part == 0 else (c, n) for c, n in zip(split, lens)]
+            slots = torch.cat([self.slots(r, a, b) for r, (a, b) in enumerate(spans)])
             new = [(torch.randn(slots.numel(), *s, generator=gen) * 2).to(DEVICE, dtype) for s in spec.entry_shapes]
-            self.st.write(0, slots, *new)
+            if slots.numel():
+                self.st.write(0, slots, *new)
+        self.fresh = new  # the second write's entries, request by request
 
     def slots(self, r: int, a: int, b: int) -> torch.Tensor:
         p = torch.arange(a, b, device=self.table.device)
@@ -110,7 +116,7 @@ def decode_case(spec, fmt, lens, bs, window=None, splits=None, seed=0, dtype=tor
 
 def extend_case(spec, fmt, lens, news, bs, window=None, seed=0, dtype=torch.float32):
     """Each request's last `news[r]` tokens are a prefill chunk over its cached prefix."""
-    pool = Pool(spec, fmt, lens, bs, dtype, seed)
+    pool = Pool(spec, fmt, lens, bs, dtype, seed, split=[c - n for c, n in zip(lens, news)])
     hq = spec.num_kv_heads * 3 if spec.kind != "mla" else 4
     dk = spec.entry_shapes[0][-1]
     gen = torch.Generator().manual_seed(seed + 2)
@@ -120,12 +126,20 @@ def extend_case(spec, fmt, lens, news, bs, window=None, seed=0, dtype=torch.floa
     scale = dk ** -0.5
     srcs = pool.sources()
     k, v = (srcs[0], srcs[0].value_view(spec.latent_dim)) if spec.kind == "mla" else srcs
-    out = paged_extend(q, k, v, pool.table, q_start, t(news), t(lens), scale, window=window)
+    st = pool.st
+    out = paged_extend(q, k, v, pool.table, q_start, t(news), t(lens), scale, window=window, fresh=pool.fresh,
+                       row_of_block=st.row_of_block, sealed=st.sealed)
     for r, (ctx, n) in enumerate(zip(lens, news)):
+        rows = slice(int(q_start[r]), int(q_start[r]) + n)
+        if st.has_own_block_view(0):  # KIVI: the torch chunk path defines what a query sees
+            span = PrefillSpan(rows.start, n, ctx)
+            c = _own_block_context(0, st, span, pool.slots(r, 0, ctx), [x[rows] for x in pool.fresh], window)
+            ref = ref_attend(q[rows], *[e.double() for e in c.entries], scale, c.mask)
+            torch.testing.assert_close(out[rows].double(), ref, atol=2e-5, rtol=1e-4)
+            continue
         ents = pool.read(r, 0, ctx, own=False)
         qp, kp = torch.arange(ctx - n, ctx), torch.arange(ctx)
         mask = window_mask(qp, kp, window).to(DEVICE)
-        rows = slice(int(q_start[r]), int(q_start[r]) + n)
         if spec.kind == "mla":
             kk = ents[0][:, None]
             ref = ref_attend(q[rows], kk, kk[..., :spec.latent_dim], scale, mask)
@@ -202,6 +216,13 @@ def test_decode_mla(fmt):
 ])
 def test_extend(fmt, heads, dim, bs, window):
     extend_case(KVSpec("full", heads, dim), fmt, [20, 45, 9], [20, 7, 1], bs, window=window)
+
+
+@pytest.mark.parametrize("fmt, window", [("kivi4", None), ("kivi2", 40), ("int8/kivi4", None)])
+def test_extend_kivi(fmt, window):
+    """Chunks starting inside a block (its earlier tokens in the residual row), spanning whole
+    blocks (packed at once, seen exact by their own queries) and filling a block (sealed)."""
+    extend_case(KVSpec("full", 2, 64), fmt, [75, 64, 40], [40, 20, 40], 32, window=window)
 
 
 def test_extend_mla():

@@ -1,10 +1,8 @@
 """TritonBackend: attention over the paged cache with the Triton kernels of this package.
 
-Decode rows: one `paged_decode` launch per layer over the rows' block tables (every format of
-source.py, KIVI included). Prefill chunks: one `paged_extend` launch over all of them for native,
-int8 and fp8 caches; KIVI chunks take the torch path (their queries see their own block exact,
-from the chunk's fresh entries). Writes: the store kernel for native, int8 and fp8 entries; the
-storage's own write for KIVI (residual rows). A rotation is applied around the kernels as the
+Decode rows: one `paged_decode` launch per layer over the rows' block tables; prefill chunks: one
+`paged_extend` launch over all of them (every format of source.py, KIVI included). Writes: the
+store kernel for native, int8 and fp8 entries; the storage's own write for KIVI (residual rows). A rotation is applied around the kernels as the
 torch backends do. Chosen by `select_backend` (kvserve/attention/backends.py).
 """
 
@@ -12,10 +10,10 @@ from __future__ import annotations
 
 import torch
 
-from kvserve.attention.backends import GatheredBackend, StepBatch, _own_block_context
-from kvserve.attention.metadata import AttentionMetadata, Context, GroupMetadata
+from kvserve.attention.backends import GatheredBackend, StepBatch
+from kvserve.attention.metadata import AttentionMetadata, GroupMetadata
 from kvserve.attention.triton.decode import paged_decode
-from kvserve.attention.triton.extend import EXTENDABLE, paged_extend
+from kvserve.attention.triton.extend import paged_extend
 from kvserve.attention.triton.source import KVSource, source_of
 from kvserve.attention.triton.store import STORABLE, store
 from kvserve.kv.spec import KVGroup
@@ -82,13 +80,10 @@ class TritonBackend(GatheredBackend):
             out[:d] = paged_decode(q[:d], k, v, table, start, end, scale,
                                    row_of_block=self.storage.row_of_block, sealed=self.storage.sealed)
         if meta.prefills:
-            if k.fmt in EXTENDABLE and v.fmt in EXTENDABLE:
-                table, q_start, q_len, ctx_len, longest = md.extend
-                out[d:] = paged_extend(q[d:], k, v, table, q_start, q_len, ctx_len, scale, self.window,
-                                       max_len=longest)
-            else:
-                for ctx in self._prefill_contexts(layer, meta, md, new, window):
-                    out[ctx.rows] = math.prefill(q[ctx.rows], ctx.entries, ctx.mask, scale)
+            table, q_start, q_len, ctx_len, longest = md.extend
+            out[d:] = paged_extend(q[d:], k, v, table, q_start, q_len, ctx_len, scale, self.window,
+                                   max_len=longest, fresh=[x[d:] for x in new],
+                                   row_of_block=self.storage.row_of_block, sealed=self.storage.sealed)
         return out if rot is None else out @ rot.mT
 
     def _write(self, layer: int, slots: torch.Tensor, new: list[torch.Tensor], srcs: list[KVSource]) -> None:
@@ -97,9 +92,3 @@ class TritonBackend(GatheredBackend):
                 store(x, slots, s)
         else:
             self.storage.write(layer, slots, *new)
-
-    def _prefill_contexts(self, layer, meta, md: GroupMetadata, new, window) -> list[Context]:
-        """KIVI chunks: stored earlier blocks, their own block exact (as GatheredBackend)."""
-        return [_own_block_context(layer, self.storage, span, idx, [x[span.start:span.start + span.num_tokens]
-                                                                   for x in new], window)
-                for span, idx in zip(meta.prefills, md.prefill_idx)]
