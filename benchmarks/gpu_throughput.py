@@ -41,7 +41,7 @@ def build_model(folder: Path) -> Path:
     with torch.device("cuda"):
         model = LlamaForCausalLM(LlamaConfig(**SHAPE)).to(torch.bfloat16)
     model.save_pretrained(str(folder), safe_serialization=True)
-    del model
+    model = None
     torch.cuda.empty_cache()
     return folder
 
@@ -107,7 +107,7 @@ def run_kvserve(path: Path, fmt: str, sizes: list[int], ctx: int, out_len: int, 
         total = timed(lambda: llm.generate(ps, params, use_tqdm=False))
         finish(row, total, pre, out_len, kv_bytes)
         row.note = backends
-    del llm
+    llm = None
     gc.collect()
     torch.cuda.empty_cache()
     return rows
@@ -137,7 +137,7 @@ def run_transformers(path: Path, sizes: list[int], ctx: int, out_len: int, deadl
         pre = timed(lambda: gen(ids, 1))
         total = timed(lambda: gen(ids, out_len))
         finish(row, total, pre, out_len, kv_bytes)
-    del model
+    model = None
     gc.collect()
     torch.cuda.empty_cache()
     return rows
@@ -175,7 +175,7 @@ def kernel_bandwidth(fmt: str, rows: int, ctx: int, heads: tuple[int, int] = (32
     ms = bench(lambda: paged_decode(q, k, v, table, starts, ends, dim ** -0.5,
                                                       row_of_block=st.row_of_block, sealed=st.sealed))
     nbytes = rows * ctx * st.format.slot_bytes_per_token(0)
-    del st
+    st = None
     if DEVICE == "cuda":
         torch.cuda.empty_cache()
     return ms, nbytes / ms / 1e9

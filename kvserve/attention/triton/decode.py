@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kvserve.attention.triton.source import KVSource, load_tile
+from kvserve.attention.triton.source import KVSource, load_kv
 
 NEG = -1.0e30  # running max before any key: finite, so exp(m_old - m_new) never sees inf - inf
 
@@ -44,7 +44,7 @@ def _decode_kernel(q, out, part_o, part_lse, table, starts, ends, row_of_block, 
     qv = tl.load(q + (b * HQ + heads)[:, None] * KD + dk[None, :],
                  mask=(g < G)[:, None] & (dk < KD)[None, :], other=0.0).to(tl.float32)
     m = tl.full([BLOCK_G], NEG, tl.float32)
-    l = tl.zeros([BLOCK_G], tl.float32)
+    den = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_DV], tl.float32)
     for p in range(p0, p1, PAGES):
         page = p + t // BS
@@ -52,31 +52,23 @@ def _decode_kernel(q, out, part_o, part_lse, table, starts, ends, row_of_block, 
         blk = tl.load(table + b.to(tl.int64) * table_stride + page, mask=live, other=0)
         pos = page * BS + off
         visible = live & (pos >= start) & (pos < end)
-        if RESIDUAL:
-            row = tl.load(row_of_block + blk, mask=live, other=-1)
-            use_res = (row >= 0) & ((tl.load(sealed + blk, mask=live, other=1) == 0) | (page == own))
-        else:
-            row = off
-            use_res = off < 0
-        k = load_tile(kd, ks, kz, kr, blk, off, row, use_res, dk, h, HKV, KW, KD, visible, dk < KD,
-                      BS, K_FMT, K_BITS, 1)
-        v = load_tile(vd, vs, vz, vr, blk, off, row, use_res, dv, h, HKV, VW, VD, visible, dv < VD,
-                      BS, V_FMT, V_BITS, V_GROUP)
+        k, v, row = load_kv(kd, ks, kz, kr, vd, vs, vz, vr, row_of_block, sealed, blk, page, own, live, off, visible,
+                            dk, dv, h, HKV, KW, KD, VW, VD, BS, K_FMT, V_FMT, K_BITS, V_BITS, V_GROUP, RESIDUAL)
         sc = tl.dot(qv, tl.trans(k), input_precision="ieee") * sm_scale          # [BLOCK_G, tile]
         sc = tl.where(visible[None, :], sc, float("-inf"))
         m_new = tl.maximum(m, tl.max(sc, 1))
         alpha = tl.exp(m - m_new)
         pr = tl.exp(sc - m_new[:, None])
-        l = l * alpha + tl.sum(pr, 1)
+        den = den * alpha + tl.sum(pr, 1)
         acc = acc * alpha[:, None] + tl.dot(pr, v, input_precision="ieee")
         m = m_new
     omask = (g < G)[:, None] & (dv < VD)[None, :]
     if SPLIT:
         at = (b * HQ + heads) * num_splits + s
-        tl.store(part_o + at[:, None] * VD + dv[None, :], acc / tl.maximum(l, 1e-30)[:, None], mask=omask)
-        tl.store(part_lse + at, tl.where(l > 0, m + tl.log(tl.maximum(l, 1e-30)), float("-inf")), mask=g < G)
+        tl.store(part_o + at[:, None] * VD + dv[None, :], acc / tl.maximum(den, 1e-30)[:, None], mask=omask)
+        tl.store(part_lse + at, tl.where(den > 0, m + tl.log(tl.maximum(den, 1e-30)), float("-inf")), mask=g < G)
     else:
-        tl.store(out + (b * HQ + heads)[:, None] * VD + dv[None, :], acc / l[:, None], mask=omask)
+        tl.store(out + (b * HQ + heads)[:, None] * VD + dv[None, :], acc / den[:, None], mask=omask)
 
 
 @triton.jit

@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 
 from kvserve.attention.triton.decode import NEG, tile_tokens
-from kvserve.attention.triton.source import KIVI_K, KVSource, load_tile
+from kvserve.attention.triton.source import KIVI_K, KVSource, load_kv
 
 
 @triton.jit
@@ -71,7 +71,7 @@ def _extend_kernel(q, out, q_start, q_len, ctx_len, table, row_of_block, sealed,
     hi_pos = q0 + tl.minimum(n, (tile + 1) * BLOCK_M)     # one past the tile's last query
     lo = tl.where(window > 0, tl.maximum(lo_pos - window + 1, 0), 0)
     m = tl.full([BLOCK_M * BLOCK_G], NEG, tl.float32)
-    l = tl.zeros([BLOCK_M * BLOCK_G], tl.float32)
+    den = tl.zeros([BLOCK_M * BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_M * BLOCK_G, BLOCK_DV], tl.float32)
     p_end = (hi_pos - 1) // BS + 1
     for p in range(lo // BS, p_end, PAGES):
@@ -80,16 +80,8 @@ def _extend_kernel(q, out, q_start, q_len, ctx_len, table, row_of_block, sealed,
         blk = tl.load(table + r.to(tl.int64) * table_stride + page, mask=live, other=0)
         kpos = page * BS + off
         valid = live & (kpos >= lo) & (kpos < hi_pos)
-        if OWN:
-            row = tl.load(row_of_block + blk, mask=live, other=-1)
-            use_res = (row >= 0) & (tl.load(sealed + blk, mask=live, other=1) == 0)
-        else:
-            row = off
-            use_res = off < 0
-        k = load_tile(kd, ks, kz, kr, blk, off, row, use_res, dk, h, HKV, KW, KD, valid, dk < KD,
-                      BS, K_FMT, K_BITS, 1)
-        v = load_tile(vd, vs, vz, vr, blk, off, row, use_res, dv, h, HKV, VW, VD, valid, dv < VD,
-                      BS, V_FMT, V_BITS, V_GROUP)
+        k, v, row = load_kv(kd, ks, kz, kr, vd, vs, vz, vr, row_of_block, sealed, blk, page, -1, live, off, valid,
+                            dk, dv, h, HKV, KW, KD, VW, VD, BS, K_FMT, V_FMT, K_BITS, V_BITS, V_GROUP, OWN)
         visible = valid[None, :] & (kpos[None, :] <= qpos[:, None]) & \
             ((window <= 0) | (kpos[None, :] > qpos[:, None] - window))
         sc = tl.dot(qv, tl.trans(k), input_precision="ieee") * sm_scale
@@ -103,7 +95,7 @@ def _extend_kernel(q, out, q_start, q_len, ctx_len, table, row_of_block, sealed,
         m_new = tl.maximum(m, tl.max(sc, 1))
         alpha = tl.exp(m - m_new)
         pr = tl.exp(sc - m_new[:, None])
-        l = l * alpha + tl.sum(pr, 1)
+        den = den * alpha + tl.sum(pr, 1)
         if OWN:
             pv = tl.dot(tl.where(own, 0.0, pr), v, input_precision="ieee") + \
                 tl.dot(tl.where(own, pr, 0.0), v_exact, input_precision="ieee")
@@ -111,7 +103,7 @@ def _extend_kernel(q, out, q_start, q_len, ctx_len, table, row_of_block, sealed,
             pv = tl.dot(pr, v, input_precision="ieee")
         acc = acc * alpha[:, None] + pv
         m = m_new
-    o = acc / tl.maximum(l, 1e-30)[:, None]
+    o = acc / tl.maximum(den, 1e-30)[:, None]
     tl.store(out + qrow[:, None] * VD + dv[None, :], o, mask=ok[:, None] & (dv < VD)[None, :])
 
 

@@ -113,3 +113,23 @@ def load_tile(data, scale, zero, res, blk, off, row, use_res, d, head, H, W, D, 
         exact = tl.load(res + rvec[:, None] * W + d[None, :], mask=rmask, other=0.0).to(tl.float32)
         x = tl.where(use_res[:, None], exact, code * sc + zp)
     return x
+
+
+@triton.jit
+def load_kv(kd, ks, kz, kr, vd, vs, vz, vr, row_of_block, sealed, blk, page, own_page, live, off, tmask,
+            dk, dv, head, H, KW, KD, VW, VD, BS: tl.constexpr, K_FMT: tl.constexpr, V_FMT: tl.constexpr,
+            K_BITS: tl.constexpr, V_BITS: tl.constexpr, V_GROUP: tl.constexpr, RESIDUAL: tl.constexpr):
+    """K [N, BLOCK_DK] and V [N, BLOCK_DV] of a tile (float32) and each key's residual row. KIVI
+    (RESIDUAL): a block reads its residual row while it has one and is not sealed, or when it is
+    `own_page` (the query's own block)."""
+    if RESIDUAL:
+        row = tl.load(row_of_block + blk, mask=live, other=-1)
+        use_res = (row >= 0) & ((tl.load(sealed + blk, mask=live, other=1) == 0) | (page == own_page))
+    else:
+        row = off
+        use_res = off < 0
+    k = load_tile(kd, ks, kz, kr, blk, off, row, use_res, dk, head, H, KW, KD, tmask, dk < KD,
+                  BS, K_FMT, K_BITS, 1)
+    v = load_tile(vd, vs, vz, vr, blk, off, row, use_res, dv, head, H, VW, VD, tmask, dv < VD,
+                  BS, V_FMT, V_BITS, V_GROUP)
+    return k, v, row

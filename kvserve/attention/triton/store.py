@@ -2,7 +2,7 @@
 slots, quantized on the way for int8 and fp8 (one float16 scale per (token, head) from the data,
 as kvserve/kv/formats.py does; the same codes as its torch encoder).
 
-One program per token, all heads. Rounding is written out (half to even, as torch.round and
+One program per few tokens (about 16 (token, head) vectors). Rounding is written out (half to even, as torch.round and
 torch's float8 casts do) so the compiled kernel and the interpreter agree with the codecs.
 """
 
@@ -45,14 +45,16 @@ def _fp8_bits(y, MBITS: tl.constexpr, BIAS: tl.constexpr):
 
 
 @triton.jit
-def _store_kernel(x, slots, data, scale, x_stride_t, x_stride_h, H, D,
-                  BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, FMT: tl.constexpr):
-    t = tl.program_id(0)
-    slot = tl.load(slots + t).to(tl.int64)
-    h = tl.arange(0, BLOCK_H)
+def _store_kernel(x, slots, data, scale, T, x_stride_t, x_stride_h, H, D,
+                  BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, FMT: tl.constexpr):
+    r = tl.arange(0, BLOCK_T * BLOCK_H)           # rows: (token, head) vectors
+    t = tl.program_id(0) * BLOCK_T + r // BLOCK_H
+    h = r % BLOCK_H
+    ok = (t < T) & (h < H)
+    slot = tl.load(slots + t, mask=ok, other=0).to(tl.int64)
     d = tl.arange(0, BLOCK_D)
-    mask = (h < H)[:, None] & (d < D)[None, :]
-    src = x + t.to(tl.int64) * x_stride_t + h[:, None] * x_stride_h + d[None, :]
+    mask = ok[:, None] & (d < D)[None, :]
+    src = x + (t.to(tl.int64) * x_stride_t + h * x_stride_h)[:, None] + d[None, :]
     dst = (slot * H + h)[:, None] * D + d[None, :]
     if FMT == 0:
         tl.store(data + dst, tl.load(src, mask=mask), mask=mask)
@@ -66,7 +68,7 @@ def _store_kernel(x, slots, data, scale, x_stride_t, x_stride_h, H, D,
         else:
             qmax = 57344.0
         sc = tl.minimum(tl.maximum(amax / qmax, FP16_TINY), FP16_MAX).to(tl.float16)
-        tl.store(scale + slot * H + h, sc, mask=h < H)
+        tl.store(scale + slot * H + h, sc, mask=ok)
         y = tl.minimum(tl.maximum(v / sc.to(tl.float32)[:, None], -qmax), qmax)
         if FMT == 1:
             tl.store(data + dst, _rint(y).to(tl.int8), mask=mask)
@@ -87,5 +89,8 @@ def store(x: torch.Tensor, slots: torch.Tensor, dst: KVSource) -> None:
         x3 = x3.contiguous()
     t, h, d = x3.shape
     sc = dst.scale if dst.scale is not None else dst.data
-    _store_kernel[(t,)](x3, slots.contiguous(), dst.data, sc, x3.stride(0), x3.stride(1), h, d,
-                        BLOCK_H=triton.next_power_of_2(h), BLOCK_D=triton.next_power_of_2(d), FMT=dst.fmt)
+    block_h = triton.next_power_of_2(h)
+    block_t = max(1, 16 // block_h)             # about 16 vectors per program
+    _store_kernel[(triton.cdiv(t, block_t),)](x3, slots.contiguous(), dst.data, sc, t, x3.stride(0), x3.stride(1),
+                                              h, d, BLOCK_T=block_t, BLOCK_H=block_h,
+                                              BLOCK_D=triton.next_power_of_2(d), FMT=dst.fmt)
