@@ -88,9 +88,9 @@ def ref_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, 
     return torch.einsum("hnl,lhd->nhd", s.softmax(-1), v)
 
 
-def decode_case(spec, fmt, lens, bs, window=None, splits=None, seed=0, dtype=torch.float32):
+def decode_case(spec, fmt, lens, bs, window=None, splits=None, seed=0, dtype=torch.float32, group=4):
     pool = Pool(spec, fmt, lens, bs, dtype, seed)
-    hq = spec.num_kv_heads * 4 if spec.kind != "mla" else 4
+    hq = spec.num_kv_heads * group if spec.kind != "mla" else group
     dk = spec.entry_shapes[0][-1]
     gen = torch.Generator().manual_seed(seed + 1)
     q = torch.randn(len(lens), hq, dk, generator=gen).to(DEVICE, dtype)
@@ -114,10 +114,10 @@ def decode_case(spec, fmt, lens, bs, window=None, splits=None, seed=0, dtype=tor
     return out
 
 
-def extend_case(spec, fmt, lens, news, bs, window=None, seed=0, dtype=torch.float32):
+def extend_case(spec, fmt, lens, news, bs, window=None, seed=0, dtype=torch.float32, group=3):
     """Each request's last `news[r]` tokens are a prefill chunk over its cached prefix."""
     pool = Pool(spec, fmt, lens, bs, dtype, seed, split=[c - n for c, n in zip(lens, news)])
-    hq = spec.num_kv_heads * 3 if spec.kind != "mla" else 4
+    hq = spec.num_kv_heads * group if spec.kind != "mla" else group
     dk = spec.entry_shapes[0][-1]
     gen = torch.Generator().manual_seed(seed + 2)
     q = torch.randn(sum(news), hq, dk, generator=gen).to(DEVICE, dtype)
@@ -206,6 +206,13 @@ def test_decode_mixed_k_v_formats():
 @pytest.mark.parametrize("fmt", ["auto", "int8"])
 def test_decode_mla(fmt):
     decode_case(KVSpec("mla", latent_dim=64, rope_dim=16), fmt, [5, 40], 16, splits=2)
+
+
+def test_many_query_heads_per_kv_head():
+    """G = 20 (over the 16 heads a program takes): MQA decode and extend, MLA decode."""
+    decode_case(KVSpec("full", 1, 64), "auto", [9, 40], 16, group=20)
+    extend_case(KVSpec("full", 1, 64), "auto", [30], [12], 16, group=20)
+    decode_case(KVSpec("mla", latent_dim=64, rope_dim=16), "auto", [20], 16, group=20)
 
 
 @pytest.mark.parametrize("fmt, heads, dim, bs, window", [

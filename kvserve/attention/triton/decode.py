@@ -1,7 +1,8 @@
 """Paged decode: one query token per row over the blocks of its block table, read in place.
 
 One program per (row, KV head, split): the G = Hq / Hkv query heads of a KV head are the rows of
-one tile, so each block is read once for all of them. A program walks its blocks with an online
+one tile, so each block is read once for all of them (up to 16 heads a program; MQA and MLA with
+more heads take a few programs per KV head). A program walks its blocks with an online
 softmax, a tile of about 64 keys (several blocks, each by its id) at a time. Long contexts are cut
 into splits (flash-decoding): each split writes a partial output and its log-sum-exp, and a second
 kernel combines them exactly. Positions before
@@ -18,6 +19,7 @@ import triton.language as tl
 from kvserve.attention.triton.source import KVSource, load_kv
 
 NEG = -1.0e30  # running max before any key: finite, so exp(m_old - m_new) never sees inf - inf
+MAX_HEADS = 16  # query heads per program; more (MQA, MLA) take more programs over the same keys
 
 
 @triton.jit
@@ -28,14 +30,16 @@ def _decode_kernel(q, out, part_o, part_lse, table, starts, ends, row_of_block, 
                    K_FMT: tl.constexpr, V_FMT: tl.constexpr, K_BITS: tl.constexpr, V_BITS: tl.constexpr,
                    V_GROUP: tl.constexpr, RESIDUAL: tl.constexpr, SPLIT: tl.constexpr, PAGES: tl.constexpr):
     b = tl.program_id(0)
-    h = tl.program_id(1)
+    hb = tl.program_id(1)                   # KV head x block of its query heads
     s = tl.program_id(2)
+    HB = tl.cdiv(G, BLOCK_G)
+    h = hb // HB
     start = tl.load(starts + b)
     end = tl.load(ends + b)
     p0 = start // BS + s * pages_per_split
     p1 = tl.minimum(p0 + pages_per_split, (end - 1) // BS + 1)
     own = (end - 1) // BS                   # the block the query's own token is in (KIVI)
-    g = tl.arange(0, BLOCK_G)
+    g = (hb % HB) * BLOCK_G + tl.arange(0, BLOCK_G)   # query heads of KV head h, G in all
     heads = h * G + g
     dk = tl.arange(0, BLOCK_DK)
     dv = tl.arange(0, BLOCK_DV)
@@ -96,8 +100,8 @@ def num_splits_for(rows: int, kv_heads: int, max_pages: int, device: torch.devic
 
 
 def tile_tokens(dim: int) -> int:
-    """Keys per tile: 64 (32 for head dims over 128, to bound the registers a tile takes)."""
-    return 64 if dim <= 128 else 32
+    """Keys per tile: 64, fewer for wider vectors (MLA latents: 16), to bound a tile's registers."""
+    return 64 if dim <= 128 else 32 if dim <= 256 else 16
 
 
 def _pow2(n: int, low: int = 16) -> int:
@@ -128,10 +132,12 @@ def paged_decode(q: torch.Tensor, k: KVSource, v: KVSource, table: torch.Tensor,
     o32 = torch.empty((b, hq, vd), dtype=torch.float32, device=q.device)
     part_o = torch.empty((b, hq, splits, vd), dtype=torch.float32, device=q.device) if splits > 1 else o32
     part_lse = torch.empty((b, hq, splits), dtype=torch.float32, device=q.device) if splits > 1 else o32
-    _decode_kernel[(b, hkv, splits)](
+    g = hq // hkv
+    block_g = min(_pow2(g), MAX_HEADS)
+    _decode_kernel[(b, hkv * -(-g // block_g), splits)](
         q, o32, part_o, part_lse, table, starts, ends, rob, sl, *k.args(), *v.args(), scale, table.stride(0),
         hq, hkv, hq // hkv, k.width, kd, v.width, vd, per, splits,
-        BS=bs, BLOCK_G=_pow2(hq // hkv), BLOCK_DK=_pow2(kd), BLOCK_DV=_pow2(vd), K_FMT=k.fmt, V_FMT=v.fmt,
+        BS=bs, BLOCK_G=block_g, BLOCK_DK=_pow2(kd), BLOCK_DV=_pow2(vd), K_FMT=k.fmt, V_FMT=v.fmt,
         K_BITS=k.bits, V_BITS=v.bits, V_GROUP=v.vgroup, RESIDUAL=res, SPLIT=splits > 1, PAGES=pages)
     if splits > 1:
         _combine_kernel[(b * hq,)](part_o, part_lse, o32, splits, vd, BLOCK_S=_pow2(splits, 2),

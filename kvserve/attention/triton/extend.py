@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kvserve.attention.triton.decode import NEG, tile_tokens
+from kvserve.attention.triton.decode import MAX_HEADS, NEG, tile_tokens
 from kvserve.attention.triton.source import KIVI_K, KVSource, load_kv
 
 
@@ -47,7 +47,9 @@ def _extend_kernel(q, out, q_start, q_len, ctx_len, table, row_of_block, sealed,
                    V_BITS: tl.constexpr, V_GROUP: tl.constexpr, PAGES: tl.constexpr, OWN: tl.constexpr):
     r = tl.program_id(0)
     tile = tl.program_id(1)
-    h = tl.program_id(2)
+    hb = tl.program_id(2)                   # KV head x block of its query heads
+    HB = tl.cdiv(G, BLOCK_G)
+    h = hb // HB
     n = tl.load(q_len + r)
     if tile * BLOCK_M >= n:
         return
@@ -56,7 +58,7 @@ def _extend_kernel(q, out, q_start, q_len, ctx_len, table, row_of_block, sealed,
     q0 = ctx - n
     rows = tl.arange(0, BLOCK_M * BLOCK_G)
     i = tile * BLOCK_M + rows // BLOCK_G
-    gh = rows % BLOCK_G
+    gh = (hb % HB) * BLOCK_G + rows % BLOCK_G
     ok = (i < n) & (gh < G)
     qpos = q0 + i
     own_start = qpos // BS * BS
@@ -120,7 +122,7 @@ def paged_extend(q: torch.Tensor, k: KVSource, v: KVSource, table: torch.Tensor,
     hkv, bs, vd = k.heads, k.data.shape[1], v.dim
     q = q.contiguous()
     g = hq // hkv
-    block_g = triton.next_power_of_2(g)
+    block_g = min(triton.next_power_of_2(g), MAX_HEADS)
     longest = int(q_len.max()) if max_len is None else max_len
     block_m = max(1, min(block_m, triton.next_power_of_2(longest), 64 // block_g))
     block_m = max(block_m, -(-16 // block_g))                      # tl.dot wants at least 16 rows
@@ -133,7 +135,7 @@ def paged_extend(q: torch.Tensor, k: KVSource, v: KVSource, table: torch.Tensor,
         extra = (row_of_block, sealed.view(torch.uint8), fk, fv)
     else:
         extra = (i32[3],) * 4
-    _extend_kernel[(len(q_len), tiles, hkv)](
+    _extend_kernel[(len(q_len), tiles, hkv * -(-g // block_g))](
         q, out, *i32[:3], i32[3], *extra, *k.args(), *v.args(), scale, i32[3].stride(0), window or 0,
         hq, hkv, g, k.width, kd, v.width, vd, BS=bs, BLOCK_M=block_m, BLOCK_G=block_g,
         BLOCK_DK=max(16, triton.next_power_of_2(kd)), BLOCK_DV=max(16, triton.next_power_of_2(vd)),
