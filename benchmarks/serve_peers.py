@@ -1,0 +1,364 @@
+"""Serving against llama.cpp's own server: the same streaming workload, both servers, one run.
+
+    python benchmarks/serve_peers.py                      # 32 clients, 32 prompts, 128 tokens each
+    python benchmarks/serve_peers.py --quick --no-write   # smoke run: 4 clients, 4 prompts, 16 tokens
+    python benchmarks/serve_peers.py --llama-server /path/to/llama-server   # an existing binary
+    python benchmarks/serve_peers.py --build-only         # just build llama-server into the cache
+
+The workload: N concurrent streaming clients, prompts of 64-512 tokens cut (seeded) from prose
+with the bundled model's tokenizer, sent as the same text to both servers' /v1/completions,
+a fixed number of output tokens each (greedy, temperature 0, EOS ignored with `ignore_eos`,
+which both servers accept). Client-side timings: TTFT is the time to the first chunk with text,
+ITL the gap between successive text chunks. Output tokens are counted from the server's usage,
+checked against the number asked for.
+
+llama-server is built, when missing, from the llama.cpp tree vendored in the llama-cpp-python
+sdist into ~/.cache/kvserve/llama-server/ (cmake, Release, native CPU flags; 10+ minutes on two
+cores). The servers run one after the other, each alone on the machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import math
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import httpx  # noqa: E402
+import serve_load  # noqa: E402
+from common import (  # noqa: E402
+    OtherLoad,
+    command_line,
+    fmt,
+    load_average,
+    machine_facts,
+    make_prompts,
+    md_table,
+    percentile,
+    replace_section,
+)
+from serve_load import Job, Result, ServerProcess, run_load  # noqa: E402
+
+LLAMA_CPP_PYTHON_VERSION = "0.3.36"
+CACHE_DIR = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "kvserve" / "llama-server"
+
+
+def _run(cmd: list[str], cwd: Path | None = None, nice: bool = False) -> None:
+    if nice:
+        cmd = ["nice", "-n", "19", *cmd]
+    print("+ " + " ".join(cmd), flush=True)
+    subprocess.run(cmd, cwd=cwd, check=True)
+
+
+def build_llama_server(cache: Path = CACHE_DIR, jobs: int = 2, nice: bool = True) -> Path:
+    """The llama-server binary in `cache`, built from llama-cpp-python's sdist when missing."""
+    binary = cache / "bin" / "llama-server"
+    if binary.exists():
+        return binary
+    if shutil.which("cmake") is None:
+        raise RuntimeError("building llama-server needs cmake (e.g. `apt-get install -y cmake`)")
+    cache.mkdir(parents=True, exist_ok=True)
+    sdists = sorted(cache.glob(f"llama_cpp_python-{LLAMA_CPP_PYTHON_VERSION}.tar.gz"))
+    if not sdists:
+        print(f"[1/4] downloading the llama-cpp-python {LLAMA_CPP_PYTHON_VERSION} sdist", flush=True)
+        _run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", "llama-cpp-python",
+              f"llama-cpp-python=={LLAMA_CPP_PYTHON_VERSION}", "-d", str(cache)])
+        sdists = sorted(cache.glob("llama_cpp_python-*.tar.gz"))
+        if not sdists:
+            raise RuntimeError(f"pip download left no llama_cpp_python sdist in {cache}")
+    src_root = cache / f"llama_cpp_python-{LLAMA_CPP_PYTHON_VERSION}"
+    if not src_root.exists():
+        print(f"[2/4] extracting {sdists[-1].name}", flush=True)
+        with tarfile.open(sdists[-1]) as tar:
+            tar.extractall(cache, filter="data")
+    tree = src_root / "vendor" / "llama.cpp"
+    if not (tree / "CMakeLists.txt").exists():
+        raise RuntimeError(f"no llama.cpp tree in {tree}")
+    build = tree / "build"
+    options = ["-DLLAMA_CURL=OFF", "-DLLAMA_OPENSSL=OFF", "-DGGML_NATIVE=ON", "-DCMAKE_BUILD_TYPE=Release"]
+    cmake_text = (tree / "CMakeLists.txt").read_text()
+    options += [f"-D{opt}=OFF" for opt in ("LLAMA_BUILD_TESTS", "LLAMA_BUILD_EXAMPLES") if opt in cmake_text]
+    print("[3/4] configuring llama.cpp with cmake", flush=True)
+    _run(["cmake", "-B", str(build), *options], cwd=tree, nice=nice)
+    print(f"[4/4] building llama-server with {jobs} jobs (10+ minutes on two cores)", flush=True)
+    _run(["cmake", "--build", str(build), "--target", "llama-server", "-j", str(jobs)], cwd=tree, nice=nice)
+    built = build / "bin" / "llama-server"
+    if not built.exists():
+        raise RuntimeError(f"the build finished without {built}")
+    # The binary links the ggml/llama shared libraries next to it (RPATH into the build tree):
+    # point at the build rather than copying, so those stay found.
+    binary.parent.mkdir(parents=True, exist_ok=True)
+    binary.symlink_to(built)
+    print(f"built {binary} -> {built}", flush=True)
+    return binary
+
+
+SECTION = "Serving against llama-server"
+KVSERVE_ARGS = "--kv-cache-memory 1GiB --max-model-len 2048"
+
+
+_base_request_body = serve_load.request_body
+
+
+def _with_ignore_eos(job: Job, model: str) -> dict:
+    """serve_load's request body plus `ignore_eos`, so every request runs to max_tokens."""
+    return {**_base_request_body(job, model), "ignore_eos": True}
+
+
+class LlamaServerProcess(ServerProcess):
+    """llama.cpp's `llama-server` on a free loopback port, stopped like `kvserve serve` (SIGTERM)."""
+
+    def __init__(self, binary: Path, gguf: str, parallel: int, ctx: int, threads: int):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = tempfile.NamedTemporaryFile("w+", prefix="llama-server-", suffix=".log", delete=False)
+        self.cmd = [str(binary), "-m", gguf, "-np", str(parallel), "-c", str(ctx), "--cont-batching",
+                    "-t", str(threads), "--host", "127.0.0.1", "--port", str(self.port)]
+        self.proc = subprocess.Popen(self.cmd, stdout=self.log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"llama-server exited with {self.proc.returncode}:\n{self.tail()}")
+            try:  # 503 while the model loads, 200 once slots are ready
+                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        self.stop()
+        raise RuntimeError(f"llama-server not healthy after 300 s:\n{self.tail()}")
+
+
+def process_cpu_seconds(pid: int) -> float | None:
+    """User + system CPU time of a process and its waited-for children, from /proc."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return sum(int(x) for x in fields[11:15]) / os.sysconf("SC_CLK_TCK")  # utime stime cutime cstime
+
+
+@dataclass
+class Measured:
+    """One server's run of the workload."""
+
+    name: str
+    command: str
+    results: list[Result]
+    wall: float
+    others: float | None       # cores busy with processes other than this script and the server
+    server_cores: float | None  # mean cores the server process used
+    exit_code: int | None = None
+    note: str = ""              # what the server said it picked, for the report
+
+    @property
+    def ok(self) -> list[Result]:
+        return [r for r in self.results if r.ok]
+
+    @property
+    def errors(self) -> list[Result]:
+        return [r for r in self.results if not r.ok]
+
+    @property
+    def out_tokens(self) -> int:
+        return sum(r.completion_tokens for r in self.ok)
+
+    @property
+    def tok_s(self) -> float:
+        return self.out_tokens / self.wall
+
+    def ttft(self, q: float) -> float | None:
+        return percentile([r.ttft for r in self.ok], q)
+
+    def itl(self, q: float) -> float | None:
+        return percentile([x for r in self.ok for x in r.itl], q)
+
+
+def measure(name: str, server: ServerProcess, command: str, prompts: list[list[int]],
+            warmup: list[list[int]], args) -> Measured:
+    """Warm the server up (`warmup` prompts at once, 4 tokens each), then run the workload and time it."""
+    model = httpx.get(server.url + "/v1/models", timeout=30).json()["data"][0]["id"]
+    print(f"{name}: warming up with {len(warmup)} concurrent short requests", flush=True)
+    warm = asyncio.run(run_load(server.url, [Job("completions", p, 4, False) for p in warmup], model,
+                                len(warmup), math.inf, args.request_timeout, {}))[0]
+    failed = [r for r in warm if not r.ok]
+    if failed:
+        raise RuntimeError(f"{name}: a warm-up request failed: {failed[0].error}\n{server.tail()}")
+    jobs = [Job("completions", p, args.max_tokens, False) for p in prompts]
+    print(f"{name}: {len(jobs)} requests, {args.clients} clients, {args.max_tokens} tokens each ...", flush=True)
+    cpu0, mon = process_cpu_seconds(server.proc.pid), OtherLoad()
+    results, wall, _ = asyncio.run(run_load(server.url, jobs, model, args.clients, math.inf,
+                                            args.request_timeout, {}))
+    busy, cpu1 = mon.stop(), process_cpu_seconds(server.proc.pid)
+    server_cores = None if cpu0 is None or cpu1 is None else (cpu1 - cpu0) / wall
+    others = None if busy is None or server_cores is None else max(0.0, busy - server_cores)
+    m = Measured(name, command, results, wall, others, server_cores)
+    print(f"{name}: {m.tok_s:.1f} output tok/s, wall {wall:.1f} s, {len(m.errors)} errors", flush=True)
+    return m
+
+
+def token_check(m: Measured, max_tokens: int) -> str:
+    """Requests that produced exactly max_tokens (by usage), and text chunks received / tokens."""
+    exact = sum(r.completion_tokens == max_tokens for r in m.ok)
+    chunks = sum(len(r.itl) + (r.ttft is not None) for r in m.ok)
+    return f"{exact} / {len(m.results)}; {chunks} / {m.out_tokens}"
+
+
+def ratio(a: float | None, b: float | None) -> str:
+    return "—" if a is None or b is None or b == 0 else f"{a / b:.2f}x"
+
+
+def report(runs: list[Measured], args, facts: dict, load_before: str, load_after: str,
+           n_prompt_tokens: int) -> tuple[str, bool | None]:
+    """The markdown section, and whether the issue's target is met (None when not measured)."""
+    header = ["measure", *(m.name for m in runs)]
+    rows = [
+        ["requests done / errors", *(f"{len(m.ok)} / {len(m.errors)}" for m in runs)],
+        [f"requests with exactly {args.max_tokens} tokens; text chunks / output tokens",
+         *(token_check(m, args.max_tokens) for m in runs)],
+        ["prompt tokens (server's count)", *(str(sum(r.prompt_tokens for r in m.ok)) for m in runs)],
+        ["output tokens/s", *(fmt(m.tok_s, digits=1) for m in runs)],
+        ["total wall (s)", *(fmt(m.wall, digits=1) for m in runs)],
+        ["TTFT p50 / p99 (s)", *(f"{fmt(m.ttft(50))} / {fmt(m.ttft(99))}" for m in runs)],
+        ["ITL p50 / p99 (ms)", *(f"{fmt(m.itl(50), 1e3, 0)} / {fmt(m.itl(99), 1e3, 0)}" for m in runs)],
+        ["server's mean CPU cores; others' cores", *(f"{fmt(m.server_cores)}; {fmt(m.others)}" for m in runs)],
+        ["exit status after SIGTERM", *("—" if m.exit_code is None else str(m.exit_code) for m in runs)],
+    ]
+    ours = next((m for m in runs if m.name == "kvserve"), None)
+    peer = next((m for m in runs if m.name == "llama-server"), None)
+    body = [
+        f"Command: `{command_line()}`",
+        "",
+        "Machine: " + "; ".join(f"{k} {v}" for k, v in facts.items()) + ".",
+        f"Load average (1/5/15 min) before / after: {load_before} -> {load_after}.",
+        "",
+        f"Workload: {args.clients} concurrent streaming clients, {args.prompts} prompts of "
+        f"{args.min_prompt}-{args.max_prompt} tokens (seeded, seed {args.seed}; {n_prompt_tokens} prompt tokens "
+        "in all) cut from CPython's `pydoc_data.topics` prose with the bundled model's tokenizer and sent "
+        "as the same token ids to both servers' `/v1/completions`; "
+        f"{args.max_tokens} output tokens each (greedy, temperature 0, `ignore_eos`), streamed with "
+        "`stream_options.include_usage`. The servers run one after the other, each after a warm-up "
+        f"({args.clients} concurrent requests of other prose, 16-64 prompt tokens, 4 output tokens). TTFT and ITL are measured by the client (ITL = gap between text chunks); "
+        "output tokens are the servers' usage counts. Others' cores: CPU other processes kept busy "
+        "during the timed run (/proc/stat minus this script and the server); above ~0.2 the machine "
+        "was shared and that column is slowed.",
+        "",
+        *(f"- {m.name}: `{m.command}`" + (f" ({m.note})" if m.note else "") for m in runs),
+        "",
+        md_table(header, rows),
+    ]
+    met = None
+    if ours is not None and peer is not None:
+        body += ["", md_table(["kvserve / llama-server", "ratio"], [
+            ["output tokens/s", ratio(ours.tok_s, peer.tok_s)],
+            ["total wall", ratio(ours.wall, peer.wall)],
+            ["TTFT p50", ratio(ours.ttft(50), peer.ttft(50))],
+            ["TTFT p99", ratio(ours.ttft(99), peer.ttft(99))],
+            ["ITL p50", ratio(ours.itl(50), peer.itl(50))],
+        ])]
+        clean = not ours.errors and not peer.errors
+        met = (clean and ours.ttft(50) is not None and peer.ttft(50) is not None
+               and ours.tok_s >= 3 * peer.tok_s and ours.ttft(50) < peer.ttft(50))
+        body += ["", f"Issue 13's target (kvserve output tok/s >= 3x llama-server's, TTFT p50 below "
+                 f"llama-server's, no errors): **{'met' if met else 'not met'}** "
+                 f"({ratio(ours.tok_s, peer.tok_s)} tok/s, TTFT p50 {fmt(ours.ttft(50))} s vs "
+                 f"{fmt(peer.ttft(50))} s)."]
+    for m in runs:
+        if m.errors:
+            body += ["", f"First errors ({m.name}): " + "; ".join(sorted({r.error or "?" for r in m.errors})[:3])]
+    if args.quick:
+        body += ["", "(--quick smoke run: too small to compare the servers.)"]
+    return "\n".join(body), met
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--clients", type=int, default=32, help="concurrent streaming clients (and llama-server -np)")
+    p.add_argument("--prompts", type=int, default=32, help="requests in all")
+    p.add_argument("--min-prompt", type=int, default=64)
+    p.add_argument("--max-prompt", type=int, default=512)
+    p.add_argument("--max-tokens", type=int, default=128, help="output tokens per request (EOS ignored)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--quick", action="store_true", help="smoke run: 4 clients, 4 prompts, 16 tokens")
+    p.add_argument("--no-write", action="store_true", help="print the table, leave BENCHMARKS.md alone")
+    p.add_argument("--engines", default="kvserve,llama-server", help="comma-separated, run in this order")
+    p.add_argument("--server-args", default=KVSERVE_ARGS, help="extra `kvserve serve` arguments")
+    p.add_argument("--llama-server", type=Path, default=None,
+                   help=f"an existing llama-server binary (default: build one into {CACHE_DIR})")
+    p.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)), help="llama-server -t")
+    p.add_argument("--ctx-slack", type=int, default=64,
+                   help="llama-server -c is clients * (max-prompt + max-tokens + this)")
+    p.add_argument("--request-timeout", type=float, default=1200.0)
+    p.add_argument("--build-only", action="store_true", help="build llama-server into the cache and stop")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.clients, args.prompts, args.max_tokens = 4, 4, 16
+    engines = [e.strip() for e in args.engines.split(",") if e.strip()]
+    unknown = set(engines) - {"kvserve", "llama-server"}
+    if unknown:
+        p.error(f"unknown engines: {', '.join(sorted(unknown))}")
+
+    binary = args.llama_server
+    if binary is None and ("llama-server" in engines or args.build_only):
+        binary = build_llama_server()
+    if args.build_only:
+        print(binary)
+        return 0
+    if binary is not None and not binary.exists():
+        p.error(f"no llama-server at {binary}")
+
+    from kvserve.model.loader import resolve_model_path
+    from kvserve.model.tokenizer import Tokenizer
+    gguf = str(resolve_model_path(None))
+    tokenizer = Tokenizer.load(gguf)
+    prompts = make_prompts(tokenizer, args.prompts, args.min_prompt, args.max_prompt, args.seed)
+    # Other text than the workload's (another seed), so no prefix cache starts the timed run warm.
+    warmup = make_prompts(tokenizer, args.clients, 16, 64, args.seed + 1000)
+    facts = machine_facts()
+    load_before = load_average()
+    serve_load.request_body = _with_ignore_eos  # serve_load.run_one builds every body with it
+
+    runs: list[Measured] = []
+    for name in engines:
+        if name == "kvserve":
+            server = ServerProcess(args.server_args.split())
+            command = "kvserve serve " + args.server_args
+            picked = [ln.split("kvserve: ", 1)[1] for ln in Path(server.log.name).read_text().splitlines()
+                      if ln.startswith("INFO kvserve: weights:")]
+            note = picked[0] if picked else ""
+        else:
+            ctx = args.clients * (args.max_prompt + args.max_tokens + args.ctx_slack)
+            server = LlamaServerProcess(binary, gguf, args.clients, ctx, args.threads)
+            command, note = " ".join(["llama-server", *server.cmd[1:]]), ""
+        try:
+            m = measure(name, server, command, prompts, warmup, args)
+        finally:
+            code = server.stop()
+        m.exit_code, m.note = code, note
+        runs.append(m)
+    load_after = load_average()
+
+    text, met = report(runs, args, facts, load_before, load_after, sum(map(len, prompts)))
+    print(text)
+    if not args.no_write:
+        replace_section(SECTION, text)
+        print(f"\nwrote the '## {SECTION}' section of BENCHMARKS.md")
+    bad = any(m.errors or any(r.completion_tokens != args.max_tokens for r in m.ok) for m in runs)
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
