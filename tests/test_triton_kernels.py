@@ -10,8 +10,9 @@ import os
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+_SET_INTERPRET = not torch.cuda.is_available() and "TRITON_INTERPRET" not in os.environ
+if _SET_INTERPRET:
+    os.environ["TRITON_INTERPRET"] = "1"  # read when a kernel is defined: before triton is first used
 triton = pytest.importorskip("triton")
 
 from kvserve.attention.backends import _own_block_context  # noqa: E402
@@ -25,6 +26,15 @@ from kvserve.kv.storage import KVStorage  # noqa: E402
 
 pytestmark = pytest.mark.cuda
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _interpreter_env():
+    """Leave the environment as found for the test modules after this one (the kernels defined
+    here keep running interpreted)."""
+    yield
+    if _SET_INTERPRET:
+        os.environ.pop("TRITON_INTERPRET", None)
 
 
 # ---- a filled pool and the reference ------------------------------------------------------------
