@@ -54,11 +54,23 @@ LLAMA_CPP_PYTHON_VERSION = "0.3.36"
 CACHE_DIR = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "kvserve" / "llama-server"
 
 
-def _run(cmd: list[str], cwd: Path | None = None, nice: bool = False) -> None:
+def _run(cmd: list[str], cwd: Path | None = None, nice: bool = False, log: Path | None = None) -> None:
+    """Run a build step; with `log`, all its output goes there and only progress lines are shown."""
     if nice:
         cmd = ["nice", "-n", "19", *cmd]
     print("+ " + " ".join(cmd), flush=True)
-    subprocess.run(cmd, cwd=cwd, check=True)
+    if log is None:
+        subprocess.run(cmd, cwd=cwd, check=True)
+        return
+    with open(log, "a") as f, subprocess.Popen(cmd, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                                text=True, errors="replace") as proc:
+        for line in proc.stdout:
+            f.write(line)
+            if line.startswith("[") or " error" in line.lower():
+                print("  " + line.rstrip(), flush=True)
+    if proc.returncode:
+        tail = log.read_text().splitlines()[-40:]
+        raise RuntimeError(f"{cmd[0]} failed ({proc.returncode}); the end of {log}:\n" + "\n".join(tail))
 
 
 def build_llama_server(cache: Path = CACHE_DIR, jobs: int = 2, nice: bool = True) -> Path:
@@ -72,6 +84,8 @@ def build_llama_server(cache: Path = CACHE_DIR, jobs: int = 2, nice: bool = True
     sdists = sorted(cache.glob(f"llama_cpp_python-{LLAMA_CPP_PYTHON_VERSION}.tar.gz"))
     if not sdists:
         print(f"[1/4] downloading the llama-cpp-python {LLAMA_CPP_PYTHON_VERSION} sdist", flush=True)
+        # --no-binary for this package only: with :all:, pip would build its build backend's own
+        # dependencies from source too, one after another.
         _run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", "llama-cpp-python",
               f"llama-cpp-python=={LLAMA_CPP_PYTHON_VERSION}", "-d", str(cache)])
         sdists = sorted(cache.glob("llama_cpp_python-*.tar.gz"))
@@ -90,15 +104,19 @@ def build_llama_server(cache: Path = CACHE_DIR, jobs: int = 2, nice: bool = True
     cmake_text = (tree / "CMakeLists.txt").read_text()
     options += [f"-D{opt}=OFF" for opt in ("LLAMA_BUILD_TESTS", "LLAMA_BUILD_EXAMPLES") if opt in cmake_text]
     print("[3/4] configuring llama.cpp with cmake", flush=True)
-    _run(["cmake", "-B", str(build), *options], cwd=tree, nice=nice)
+    log = cache / "build.log"
+    print(f"  (full output in {log})", flush=True)
+    _run(["cmake", "-B", str(build), *options], cwd=tree, nice=nice, log=log)
     print(f"[4/4] building llama-server with {jobs} jobs (10+ minutes on two cores)", flush=True)
-    _run(["cmake", "--build", str(build), "--target", "llama-server", "-j", str(jobs)], cwd=tree, nice=nice)
+    _run(["cmake", "--build", str(build), "--target", "llama-server", "-j", str(jobs)], cwd=tree, nice=nice, log=log)
     built = build / "bin" / "llama-server"
     if not built.exists():
         raise RuntimeError(f"the build finished without {built}")
     # The binary links the ggml/llama shared libraries next to it (RPATH into the build tree):
     # point at the build rather than copying, so those stay found.
     binary.parent.mkdir(parents=True, exist_ok=True)
+    if binary.is_symlink():  # left from a build tree that is gone
+        binary.unlink()
     binary.symlink_to(built)
     print(f"built {binary} -> {built}", flush=True)
     return binary
