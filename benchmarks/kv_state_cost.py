@@ -129,7 +129,10 @@ def main(argv=None) -> int:
             f"(other processes kept {other} cores busy on average), so times are upper bounds. The "
             "snapshot runs on the engine thread between two steps, so its cost delays the next step; the "
             "stream builds one only when the state changed and at most every 250 ms, and waits longer when "
-            "a snapshot takes more than 2% of that time (a large pool).")
+            "a snapshot takes more than 2% of that time (a large pool: the pool part above alone paces the stream "
+            f"to one snapshot every {m['large_s'] / 0.02:.1f} s). Read the cost against the 250 ms interval "
+            "(the engine-thread share) rather than against the decode step, which depends on the load the "
+            "machine carried.")
     print(table)
     print(note)
     if not args.no_write:
