@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kvserve.attention.triton.source import KVSource, load_kv
+from kvserve.attention.triton.source import KVSource, dot_dtype, load_kv, mma
 
 NEG = -1.0e30  # running max before any key: finite, so exp(m_old - m_new) never sees inf - inf
 MAX_HEADS = 16  # query heads per program; more (MQA, MLA) take more programs over the same keys
@@ -28,7 +28,8 @@ def _decode_kernel(q, out, part_o, part_lse, table, starts, ends, row_of_block, 
                    HQ, HKV, G, KW, KD, VW, VD, pages_per_split, num_splits,
                    BS: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr,
                    K_FMT: tl.constexpr, V_FMT: tl.constexpr, K_BITS: tl.constexpr, V_BITS: tl.constexpr,
-                   V_GROUP: tl.constexpr, RESIDUAL: tl.constexpr, SPLIT: tl.constexpr, PAGES: tl.constexpr):
+                   V_GROUP: tl.constexpr, RESIDUAL: tl.constexpr, SPLIT: tl.constexpr, PAGES: tl.constexpr,
+                   DT: tl.constexpr):
     b = tl.program_id(0)
     hb = tl.program_id(1)                   # KV head x block of its query heads
     s = tl.program_id(2)
@@ -58,13 +59,13 @@ def _decode_kernel(q, out, part_o, part_lse, table, starts, ends, row_of_block, 
         visible = live & (pos >= start) & (pos < end)
         k, v, row = load_kv(kd, ks, kz, kr, vd, vs, vz, vr, row_of_block, sealed, blk, page, own, live, off, visible,
                             dk, dv, h, HKV, KW, KD, VW, VD, BS, K_FMT, V_FMT, K_BITS, V_BITS, V_GROUP, RESIDUAL)
-        sc = tl.dot(qv, tl.trans(k), input_precision="ieee") * sm_scale          # [BLOCK_G, tile]
+        sc = mma(qv, tl.trans(k), DT) * sm_scale          # [BLOCK_G, tile]
         sc = tl.where(visible[None, :], sc, float("-inf"))
         m_new = tl.maximum(m, tl.max(sc, 1))
         alpha = tl.exp(m - m_new)
         pr = tl.exp(sc - m_new[:, None])
         den = den * alpha + tl.sum(pr, 1)
-        acc = acc * alpha[:, None] + tl.dot(pr, v, input_precision="ieee")
+        acc = acc * alpha[:, None] + mma(pr, v, DT)
         m = m_new
     omask = (g < G)[:, None] & (dv < VD)[None, :]
     if SPLIT:
@@ -138,7 +139,8 @@ def paged_decode(q: torch.Tensor, k: KVSource, v: KVSource, table: torch.Tensor,
         q, o32, part_o, part_lse, table, starts, ends, rob, sl, *k.args(), *v.args(), scale, table.stride(0),
         hq, hkv, hq // hkv, k.width, kd, v.width, vd, per, splits,
         BS=bs, BLOCK_G=block_g, BLOCK_DK=_pow2(kd), BLOCK_DV=_pow2(vd), K_FMT=k.fmt, V_FMT=v.fmt,
-        K_BITS=k.bits, V_BITS=v.bits, V_GROUP=v.vgroup, RESIDUAL=res, SPLIT=splits > 1, PAGES=pages)
+        K_BITS=k.bits, V_BITS=v.bits, V_GROUP=v.vgroup, RESIDUAL=res, SPLIT=splits > 1, PAGES=pages,
+        DT=dot_dtype(q.dtype))
     if splits > 1:
         _combine_kernel[(b * hq,)](part_o, part_lse, o32, splits, vd, BLOCK_S=_pow2(splits, 2),
                                    BLOCK_DV=_pow2(vd))

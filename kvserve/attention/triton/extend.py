@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 
 from kvserve.attention.triton.decode import MAX_HEADS, NEG, tile_tokens
-from kvserve.attention.triton.source import KIVI_K, KVSource, load_kv
+from kvserve.attention.triton.source import KIVI_K, KVSource, dot_dtype, load_kv, mma
 
 
 @triton.jit
@@ -44,7 +44,8 @@ def _extend_kernel(q, out, q_start, q_len, ctx_len, table, row_of_block, sealed,
                    kd, ks, kz, kr, vd, vs, vz, vr, sm_scale, table_stride, window, HQ, HKV, G, KW, KD, VW, VD,
                    BS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_DK: tl.constexpr,
                    BLOCK_DV: tl.constexpr, K_FMT: tl.constexpr, V_FMT: tl.constexpr, K_BITS: tl.constexpr,
-                   V_BITS: tl.constexpr, V_GROUP: tl.constexpr, PAGES: tl.constexpr, OWN: tl.constexpr):
+                   V_BITS: tl.constexpr, V_GROUP: tl.constexpr, PAGES: tl.constexpr, OWN: tl.constexpr,
+                   DT: tl.constexpr):
     r = tl.program_id(0)
     tile = tl.program_id(1)
     hb = tl.program_id(2)                   # KV head x block of its query heads
@@ -86,23 +87,23 @@ def _extend_kernel(q, out, q_start, q_len, ctx_len, table, row_of_block, sealed,
                             dk, dv, h, HKV, KW, KD, VW, VD, BS, K_FMT, V_FMT, K_BITS, V_BITS, V_GROUP, OWN)
         visible = valid[None, :] & (kpos[None, :] <= qpos[:, None]) & \
             ((window <= 0) | (kpos[None, :] > qpos[:, None] - window))
-        sc = tl.dot(qv, tl.trans(k), input_precision="ieee") * sm_scale
+        sc = mma(qv, tl.trans(k), DT) * sm_scale
         if OWN:
             own = kpos[None, :] >= own_start[:, None]
             mine = valid & (kpos >= lo_pos // BS * BS)     # keys in some query's own block
             k_exact = _exact_tile(fk, kr, row, off, kpos, q0, first, mine, dk, h, HKV, KW, dk < KD, BS, K_FMT, k)
             v_exact = _exact_tile(fv, vr, row, off, kpos, q0, first, mine, dv, h, HKV, VW, dv < VD, BS, V_FMT, v)
-            sc = tl.where(own, tl.dot(qv, tl.trans(k_exact), input_precision="ieee") * sm_scale, sc)
+            sc = tl.where(own, mma(qv, tl.trans(k_exact), DT) * sm_scale, sc)
         sc = tl.where(visible, sc, float("-inf"))
         m_new = tl.maximum(m, tl.max(sc, 1))
         alpha = tl.exp(m - m_new)
         pr = tl.exp(sc - m_new[:, None])
         den = den * alpha + tl.sum(pr, 1)
         if OWN:
-            pv = tl.dot(tl.where(own, 0.0, pr), v, input_precision="ieee") + \
-                tl.dot(tl.where(own, pr, 0.0), v_exact, input_precision="ieee")
+            pv = mma(tl.where(own, 0.0, pr), v, DT) + \
+                mma(tl.where(own, pr, 0.0), v_exact, DT)
         else:
-            pv = tl.dot(pr, v, input_precision="ieee")
+            pv = mma(pr, v, DT)
         acc = acc * alpha[:, None] + pv
         m = m_new
     o = acc / tl.maximum(den, 1e-30)[:, None]
@@ -140,5 +141,6 @@ def paged_extend(q: torch.Tensor, k: KVSource, v: KVSource, table: torch.Tensor,
         hq, hkv, g, k.width, kd, v.width, vd, BS=bs, BLOCK_M=block_m, BLOCK_G=block_g,
         BLOCK_DK=max(16, triton.next_power_of_2(kd)), BLOCK_DV=max(16, triton.next_power_of_2(vd)),
         K_FMT=k.fmt, V_FMT=v.fmt, K_BITS=k.bits, V_BITS=v.bits, V_GROUP=v.vgroup,
-        PAGES=max(1, tile_tokens(kd) // bs), OWN=own)
+        PAGES=max(1, tile_tokens(kd) // bs), OWN=own,
+        DT=dot_dtype(q.dtype))
     return out.to(q.dtype)

@@ -12,6 +12,7 @@ An MLA latent is [NB, BS, W] (H = 1); its value view reads the first `dim` < W c
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -28,6 +29,9 @@ from kvserve.kv.formats import (
 )
 
 NATIVE, INT8, FP8_E4M3, FP8_E5M2, KIVI_K, KIVI_V = range(6)
+# The dtype tile products run in: float32 models in float32 (exact FMA), 16-bit models on tensor
+# cores in their own dtype with float32 accumulation, as flash attention does.
+DOT_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
 
 @dataclass
@@ -133,3 +137,24 @@ def load_kv(kd, ks, kz, kr, vd, vs, vz, vr, row_of_block, sealed, blk, page, own
     v = load_tile(vd, vs, vz, vr, blk, off, row, use_res, dv, head, H, VW, VD, tmask, dv < VD,
                   BS, V_FMT, V_BITS, V_GROUP)
     return k, v, row
+
+
+@triton.jit
+def mma(a, b, DT: tl.constexpr):
+    """a @ b accumulated in float32, the operands in float32 (DT 0), bfloat16 (1) or float16 (2);
+    DT 3 rounds them to bfloat16 and multiplies in float32 (the same products: the interpreter has
+    no bfloat16 dot)."""
+    if DT == 1:
+        return tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16))
+    elif DT == 2:
+        return tl.dot(a.to(tl.float16), b.to(tl.float16))
+    elif DT == 3:
+        return tl.dot(a.to(tl.bfloat16).to(tl.float32), b.to(tl.bfloat16).to(tl.float32), input_precision="ieee")
+    else:
+        return tl.dot(a, b, input_precision="ieee")
+
+
+def dot_dtype(dtype: torch.dtype) -> int:
+    """The `mma` DT for a model dtype (see DOT_DTYPES)."""
+    dt = DOT_DTYPES.get(dtype, 0)
+    return 3 if dt == 1 and os.environ.get("TRITON_INTERPRET") == "1" else dt
