@@ -32,6 +32,7 @@ CONFIGS = {  # name -> LLM options
     "kvserve bfloat16": {"dtype": "bfloat16"},
     "kvserve int8 weights": {"weights": "int8", "dtype": "float32"},
     "kvserve int4 weights": {"weights": "int4", "dtype": "float32"},
+    "kvserve int4 eager": {"weights": "int4", "dtype": "float32", "enforce_eager": True},
 }
 
 
@@ -144,7 +145,8 @@ def main() -> int:
     load = OtherLoad()
     for name in names:
         run, llm = kvserve_runner(CONFIGS[name], prefill_ids, args.output_len)
-        picked = f"{llm.engine.weight_format} weights, {str(llm.engine.dtype).removeprefix('torch.')} activations"
+        picked = (f"{llm.engine.weight_format} weights, {str(llm.engine.dtype).removeprefix('torch.')} activations, "
+                  + ("compiled" if llm.engine.compiled else "eager"))
         best = (0.0, 0.0)
         for _ in range(args.repeats):
             got = run()
@@ -169,7 +171,7 @@ def main() -> int:
             md_table(header, rows)]
     if not args.no_profile:
         prof_rows = []
-        for name in ("kvserve float32", "kvserve default (auto)"):
+        for name in ("kvserve float32", "kvserve int4 eager", "kvserve default (auto)"):
             for batch in (1, 64):
                 wall, ops = step_profile(CONFIGS[name], batch)
                 prof_rows.append([name, str(batch), f"{wall:.1f}", f"{ops:.1f}", f"{max(0.0, wall - ops):.1f}"])
