@@ -46,9 +46,13 @@ class TritonBackend(GatheredBackend):
 
     # ---- metadata ----------------------------------------------------------------------------
     def prepare(self, step: StepBatch, g: int, table: torch.Tensor) -> GroupMetadata:
-        md = super().prepare(step, g, table)
+        """Slots of the new tokens, and the block tables and lengths the kernels take: no gathered
+        slot lists or masks (the kernels walk the tables and mask by position)."""
+        md = GroupMetadata(slot_mapping=self._slot_mapping(step, g, table))
         d = step.num_decodes
         counts = step.counts
+        if d:
+            self._prepare_decodes(md, step, g, table)
         if len(counts) > d:
             dev = table.device
             news = torch.tensor(counts[d:], device=dev)
