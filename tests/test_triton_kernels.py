@@ -299,3 +299,26 @@ def test_engine_tokens_match_torch_backend(tiny, family, fmt):
         runs.append(llm.generate(prompts, params, use_tqdm=False))
     assert set(eng.runner.backend_names()) == {"TritonBackend"}
     assert_same_completions(runs[1], runs[0], tol=1e-4)
+
+
+def test_select_backend_choices():
+    """'triton' takes every format the kernels read; per-head precision, watched scores and
+    'torch' keep the torch backends; 'auto' off CUDA never imports the kernels."""
+    from kvserve.attention import select_backend
+
+    def pick(spec, kind, observed=False, **fmt):
+        groups = group_layers([spec])
+        kvf = build_kv_format(groups, torch.float32, 32, **fmt)
+        st = KVStorage(groups, 4, 32, torch.float32, DEVICE, kvf, residual_rows=2)
+        return type(select_backend(st, groups[0], observed, kind)).__name__
+
+    full, mla = KVSpec("full", 2, 64), KVSpec("mla", latent_dim=64, rope_dim=16)
+    for fmt in ("auto", "int8", "fp8_e5m2", "kivi2"):
+        assert pick(full, "triton", kv_cache_dtype=fmt) == "TritonBackend"
+    assert pick(mla, "triton", kv_cache_dtype="int8") == "TritonBackend"
+    assert pick(full, "triton", kv_cache_dtype="kivi4", kv_cache_dtype_k="int8") == "TritonBackend"
+    assert pick(full, "triton", kv_cache_dtype="kivi2", high_heads={0: [1]}) == "GatheredBackend"
+    assert pick(full, "triton", observed=True) == "GatheredBackend"
+    assert pick(full, "torch") == "PagedBackend"
+    if DEVICE == "cpu":
+        assert pick(full, "auto") == "PagedBackend"
