@@ -176,7 +176,8 @@ class LLMEngine:
 
         `sample(logits, requests)`, if given, replaces the sampler: row i of `logits` belongs to
         requests[i] (every request whose next token is due), and `sample` advances them with
-        append_token / fork / release. It is called whenever a step ran (with no rows mid-prefill)."""
+        append_token / fork / release. It is called for every step that ran (with no rows when only
+        prompt chunks ran)."""
         batch = self._run_model()
         if batch is None:
             return []
