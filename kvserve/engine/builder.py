@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from kvserve.config import DTYPES, EngineConfig
+from kvserve.engine.eviction import extend_positions
 from kvserve.engine.memory import PoolPlan, check_fits, gib, measure_activation_peak, plan_pool
 from kvserve.kv.formats import KVCacheFormat, build_kv_format, split_budget
 from kvserve.kv.hashing import namespace_hash
@@ -22,6 +23,7 @@ from kvserve.model.config import ModelConfig
 from kvserve.model.layers import fuse_projections
 from kvserve.model.loader import gguf_linear_types, load_weights, resolve_model_path
 from kvserve.model.quant import cast_unquantized, quantize_model, weight_bytes
+from kvserve.model.regions import compile_regions
 from kvserve.model.registry import build_model
 from kvserve.model.tokenizer import Tokenizer
 
@@ -43,6 +45,7 @@ class LoadedModel:
     dtype: torch.dtype
     max_model_len: int
     seconds: float
+    compiled: bool        # dense regions run as torch.compile graphs (model/regions.py)
 
     @property
     def quantized(self) -> bool:
@@ -72,8 +75,18 @@ def load_model(config: EngineConfig, device: torch.device, dtype: torch.dtype) -
     seconds = time.perf_counter() - t0
     log.info("weights: %s, activations and KV %s (%s); %.1f MiB of weights", weight_format,
              str(dtype).removeprefix("torch."), why, weight_bytes(model) / 2**20)
-    return LoadedModel(path, model_config, tokenizer, model, weight_format, dtype,
-                       _max_model_len(config, model_config), seconds)
+    max_model_len = _max_model_len(config, model_config)
+    extend_positions(model, max_model_len)
+    compiled = _compile(config, model, device, weight_format)
+    return LoadedModel(path, model_config, tokenizer, model, weight_format, dtype, max_model_len, seconds,
+                       compiled)
+
+
+def _compile(config: EngineConfig, model: torch.nn.Module, device: torch.device, weight_format: str) -> bool:
+    """Compile the model's dense regions unless the config says eager (model/regions.py)."""
+    wanted, why = config.compiles(weight_format)
+    log.info("model regions: %s", why)
+    return wanted and compile_regions(model, device)
 
 
 def _build_model(mc: ModelConfig, weights: dict[str, torch.Tensor], device: torch.device, dtype: torch.dtype,

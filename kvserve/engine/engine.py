@@ -7,7 +7,6 @@ built from (model, tokenizer, KV cache sizing) lives in builder.py."""
 from __future__ import annotations
 
 import itertools
-import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -16,7 +15,7 @@ import torch
 
 from kvserve.config import EngineConfig
 from kvserve.engine.builder import CachePlanner, load_model
-from kvserve.engine.eviction import Evictor, extend_positions, request_policy
+from kvserve.engine.eviction import Evictor, request_policy
 from kvserve.engine.metrics import EngineStats, percentile
 from kvserve.engine.model_runner import ModelRunner
 from kvserve.engine.offload import build_swap, build_tiers, offload_metrics
@@ -24,12 +23,10 @@ from kvserve.engine.output_processor import OutputProcessor
 from kvserve.engine.request import Request, RequestStatus
 from kvserve.engine.sampler import Sampler, SamplingError, SamplingInput
 from kvserve.engine.scheduler import Scheduler
+from kvserve.kv.events import build_publisher
 from kvserve.kv.eviction import KeepAll
-from kvserve.model.regions import compile_regions
 from kvserve.outputs import RequestOutput
 from kvserve.sampling_params import SamplingParams, check_cache_salt
-
-log = logging.getLogger("kvserve")
 
 PromptType = str | list[int] | dict
 SampleFn = Callable[[torch.Tensor, list[Request]], None]
@@ -59,21 +56,13 @@ class LLMEngine:
         loaded = load_model(config, self.device, self.dtype)
         self.model_path, self.model_config, self.tokenizer = loaded.path, loaded.config, loaded.tokenizer
         self.model, self.weight_format, self.load_seconds = loaded.model, loaded.weight_format, loaded.seconds
-        self.max_model_len = loaded.max_model_len
-        extend_positions(self.model, self.max_model_len)
-        self.compiled = self._compile()
+        self.max_model_len, self.compiled = loaded.max_model_len, loaded.compiled
         self.stats = EngineStats()
         self.sampler = Sampler(loaded.eos_ids(), self.model_config.vocab_size, config.seed)
         self._build_cache(loaded)
         self.output_processor = OutputProcessor(self.tokenizer, self.sampler.eos_token_ids, self.stats, self.release)
         self.groups = self.output_processor.groups   # user request id -> its requests (n > 1: forks)
         self._ids = itertools.count()
-
-    def _compile(self) -> bool:
-        """Compile the model's dense regions unless the config says eager (model/regions.py)."""
-        wanted, why = self.config.compiles(self.weight_format)
-        log.info("model regions: %s", why)
-        return wanted and compile_regions(self.model, self.device)
 
     def _build_cache(self, loaded) -> None:
         """KV manager, storage, eviction, swap, tiers and the scheduler and runner over them."""
@@ -95,6 +84,7 @@ class LLMEngine:
         self.runner.use_eviction(self.evictor)
         self.swap = build_swap(cfg, self.storage, self.kv)   # host swap pool (swap_space GiB)
         self.tiers = build_tiers(self)                        # prefix store below the device (kv_tiers)
+        self.kv_events = build_publisher(cfg.kv_events, cfg.kv_events_replay, self.kv)  # None unless kv_events
         max_batch = cfg.max_num_batched_tokens if self.kv is not None else self.max_model_len
         self.scheduler = Scheduler(self.kv, cfg.max_num_seqs, max_batch, self.swap, cfg.preemption_mode)
         planner.log(self.storage)
@@ -179,6 +169,8 @@ class LLMEngine:
         append_token / fork / release. It is called for every step that ran (with no rows when only
         prompt chunks ran)."""
         batch = self._run_model()
+        if self.kv_events is not None:
+            self.kv_events.flush()  # this step's KV events, one batch
         if batch is None:
             return []
         (sample or self._sample)(batch.logits, batch.requests)
@@ -282,12 +274,17 @@ class LLMEngine:
         """Forget all cached free blocks (`offload`: write them to the KV tiers first); returns how many."""
         if offload and self.tiers is not None:
             self.tiers.flush()  # write-through tiers got them when they were registered
-        return self.kv.reset_prefix_cache(offload) if self.kv is not None else 0
+        n = self.kv.reset_prefix_cache(offload) if self.kv is not None else 0
+        if self.kv_events is not None:
+            self.kv_events.flush()
+        return n
 
     def close(self) -> None:
         """Write pending KV tier writes down and stop the writer threads (the engine stays usable)."""
         if self.tiers is not None:
             self.tiers.close()
+        if self.kv_events is not None:
+            self.kv_events.close()
 
 
 def _kv_metrics(kv, storage) -> dict:
