@@ -271,15 +271,18 @@ def tiny(tmp_path_factory):
     from family_checkpoints import make_tiny_checkpoint
 
     root = tmp_path_factory.mktemp("triton_tiny")
-    return {f: make_tiny_checkpoint(f, root / f) for f in ("llama", "gemma3")}
+    return {f: make_tiny_checkpoint(f, root / f) for f in ("llama", "gemma3", "deepseek_v2")}
 
 
 @pytest.mark.parametrize("family, fmt", [("llama", dict(kv_cache_dtype="auto")),
                                          ("gemma3", dict(kv_cache_dtype="int8", kv_cache_rotation=True)),
-                                         ("llama", dict(kv_cache_dtype="kivi4"))], ids=["native", "int8-rot", "kivi4"])
+                                         ("llama", dict(kv_cache_dtype="kivi4")),
+                                         ("deepseek_v2", dict(kv_cache_dtype="int8"))],
+                         ids=["native", "int8-rot", "kivi4", "mla-int8"])
 def test_engine_tokens_match_torch_backend(tiny, family, fmt):
     """Greedy tokens and log-probs of a tiny model (gemma3: sliding-window layers; a Hadamard
-    rotation): TritonBackend equals the torch backends, over chunked prefill and decode."""
+    rotation; deepseek_v2: MLA latents): TritonBackend equals the torch backends, over chunked
+    prefill and decode."""
     from helpers import assert_same_completions
 
     from kvserve import LLM, SamplingParams
