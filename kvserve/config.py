@@ -136,6 +136,13 @@ class EngineConfig:
     kv_policy: str | None = opt(None, "KV eviction for every request (docs/EVICTION.md): window:W, sinks:S,W, "
                                 "h2o:HEAVY,RECENT, snapkv:BUDGET[,WINDOW,KERNEL] (budgets in tokens or a ratio "
                                 "of the prompt), or full", metavar="POLICY")
+    kv_events: str | None = opt(None, "publish KV cache events (block stored / removed / all cleared, one batch per "
+                                "step) on this ZeroMQ PUB endpoint, e.g. tcp://127.0.0.1:5557 (pip install "
+                                "'kvserve[events]'; wire format in docs/SERVING.md)", group="KV events",
+                                metavar="ENDPOINT")
+    kv_events_replay: str | None = opt(None, "ZeroMQ ROUTER endpoint that replays buffered event batches from a "
+                                       "sequence number, e.g. tcp://127.0.0.1:5558", group="KV events",
+                                       metavar="ENDPOINT")
 
     def validate(self) -> None:
         """Raise ValueError naming the first bad field."""
@@ -165,8 +172,19 @@ class EngineConfig:
                              f"got {self.kv_pin_fraction}")
         self._validate_offload()
         self._validate_kv_policy()
+        self._validate_kv_events()
         from kvserve.kv.hashing import digest_fn
         digest_fn(self.prefix_caching_hash_algo)  # names the choices, or says to pip install xxhash
+
+    def _validate_kv_events(self) -> None:
+        from kvserve.kv.events import check_endpoint
+        check_endpoint("kv_events", self.kv_events)
+        check_endpoint("kv_events_replay", self.kv_events_replay)
+        if self.kv_events_replay is not None and self.kv_events is None:
+            raise ValueError("kv_events_replay replays the batches kv_events publishes: give kv_events too")
+        if self.kv_events is not None and (self.kv_cache_mode == "none" or not self.enable_prefix_caching):
+            raise ValueError("kv_events report the prefix cache's blocks: they need prefix caching on and "
+                             f"a KV cache (kv_cache_mode 'paged' or 'contiguous', got {self.kv_cache_mode!r})")
 
     def _validate_kv_policy(self) -> None:
         if self.kv_policy is None:

@@ -146,16 +146,17 @@ class BlockPool:
             return None
         return block_id
 
-    def register(self, block_id: int, block_hash: BlockHash, token_ids: tuple[int, ...]) -> None:
-        """Mark a full block as cached under `block_hash` (first writer wins)."""
+    def register(self, block_id: int, block_hash: BlockHash, token_ids: tuple[int, ...]) -> bool:
+        """Mark a full block as cached under `block_hash` (first writer wins); True if it was."""
         block = self.blocks[block_id]
         if block.block_hash is not None or block_hash in self.cached:
-            return
+            return False
         block.block_hash = block_hash
         block.token_ids = token_ids
         self.cached[block_hash] = block_id
         if self.on_register is not None:
             self.on_register(block_id, block_hash, token_ids)
+        return True
 
     def reset_cache(self, offload: bool = False) -> int:
         """Forget every hash of free blocks, pinned ones too (handing them to `on_evict` first if `offload`)."""

@@ -88,6 +88,7 @@ class KVCacheManager:
         # `rows_held`: the rows the requests' latest steps need, summed over requests.
         self.residual_rows: int | None = None
         self.rows_held = 0
+        self.events = None  # KVEventQueue (kv/events.py) when KV events are on
 
     # ---- queries -------------------------------------------------------------------
     @property
@@ -195,7 +196,14 @@ class KVCacheManager:
 
     def reset_prefix_cache(self, offload: bool = False) -> int:
         """Forget hashes of all free blocks (owned blocks keep theirs); `offload` writes them down first."""
-        return self.pool.reset_cache(offload=offload and self.lower is not None)
+        events, self.events = self.events, None  # reported below, once
+        before = set(self.pool.cached) if events is not None else ()
+        try:
+            return self.pool.reset_cache(offload=offload and self.lower is not None)
+        finally:
+            self.events = events
+            if events is not None:
+                self._report_reset(before)
 
     # ---- allocation ----------------------------------------------------------------
     def allocate_slots(self, req_id: str, num_computed_tokens: int, num_new_tokens: int,
@@ -244,12 +252,17 @@ class KVCacheManager:
     def _register(self, req_id: str, state: _ReqState, token_ids: list[int], num_full: int) -> None:
         self._extend_hashes(req_id, state, token_ids, num_full)
         bs = self.block_size
+        stored: list[list[int]] = [[] for _ in state.tables]  # per group: blocks newly cached
         for i in range(state.num_registered, num_full):
             tokens = tuple(token_ids[i * bs:(i + 1) * bs])
             for g, table in enumerate(state.tables):
-                if i < len(table) and table[i] != self.null:
-                    self.pool.register(table[i], self._key(g, state.block_hashes[i]), tokens)
+                if (i < len(table) and table[i] != self.null
+                        and self.pool.register(table[i], self._key(g, state.block_hashes[i]), tokens)):
+                    stored[g].append(i)
         state.num_registered = num_full
+        if self.events is not None:
+            for g, idx in enumerate(stored):
+                self._report_stored(g, idx, state.block_hashes, token_ids)
 
     def _pin(self, req_id: str, state: _ReqState, num_full: int) -> None:
         """Pin (or raise the pin of) the request's cached prompt blocks not offered yet."""
@@ -336,6 +349,41 @@ class KVCacheManager:
             self.loaded_from.pop(block_id, None)
         if self.lower is not None:
             self.lower.save(evicted)
+        if self.events is not None:
+            self._report_removed([key for _, key, _ in evicted])
+
+    # ---- KV events (kv/events.py) ----------------------------------------------------
+    def _report_stored(self, g: int, idx: list[int], hashes: list[BlockHash], token_ids: list[int]) -> None:
+        """One BlockStored per run of consecutive newly cached blocks `idx` of group `g`."""
+        from kvserve.kv.events import BlockStored
+        bs = self.block_size
+        runs: list[list[int]] = []
+        for i in idx:
+            if runs and runs[-1][-1] == i - 1:
+                runs[-1].append(i)
+            else:
+                runs.append([i])
+        for run in runs:
+            self.events.add(BlockStored([hashes[i] for i in run], hashes[run[0] - 1] if run[0] else None,
+                                        list(token_ids[run[0] * bs:(run[-1] + 1) * bs]), bs, group=g))
+
+    def _report_removed(self, keys: list[BlockHash]) -> None:
+        """BlockRemoved for pool keys that left the cache, one event per KV group."""
+        from kvserve.kv.events import BlockRemoved
+        by_group: dict[int, list[BlockHash]] = {}
+        n = len(digest_fn(self.hash_algo)(b""))  # a pool key: the chained hash, + 2 bytes of group past group 0
+        for key in keys:
+            by_group.setdefault(int.from_bytes(key[n:], "little"), []).append(key[:n])
+        for g, hashes in sorted(by_group.items()):
+            self.events.add(BlockRemoved(hashes, group=g))
+
+    def _report_reset(self, before: set[BlockHash]) -> None:
+        """AllBlocksCleared when no block stays cached; else BlockRemoved for the keys that went."""
+        from kvserve.kv.events import AllBlocksCleared
+        if not self.pool.cached:
+            self.events.add(AllBlocksCleared())
+        else:
+            self._report_removed([k for k in before if k not in self.pool.cached])
 
     def _load_from_lower(self, state: _ReqState, token_ids: list[int], found, n: int) -> bool:
         """Load device misses of the longest prefix the tiers can complete; True if any loaded."""
@@ -362,11 +410,11 @@ class KVCacheManager:
             fresh = [b.block_id for b in self.pool.allocate(len(need))]
             bs = self.block_size
             items = [(keys[gi], tuple(token_ids[gi[1] * bs:(gi[1] + 1) * bs]), b) for gi, b in zip(need, fresh)]
-            for (key, tokens, block_id), src in zip(items, self.lower.load(items)):
-                if src is not None:
-                    self.pool.register(block_id, key, tokens)
-                    if self.pool.blocks[block_id].block_hash == key:
-                        self.loaded_from[block_id] = src
+            for (g, i), (key, tokens, block_id), src in zip(need, items, self.lower.load(items)):
+                if src is not None and self.pool.register(block_id, key, tokens):
+                    self.loaded_from[block_id] = src
+                    if self.events is not None:
+                        self._report_stored(g, [i], state.block_hashes, token_ids)
         finally:  # loaded blocks stay cached and free (revived by allocate_slots); failed ones go first
             self.pool.free(list(reversed(fresh)))
             self.pool.free(list(reversed(keep)), stamp=False)
