@@ -304,6 +304,21 @@ def test_engine_tokens_match_torch_backend(tiny, family, fmt):
     assert_same_completions(runs[1], runs[0], tol=1e-4)
 
 
+def test_attention_backend_option_reaches_the_runner(tiny):
+    """LLM(attention_backend=...) picks each KV group's backend; the Triton engine generates."""
+    from kvserve import LLM, SamplingParams
+
+    common = dict(kv_cache_memory="4MiB", max_model_len=128, dtype="float32")
+    torch_llm = LLM(tiny["llama"], attention_backend="torch", **common)
+    assert set(torch_llm.engine.runner.backend_names()) == {"PagedBackend"}
+    llm = LLM(tiny["llama"], attention_backend="triton", **common)
+    assert set(llm.engine.runner.backend_names()) == {"TritonBackend"}
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    prompt = [[7, 11, 13, 17, 19]]
+    got = llm.generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids
+    assert got == torch_llm.generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids
+
+
 def test_select_backend_choices():
     """'triton' takes every format the kernels read; per-head precision, watched scores and
     'torch' keep the torch backends; 'auto' off CUDA never imports the kernels."""

@@ -74,7 +74,7 @@ class LLMEngine:
         self.kv, self.storage = planner.build()
         self.pool_plan, self.kv_residual_rows = planner.plan, planner.residual_rows
         self.runner = ModelRunner(self.model, self.kv, self.storage, self.device, cfg.max_num_seqs,
-                                  self.max_model_len)
+                                  self.max_model_len, cfg.attention_backend)
         # The KV manager's eviction strategy: keep everything, or engine/eviction.py's Evictor under
         # a kv_policy (it needs one layer per KV group)
         self.evictor = self.kv.eviction if self.kv is not None else KeepAll()

@@ -31,8 +31,10 @@ class ModelRunner:
     one `execute` per engine step."""
 
     def __init__(self, model: torch.nn.Module, kv: KVCacheManager | None, storage: KVStorage | None,
-                 device: torch.device, max_num_seqs: int = 64, max_model_len: int = 2048):
+                 device: torch.device, max_num_seqs: int = 64, max_model_len: int = 2048,
+                 attention_backend: str = "auto"):
         self.model = model
+        self.attention_backend = attention_backend  # select_backend's kind: auto, torch, triton
         self.kv = kv
         self.storage = storage
         self.device = device
@@ -54,7 +56,8 @@ class ModelRunner:
         if self.kv is None:
             return
         observed = eviction.observed_groups
-        self.set_backends([select_backend(self.storage, group, g in observed) for g, group in enumerate(self.kv.groups)])
+        self.set_backends([select_backend(self.storage, group, g in observed, self.attention_backend)
+                          for g, group in enumerate(self.kv.groups)])
 
     def set_backends(self, backends: list) -> None:
         """Use `backends[g]` for the layers of KV group g."""
