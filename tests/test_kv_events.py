@@ -178,3 +178,57 @@ def test_bad_endpoints_fail_at_start_up_with_a_clear_error():
     finally:
         first.close()
     assert EngineConfig().kv_events is None  # off by default
+
+
+def test_manager_reports_each_kv_group_under_the_chain_hash():
+    """Two KV groups (full + sliding): the same chained hashes, told apart by `group`, stored and removed."""
+    from kvserve.kv.events import KVEventQueue
+    from kvserve.kv.hashing import namespace_hash
+    from kvserve.kv.manager import KVCacheManager
+    from kvserve.kv.spec import KVGroup, KVSpec
+
+    groups = [KVGroup(KVSpec("full", 1, 1), [0]), KVGroup(KVSpec("sliding", 1, 1, window=64), [1])]
+    ns = namespace_hash("events-test")
+    kv = KVCacheManager(9, 4, ns, groups=groups)
+    kv.events = KVEventQueue()
+    ids = list(range(100, 112))  # 3 full blocks of 4
+    assert kv.allocate_slots("a", 0, len(ids))
+    kv.cache_blocks("a", ids, len(ids))
+    chain = hash_full_blocks(ns, ids, 4)
+    stored = kv.events.take()
+    assert [(e.group, e.block_hashes, e.parent_block_hash, e.token_ids) for e in stored] == [
+        (0, chain, None, ids), (1, chain, None, ids)]
+    kv.free("a")
+    assert kv.allocate_slots("b", 0, 16)  # 4 blocks per group: every usable block, the cached ones reused
+    removed = kv.events.take()
+    assert sorted((e.group, h) for e in removed for h in e.block_hashes) == sorted(
+        (g, h) for g in (0, 1) for h in chain)
+    assert all(e.medium == "device" for e in removed)
+
+
+def test_blocks_loaded_back_from_a_tier_are_reported_stored_on_the_device():
+    from kvserve.kv.events import KVEventQueue
+    from kvserve.kv.hashing import namespace_hash
+    from kvserve.kv.manager import KVCacheManager
+
+    class EveryBlockInCpuTier:
+        def save(self, evicted):
+            pass
+
+        def locate(self, hashes):
+            return ["cpu"] * len(hashes)
+
+        def load(self, items):
+            return ["cpu"] * len(items)
+
+    ns = namespace_hash("events-tier-test")
+    kv = KVCacheManager(8, 4, ns)
+    kv.events, kv.lower = KVEventQueue(), EveryBlockInCpuTier()
+    ids = list(range(200, 213))  # 3 full blocks before the last token
+    hits, n = kv.get_computed_blocks("r", ids)
+    assert n == 12
+    chain = hash_full_blocks(ns, ids, 4)
+    stored = kv.events.take()
+    assert [(e.block_hashes, e.parent_block_hash, e.medium) for e in stored] == [
+        ([chain[0]], None, "device"), ([chain[1]], chain[0], "device"), ([chain[2]], chain[1], "device")]
+    assert [kv.pool.cached[h] for h in chain] == hits[0]
