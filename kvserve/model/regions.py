@@ -88,7 +88,13 @@ def compile_regions(model: torch.nn.Module, device: torch.device, show_progress:
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
     model.model.regions = Regions(True)
     t0 = time.perf_counter()
-    _warm_up(model, device, show_progress)
+    try:
+        _warm_up(model, device, show_progress)
+    except Exception as exc:  # e.g. no C++ compiler for torch's CPU code generation
+        model.model.regions = EAGER
+        log.warning("compiled regions: compiling failed (%s: %s); the model runs eagerly "
+                    "(enforce_eager=True skips the attempt)", type(exc).__name__, str(exc).splitlines()[0][:200])
+        return False
     log.info("compiled regions: %s, warmed up for %s tokens in %.1f s (enforce_eager=True skips this)",
              type(model).__name__, "/".join(map(str, WARMUP_TOKENS)), time.perf_counter() - t0)
     return True
