@@ -1,0 +1,1 @@
+"""Beyond one engine: tensor parallel, KV-event consumers and routing over replicas."""
