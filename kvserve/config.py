@@ -143,6 +143,11 @@ class EngineConfig:
     kv_events_replay: str | None = opt(None, "ZeroMQ ROUTER endpoint that replays buffered event batches from a "
                                        "sequence number, e.g. tcp://127.0.0.1:5558", group="KV events",
                                        metavar="ENDPOINT")
+    tensor_parallel_size: int = opt(1, "processes the model is split over: attention by KV head, the MLP by "
+                                    "columns and rows; gloo on CPU, NCCL on CUDA (docs/DISTRIBUTED.md)",
+                                    group="distributed")
+    tensor_parallel_timeout: float = opt(300.0, "seconds a tensor parallel rank waits for the others in a "
+                                         "collective before the engine fails", group="distributed")
 
     def validate(self) -> None:
         """Raise ValueError naming the first bad field."""
@@ -173,6 +178,7 @@ class EngineConfig:
         self._validate_offload()
         self._validate_kv_policy()
         self._validate_kv_events()
+        self._validate_tensor_parallel()
         from kvserve.kv.hashing import digest_fn
         digest_fn(self.prefix_caching_hash_algo)  # names the choices, or says to pip install xxhash
 
@@ -185,6 +191,15 @@ class EngineConfig:
         if self.kv_events is not None and (self.kv_cache_mode == "none" or not self.enable_prefix_caching):
             raise ValueError("kv_events report the prefix cache's blocks: they need prefix caching on and "
                              f"a KV cache (kv_cache_mode 'paged' or 'contiguous', got {self.kv_cache_mode!r})")
+
+    def _validate_tensor_parallel(self) -> None:
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        if not self.tensor_parallel_timeout > 0:
+            raise ValueError(f"tensor_parallel_timeout must be > 0 seconds, got {self.tensor_parallel_timeout}")
+        if self.tensor_parallel_size > 1:
+            from kvserve.distributed.tensor_parallel import check_config
+            check_config(self)
 
     def _validate_kv_policy(self) -> None:
         if self.kv_policy is None:
@@ -268,6 +283,8 @@ class EngineConfig:
         from kvserve.model.regions import EAGER_ENV, eager_by_env
         if self.enforce_eager:
             return False, "enforce_eager=True"
+        if self.tensor_parallel_size > 1:
+            return False, "tensor parallel runs eagerly"
         if eager_by_env():
             return False, f"{EAGER_ENV}=1"
         if weight_format == "float32" and self.torch_dtype() == torch.float32:

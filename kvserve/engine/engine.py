@@ -53,7 +53,11 @@ class LLMEngine:
         self.config = config
         self.device = config.torch_device()
         self.dtype = config.torch_dtype()
-        loaded = load_model(config, self.device, self.dtype)
+        self.tp = None  # tensor parallel: rank 0's handle on the other ranks (kvserve/distributed/)
+        if config.tensor_parallel_size > 1:
+            from kvserve.distributed.tensor_parallel import TensorParallel
+            self.tp = TensorParallel(config, self.device, self.dtype)
+        loaded = self.tp.loaded if self.tp is not None else load_model(config, self.device, self.dtype)
         self.model_path, self.model_config, self.tokenizer = loaded.path, loaded.config, loaded.tokenizer
         self.model, self.weight_format, self.load_seconds = loaded.model, loaded.weight_format, loaded.seconds
         self.max_model_len, self.compiled = loaded.max_model_len, loaded.compiled
@@ -67,14 +71,15 @@ class LLMEngine:
     def _build_cache(self, loaded) -> None:
         """KV manager, storage, eviction, swap, tiers and the scheduler and runner over them."""
         cfg = self.config
-        self.planner = planner = CachePlanner(self, loaded)
+        self.planner = planner = CachePlanner(self, loaded) if self.tp is None else self.tp.planner(self, loaded)
         self.kv_policy, self.kv_groups, self.kv_format = planner.policy, planner.groups, planner.format
         self.kv_bytes_per_token = self.kv_format.bytes_per_token
         self.page_bytes_per_token = self.kv_format.page_bytes_per_token
         self.kv, self.storage = planner.build()
         self.pool_plan, self.kv_residual_rows = planner.plan, planner.residual_rows
-        self.runner = ModelRunner(self.model, self.kv, self.storage, self.device, cfg.max_num_seqs,
-                                  self.max_model_len, cfg.attention_backend)
+        runner = ModelRunner if self.tp is None else self.tp.runner
+        self.runner = runner(self.model, self.kv, self.storage, self.device, cfg.max_num_seqs,
+                             self.max_model_len, cfg.attention_backend)
         # The KV manager's eviction strategy: keep everything, or engine/eviction.py's Evictor under
         # a kv_policy (it needs one layer per KV group)
         self.evictor = self.kv.eviction if self.kv is not None else KeepAll()
@@ -280,11 +285,14 @@ class LLMEngine:
         return n
 
     def close(self) -> None:
-        """Write pending KV tier writes down and stop the writer threads (the engine stays usable)."""
+        """Write pending KV tier writes down and stop the writer threads (the engine stays usable,
+        except under tensor parallel: the worker ranks exit)."""
         if self.tiers is not None:
             self.tiers.close()
         if self.kv_events is not None:
             self.kv_events.close()
+        if self.tp is not None:
+            self.tp.close()
 
 
 def _kv_metrics(kv, storage) -> dict:

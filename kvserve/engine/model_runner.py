@@ -24,6 +24,8 @@ class ModelInput:
     order: list[tuple[Request, int]]   # requests in batch order with their new-token counts
     logits_rows: list[int]             # row of the last token of each request that samples
     sampling_reqs: list[Request]       # requests owning those rows
+    step: StepBatch | None = None      # what each group's backend prepared its metadata from
+    tables: list[torch.Tensor] | None = None  # per group: block tables [R, W] in batch order
 
 
 class ModelRunner:
@@ -71,12 +73,16 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, scheduled: list[tuple[Request, int]], prompt_logprob_reqs=()):
         """Run one step; returns (input, logits [len(sampling_reqs), vocab], prompt logits per request)."""
-        if self.kv is not None:
-            self.storage.copy_blocks(self.kv.take_pending_copies())
         inp = self.prepare(scheduled)
-        hidden = self.model(inp.input_ids, inp.positions, inp.meta)
+        hidden = self.forward(inp)
         logits = self.model.compute_logits(hidden[inp.logits_rows])
         return inp, logits, self._prompt_logits(inp, hidden, prompt_logprob_reqs)
+
+    def forward(self, inp: ModelInput) -> torch.Tensor:
+        """Run pending copy-on-write block copies, then the model; hidden states [num_tokens, hidden]."""
+        if self.kv is not None:
+            self.storage.copy_blocks(self.kv.take_pending_copies())
+        return self.model(inp.input_ids, inp.positions, inp.meta)
 
     def prepare(self, scheduled: list[tuple[Request, int]]) -> ModelInput:
         """Build input ids, positions and attention metadata."""
@@ -98,19 +104,22 @@ class ModelRunner:
         for req, n in prefills:
             meta.prefills.append(PrefillSpan(row, n, req.num_computed_tokens + n))
             row += n
+        inp = ModelInput(self._tensor(ids), self._tensor(pos), meta, order, logits_rows, sampling)
         if cached:
-            self._cache_metadata(meta, order, len(decodes), len(ids))
+            inp.step, inp.tables = self._cache_metadata(meta, order, len(decodes), len(ids))
             meta.score_hook = self.eviction.score_hook(decodes, prefills)
-        return ModelInput(self._tensor(ids), self._tensor(pos), meta, order, logits_rows, sampling)
+        return inp
 
-    def _cache_metadata(self, meta: AttentionMetadata, order, num_decodes: int, num_tokens: int) -> None:
-        """Each group's metadata from its backend, over the persistent block tables."""
+    def _cache_metadata(self, meta: AttentionMetadata, order, num_decodes: int, num_tokens: int):
+        """Each group's metadata from its backend, over the persistent block tables; returns the step
+        batch and tables it was built from."""
         self.input_batch.release(lambda rid: rid in self.kv.reqs)
         tables = self.input_batch.tables([r.request_id for r, _ in order], self.kv.block_ids)
         step = self._step_batch(order, num_decodes, num_tokens)
         meta.groups = [b.prepare(step, g, tables[g]) for g, b in enumerate(self.backends)]
         meta.backend_of = self.layer_backend.__getitem__
         meta.layer_group = self.layer_group
+        return step, tables
 
     def _step_batch(self, order, num_decodes: int, num_tokens: int) -> StepBatch:
         counts = [n for _, n in order]

@@ -1,0 +1,310 @@
+"""Tensor parallel over N processes: rank 0 is the engine (it schedules, samples and answers); ranks
+1..N-1 are worker processes that hold their shard of the model and their own KV pool and run the
+same step as rank 0, from the step message rank 0 broadcasts before each forward.
+
+Every rank's pool holds only its KV heads and is sized from its own budget (kv_cache_memory is per
+rank); all ranks take the smallest block count of them, since rank 0's KV manager hands out block
+ids for all. A rank that dies fails the engine with a RuntimeError naming it: rank 0 checks the
+workers before each step, and a collective whose peer is gone fails (at once when its socket
+closes, else after tensor_parallel_timeout seconds).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+import weakref
+from dataclasses import dataclass
+from types import SimpleNamespace
+
+import torch
+
+from kvserve.attention import AttentionMetadata, PrefillSpan, StepBatch, select_backend
+from kvserve.distributed.group import Group, follower_store, leader_store
+from kvserve.distributed.sharding import (
+    check_model,
+    parallelize,
+    plan_shard,
+    shard_config,
+    shard_weights,
+)
+from kvserve.engine.builder import CachePlanner, LoadedModel, load_tokenizer
+from kvserve.engine.eviction import extend_positions
+from kvserve.engine.memory import check_fits
+from kvserve.engine.model_runner import ModelInput, ModelRunner
+from kvserve.model.layers import fuse_projections
+from kvserve.model.loader import load_weights, resolve_model_path
+from kvserve.model.registry import build_model
+
+log = logging.getLogger("kvserve")
+
+SUPPORTED = ("tensor parallel supports Llama-family models (llama, qwen2, qwen3, mistral) with unquantized "
+             "weights (weights equal to dtype, e.g. weights='float32', dtype='float32') and a plain KV cache "
+             "(kv_cache_dtype auto, float32, bfloat16 or float16)")
+
+
+def check_config(config) -> None:
+    """Raise ValueError for options tensor parallel does not run, saying what it does run."""
+    from kvserve.config import DTYPES
+    from kvserve.kv.formats import is_quantized
+
+    refused = []
+    if config.weights != "auto" and config.weights not in DTYPES:
+        refused.append(f"weights={config.weights!r}")
+    if config.weights != "auto" and config.dtype != "auto" and config.weights != config.dtype:
+        refused.append(f"weights={config.weights!r} with dtype={config.dtype!r}")
+    kv = [config.kv_cache_dtype, config.kv_cache_dtype_k, config.kv_cache_dtype_v]
+    refused += [f"kv_cache_dtype={n!r}" for n in kv if n is not None and is_quantized(n)]
+    for name in ("kv_policy", "kv_tiers", "swap_space", "kv_cache_head_precision", "kv_cache_dtype_skip_layers"):
+        if getattr(config, name):
+            refused.append(f"{name}={getattr(config, name)!r}")
+    if refused:
+        raise ValueError(f"tensor_parallel_size={config.tensor_parallel_size} cannot run "
+                         f"{', '.join(refused)}: {SUPPORTED}")
+
+
+def check_weight_format(config, dtype: torch.dtype) -> str:
+    """The linear weight format, which must be `dtype` itself (no quantized weights)."""
+    from kvserve.config import DTYPES
+    fmt, why = config.weight_format()
+    if DTYPES.get(fmt) != dtype:
+        raise ValueError(f"tensor_parallel_size={config.tensor_parallel_size} cannot run {fmt} weights with "
+                         f"{str(dtype).removeprefix('torch.')} activations ({why}): {SUPPORTED}")
+    return fmt
+
+
+def rank_device(config, rank: int) -> torch.device:
+    """CUDA rank r runs on cuda:r; CPU ranks on the CPU."""
+    device = config.torch_device()
+    return torch.device("cuda", rank) if device.type == "cuda" else device
+
+
+def load_shard(config, group: Group, device: torch.device, dtype: torch.dtype, weights=None) -> LoadedModel:
+    """This rank's slice of the model on `device`, its o_proj and down_proj summed over `group`."""
+    from kvserve.engine.builder import _max_model_len
+    t0 = time.perf_counter()
+    path = resolve_model_path(config.model)
+    mc, weights = weights or load_weights(path, dtype)
+    shard = plan_shard(mc, group.rank, group.size)
+    model = build_model(shard_config(mc, shard))
+    missing, unexpected = model.load_state_dict(shard_weights(weights, mc, shard), strict=False)
+    missing = [k for k in missing if not (k == "lm_head.weight" and mc.tie_word_embeddings)]
+    if missing or unexpected:
+        raise ValueError(f"checkpoint does not match the model: missing {missing[:5]}, unexpected {unexpected[:5]}")
+    del weights
+    model = model.to(device=device, dtype=dtype).eval()
+    fuse_projections(model)
+    parallelize(model, group)
+    max_model_len = _max_model_len(config, mc)
+    extend_positions(model, max_model_len)
+    fmt = check_weight_format(config, dtype)
+    return LoadedModel(path, mc, load_tokenizer(path) if group.rank == 0 else None, model, fmt, dtype,
+                       max_model_len, time.perf_counter() - t0, False)
+
+
+class ShardPlanner(CachePlanner):
+    """CachePlanner of one rank: its pool from its own budget, then the smallest block count of all ranks."""
+
+    def __init__(self, engine, loaded: LoadedModel, group: Group):
+        self.group = group
+        super().__init__(engine, loaded)
+
+    def plan_pool(self):
+        plan = super().plan_pool()
+        fewest = self.group.min(plan.num_blocks)
+        if fewest < plan.num_blocks:
+            plan.num_blocks = fewest
+            check_fits(plan, self.blocks_per_sequence(plan.block_size), self.max_model_len, self.bound_note())
+        return plan
+
+
+@dataclass
+class StepMessage:
+    """What ranks > 0 need to run rank 0's step: the flat batch, the step batch and block tables each
+    group's backend prepares its metadata from, and the copy-on-write block copies to run first."""
+
+    input_ids: torch.Tensor            # [num_tokens]
+    positions: torch.Tensor            # [num_tokens]
+    num_decodes: int
+    prefills: list[PrefillSpan]
+    step: StepBatch | None
+    tables: list[torch.Tensor] | None  # per group: [R, W]
+    copies: list[tuple[int, int]]
+
+
+def step_message(inp: ModelInput, copies: list[tuple[int, int]]) -> StepMessage:
+    """The step as CPU tensors (the control channel pickles it)."""
+    cpu = torch.device("cpu")
+    step = inp.step
+    if step is not None and step.token_req.device != cpu:
+        step = StepBatch(step.num_decodes, step.counts, step.token_req.cpu(), step.token_off.cpu(),
+                         step.cache_lens, [t.cpu() for t in step.cache_len_t])
+    tables = [t.cpu() for t in inp.tables] if inp.tables is not None else None
+    return StepMessage(inp.input_ids.cpu(), inp.positions.cpu(), inp.meta.num_decodes, inp.meta.prefills,
+                       step, tables, copies)
+
+
+class LeaderRunner(ModelRunner):
+    """Rank 0's runner: broadcasts each step to the other ranks, then runs its own shard."""
+
+    def __init__(self, tp: TensorParallel, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.tp = tp
+
+    def forward(self, inp: ModelInput) -> torch.Tensor:
+        copies = self.kv.take_pending_copies() if self.kv is not None else []
+        self.tp.check()
+        try:
+            self.tp.group.broadcast_object(step_message(inp, copies))
+            if copies:
+                self.storage.copy_blocks(copies)
+            return self.model(inp.input_ids, inp.positions, inp.meta)
+        except RuntimeError as exc:
+            raise self.tp.fail(f"a collective failed ({str(exc).splitlines()[0][:300]})") from exc
+
+
+class Follower:
+    """A rank > 0: its shard, its KV pool and one backend per KV group; runs rank 0's steps."""
+
+    def __init__(self, config, group: Group):
+        self.group = group
+        self.device = rank_device(config, group.rank)
+        dtype = config.torch_dtype()
+        self.loaded = load_shard(config, group, self.device, dtype)
+        self.model = self.loaded.model
+        planner = ShardPlanner(SimpleNamespace(config=config, device=self.device), self.loaded, group)
+        self.kv, self.storage = planner.build()
+        self.backends, self.layer_group = [], {}
+        if self.kv is not None:
+            self.backends = [select_backend(self.storage, g, False, config.attention_backend)
+                             for g in self.kv.groups]
+            self.layer_group = dict(self.storage.layer_group)
+            self.layer_backend = {layer: self.backends[g] for layer, g in self.layer_group.items()}
+
+    def serve(self) -> None:
+        """Run steps until rank 0 sends None."""
+        while True:
+            msg = self.group.broadcast_object()
+            if msg is None:
+                return
+            self.run(msg)
+
+    @torch.inference_mode()
+    def run(self, msg: StepMessage) -> None:
+        """One step of this rank's shard (its hidden states are rank 0's; only rank 0 computes logits)."""
+        dev = self.device
+        meta = AttentionMetadata(num_decodes=msg.num_decodes, prefills=msg.prefills)
+        if self.kv is not None:
+            if msg.copies:
+                self.storage.copy_blocks(msg.copies)
+            step = msg.step
+            if dev.type != "cpu":
+                step = StepBatch(step.num_decodes, step.counts, step.token_req.to(dev), step.token_off.to(dev),
+                                 step.cache_lens, [t.to(dev) for t in step.cache_len_t])
+            meta.groups = [b.prepare(step, g, msg.tables[g].to(dev)) for g, b in enumerate(self.backends)]
+            meta.backend_of = self.layer_backend.__getitem__
+            meta.layer_group = self.layer_group
+        self.model(msg.input_ids.to(dev), msg.positions.to(dev), meta)
+
+
+class TensorParallel:
+    """Rank 0's side: starts ranks 1..size-1 as worker processes, holds the group, watches the workers."""
+
+    def __init__(self, config, device: torch.device, dtype: torch.dtype):
+        self.config, self.size = config, config.tensor_parallel_size
+        self.failed: str | None = None
+        mc, weights = load_weights(resolve_model_path(config.model), dtype)
+        check_model(mc, self.size)        # before any process starts
+        check_weight_format(config, dtype)
+        store = leader_store(self.size, config.tensor_parallel_timeout)
+        self.errors = tempfile.mkdtemp(prefix="kvserve-tp-")
+        self.procs = [self._spawn(rank, store.port) for rank in range(1, self.size)]
+        self._finalizer = weakref.finalize(self, _stop, self.procs, 0.0)
+        try:
+            self.group = Group(store, 0, self.size, device, config.tensor_parallel_timeout)
+            self.loaded = load_shard(config, self.group, device, dtype, (mc, weights))
+        except BaseException as exc:
+            raise self.fail(f"start-up failed ({exc})") from exc
+        log.info("tensor parallel: %d ranks (%s), this rank holds KV heads %s of %d", self.size,
+                 type(self.group.compute).__name__, plan_shard(mc, 0, self.size).kv_heads, mc.num_kv_heads)
+
+    def _spawn(self, rank: int, port: int) -> subprocess.Popen:
+        args = [sys.executable, "-m", "kvserve.distributed.worker", str(rank), str(self.size), str(port),
+                os.path.join(self.errors, f"rank{rank}.txt")]
+        proc = subprocess.Popen(args, stdin=subprocess.PIPE)
+        proc.stdin.write(pickle.dumps(self.config))
+        proc.stdin.close()
+        return proc
+
+    def planner(self, engine, loaded: LoadedModel) -> ShardPlanner:
+        """Rank 0's cache planner."""
+        return ShardPlanner(engine, loaded, self.group)
+
+    def runner(self, *args, **kwargs) -> LeaderRunner:
+        """Rank 0's model runner (ModelRunner's arguments)."""
+        return LeaderRunner(self, *args, **kwargs)
+
+    def check(self) -> None:
+        """Raise RuntimeError if the engine failed or a worker rank has exited."""
+        if self.failed is not None:
+            raise RuntimeError(self.failed)
+        if any(p.poll() is not None for p in self.procs):
+            raise self.fail("a worker rank exited")
+
+    def fail(self, what: str) -> RuntimeError:
+        """Stop the workers and return the error that ends this engine (every later step raises it too)."""
+        dead = [self._describe(rank, p) for rank, p in enumerate(self.procs, 1) if p.poll() is not None]
+        _stop(self.procs, 0.0)
+        self.failed = (f"tensor parallel engine failed: {what}; " + ("; ".join(dead) if dead else
+                       "no worker had exited") + f". All {self.size} ranks are stopped: create a new LLM")
+        return RuntimeError(self.failed)
+
+    def _describe(self, rank: int, proc: subprocess.Popen) -> str:
+        text = f"rank {rank} (pid {proc.pid}) exited with status {proc.returncode}"
+        path = os.path.join(self.errors, f"rank{rank}.txt")
+        if os.path.exists(path):
+            with open(path) as f:
+                text += ": " + f.read().strip().splitlines()[-1]
+        return text
+
+    def close(self) -> None:
+        """Tell the workers to exit and wait for them."""
+        if self.failed is None:
+            try:
+                self.group.broadcast_object(None)
+            except RuntimeError:
+                pass
+            self.failed = "tensor parallel workers were stopped (LLM.close()): create a new LLM"
+        _stop(self.procs)
+
+
+def _stop(procs: list[subprocess.Popen], wait: float = 5.0) -> None:
+    """Wait up to `wait` s for the workers to exit, then kill them."""
+    deadline = time.monotonic() + wait
+    for p in procs:
+        try:
+            p.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+
+
+def worker_main(rank: int, size: int, port: int, error_file: str) -> int:
+    """A worker rank: join the group, load the shard, run steps until told to stop."""
+    config = pickle.loads(sys.stdin.buffer.read())
+    try:
+        store = follower_store(port, size, config.tensor_parallel_timeout)
+        group = Group(store, rank, size, rank_device(config, rank), config.tensor_parallel_timeout)
+        Follower(config, group).serve()
+        return 0
+    except BaseException:
+        with open(error_file, "w") as f:
+            f.write(traceback.format_exc())
+        return 1
+
