@@ -349,3 +349,83 @@ def test_register_on_own_parser():
     plan_mod.register(parser.add_subparsers())
     args = parser.parse_args(["plan", "mistral-7b", "--context", "64K", "--json"])
     assert args.func is plan_mod.run
+
+
+# --- replicas: a traffic mix, round-robin against prefix-aware routing --------------------------
+
+
+def _toy_replicas(**traffic):
+    from kvserve.tools.replicas import Traffic, plan_replicas
+
+    # 1 layer x 1 KV head x 64 dims in bf16: 256 B per token; 1e9 params in bf16: 2e9 B of weights;
+    # memory = weights + 25.6e6 B, all of it used: a KV budget of 100,000 tokens
+    model = presets.ModelShape("toy", 1, 0, 1, 1, 64, 1e9)
+    gpu = presets.Hardware("toy-gpu", 2_025_600_000, 1e12, flops=1e14)
+    mix = dict(rate=100, prompt_tokens=900, output_tokens=100, shared_prefix_fraction=0.5, num_prefixes=400)
+    mix.update(traffic)
+    return plan_replicas(model, Traffic(**mix), gpu, max_batch=50, max_utilization=0.8,
+                         gpu_memory_utilization=1.0)
+
+
+def test_replicas_hand_computed():
+    r = _toy_replicas()
+    # 1,000 tokens per sequence = 256,000 B: 100 fit, --max-batch caps the decode batch at 50
+    assert r.replica.kv_budget_bytes == 25_600_000 and r.decode_batch == 50
+    # a decode step reads 2e9 + 50 x 256,000 B at 1e12 B/s = 2.0128 ms: 50 / 2.0128 ms tokens/s
+    assert r.replica.time_per_output_token_s == pytest.approx(2.0128e-3)
+    assert r.decode_tokens_per_s == pytest.approx(50 / 2.0128e-3)
+    # prefill: 1e14 FLOP/s / (2 x 1e9) = 50,000 tokens/s; residence = 900/50,000 + 100 x 2.0128 ms
+    assert r.prefill_tokens_per_s == pytest.approx(50_000)
+    assert r.request_seconds == pytest.approx(0.018 + 0.20128)
+    # round-robin on 3 replicas: ceil(100/3 x 0.21928) = 8 in flight x 550 own tokens x 256 B leave
+    # 24,473,600 B = 212 prefixes of 450 tokens (115,200 B) of the 400: hit 212/400 = 53%;
+    # prefill 900 - 0.53 x 450 = 661.5 tokens: busy 100/3 x (661.5/50,000 + 100/24,840.9) = 57.5%
+    rr = r.round_robin
+    assert (rr.replicas, rr.prefix_hit_rate) == (3, pytest.approx(0.53))
+    assert rr.prefill_tokens_per_request == pytest.approx(661.5)
+    assert rr.utilization == pytest.approx(100 / 3 * (661.5 / 50_000 + 100 * 2.0128e-3 / 50))
+    assert rr.ttft_s == pytest.approx(661.5 / 50_000)
+    # on 2: 11 in flight leave 208 prefixes, hit 52%, busy 50 x (666/50,000 + 4.0256 ms) = 86.7% > 80%
+    assert _busy_at(r, 2, False) == pytest.approx(50 * (666 / 50_000 + 100 * 2.0128e-3 / 50))
+    # prefix-aware on 2: each replica sees 200 prefixes and keeps 208: every prefix hits, busy 65.1%
+    px = r.prefix
+    assert (px.replicas, px.prefix_hit_rate, px.prefill_tokens_per_request) == (2, 1.0, 450)
+    assert px.utilization == pytest.approx(50 * (450 / 50_000 + 100 * 2.0128e-3 / 50))
+    # on round-robin's 3 replicas it avoids 100 x 450 x (1 - 0.53) prefill tokens per second
+    assert r.prefix_at_round_robin.prefix_hit_rate == 1.0
+    assert r.prefill_tokens_avoided_per_s == pytest.approx(21_150)
+    assert r.prefix_at_round_robin.ttft_s == pytest.approx(0.009)
+
+
+def _busy_at(r, replicas, prefix_aware):
+    from kvserve.tools.replicas import _Model
+
+    m = _Model(r.traffic, r.replica, r.decode_batch, r.prefill_tokens_per_s, r.max_utilization)
+    return m.at(replicas, prefix_aware).utilization
+
+
+def test_replicas_no_shared_prefix_saves_nothing():
+    r = _toy_replicas(shared_prefix_fraction=0.0)
+    assert r.round_robin.replicas == r.prefix.replicas == 3  # 100 x 0.0220256 = 2.2 replicas busy at 80%
+    assert r.prefill_tokens_avoided_per_s == 0 and r.prefix.prefix_hit_rate == 0
+
+
+def test_replicas_few_prefixes_fit_everywhere():
+    r = _toy_replicas(num_prefixes=40)  # every replica keeps all 40: routing changes nothing
+    assert r.round_robin.prefix_hit_rate == r.prefix.prefix_hit_rate == 1.0
+    assert r.prefill_tokens_avoided_per_s == 0
+
+
+def test_replicas_cli_prints_the_plan_and_its_assumptions(capsys):
+    code, out, err = cli(["plan", "Llama-3-8B", "--rate", "20", "--prompt-tokens", "4K", "--output-tokens",
+                          "256", "--shared-prefix", "0.8", "--num-prefixes", "400"], capsys)
+    assert code == 0, err
+    assert "round-robin, least-loaded" in out and "prefix" in out and "assumptions:" in out
+    assert "prefill tokens/s" in out and "TTFT floor" in out
+    code, out, _ = cli(["plan", "Llama-3-8B", "--rate", "20", "--json"], capsys)
+    data = json.loads(out)
+    assert code == 0 and data["round_robin"]["replicas"] >= 1 and data["assumptions"]
+    code, _, err = cli(["plan", "Llama-3-8B", "--rate", "20", "--shared-prefix", "1.5"], capsys)
+    assert code == 2 and "--shared-prefix" in err
+    code, _, err = cli(["plan", "Llama-3-8B", "--rate", "20", "--gpu", "cpu", "--tflops", "0"], capsys)
+    assert code == 2 and "compute must be positive" in err

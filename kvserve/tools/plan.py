@@ -416,6 +416,18 @@ def register(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--reserved-fraction", type=float, default=0.0,
                    help="share of the used memory held back for activations")
     p.add_argument("--weight-dtype", help="bf16, fp16, fp32, fp8, int8, int4 (default bf16; GGUF: as stored)")
+    p.add_argument("--tflops", type=float, help="override dense BF16 compute per device, TFLOP/s")
+    traffic = p.add_argument_group("replicas (with --rate): how many engines a traffic mix needs, "
+                                   "--num-gpus each, and what prefix-aware routing saves")
+    traffic.add_argument("--rate", type=float, help="requests per second")
+    traffic.add_argument("--prompt-tokens", default="1024", help="prompt tokens per request (e.g. 2K)")
+    traffic.add_argument("--output-tokens", default="256", help="output tokens per request")
+    traffic.add_argument("--shared-prefix", type=float, default=0.0,
+                         help="fraction of each prompt that is a prefix shared with other requests (0-1)")
+    traffic.add_argument("--num-prefixes", type=int, default=1, help="distinct shared prefixes, equally often")
+    traffic.add_argument("--max-batch", type=int, default=256, help="most sequences a replica decodes at once")
+    traffic.add_argument("--max-utilization", type=float, default=0.8,
+                         help="busy share of each replica's time to plan for")
     shape = p.add_argument_group("custom shape (alone, or overriding MODEL's numbers)")
     shape.add_argument("--layers", type=int)
     shape.add_argument("--heads", type=int, help="query heads (tells MHA from GQA)")
@@ -450,10 +462,12 @@ def _run(args: argparse.Namespace) -> int:
     model = model_from_args(args)
     plan_args = dict(
         context=parse_tokens(args.context), batch=args.batch, kv_dtype=args.kv_dtype,
-        gpu=presets.get_hardware(args.gpu, args.memory_gib, args.bandwidth_gbs),
+        gpu=presets.get_hardware(args.gpu, args.memory_gib, args.bandwidth_gbs, args.tflops),
         num_gpus=args.num_gpus, gpu_memory_utilization=args.gpu_memory_utilization,
         reserved_fraction=args.reserved_fraction, weight_dtype=args.weight_dtype,
     )
+    if args.rate is not None:
+        return _run_replicas(args, model, plan_args)
     if args.compare or args.attention:
         kinds = [k for k in (args.attention or ",".join(ATTENTION_KINDS)).split(",") if k.strip()]
         variants = [attention_variant(model, k) for k in kinds]
@@ -466,6 +480,18 @@ def _run(args: argparse.Namespace) -> int:
     print(json.dumps(asdict(result), indent=2) if args.json else format_plan(result))
     if args.plot:
         plot_kv_vs_context(args.plot, model, result)
+    return 0
+
+
+def _run_replicas(args: argparse.Namespace, model: ModelShape, plan_args: dict) -> int:
+    from kvserve.tools.replicas import Traffic, format_replica_plan, plan_replicas
+
+    traffic = Traffic(args.rate, parse_tokens(args.prompt_tokens), parse_tokens(args.output_tokens),
+                      args.shared_prefix, args.num_prefixes)
+    plan_args = {k: v for k, v in plan_args.items() if k not in ("context", "batch")}
+    result = plan_replicas(model, traffic, max_batch=args.max_batch, max_utilization=args.max_utilization,
+                           **plan_args)
+    print(json.dumps(asdict(result), indent=2) if args.json else format_replica_plan(result))
     return 0
 
 

@@ -2,7 +2,7 @@
 
 Model numbers come from each model's published config.json (text model only). Hardware
 memory is the nominal capacity in the product name, taken as GiB; bandwidth is the vendor's
-peak memory bandwidth (decimal bytes per second).
+peak memory bandwidth (decimal bytes per second); flops the vendor's dense BF16 peak (FLOP/s).
 """
 
 from __future__ import annotations
@@ -56,12 +56,13 @@ class ModelShape:
 
 @dataclass(frozen=True)
 class Hardware:
-    """One accelerator (or a CPU host): memory capacity and peak memory bandwidth."""
+    """One accelerator (or a CPU host): memory capacity, peak memory bandwidth, peak dense compute."""
 
     name: str
     memory_bytes: int
     bandwidth_bytes_per_s: float
     note: str = ""
+    flops: float = 0.0   # dense BF16 FLOP/s (0: unknown), for the prefill bound of replica plans
 
 
 def _m(name, layers, hidden, heads, kv_heads, head_dim, params, **kw) -> ModelShape:
@@ -106,14 +107,15 @@ MODEL_ALIASES = {
 }
 
 HARDWARE_PRESETS: list[Hardware] = [
-    Hardware("H100-80GB", 80 * GIB, 3.35e12, "SXM, HBM3"),
-    Hardware("H200-141GB", 141 * GIB, 4.8e12, "HBM3e"),
-    Hardware("A100-40GB", 40 * GIB, 1.555e12, "HBM2"),
-    Hardware("A100-80GB", 80 * GIB, 2.039e12, "SXM, HBM2e"),
-    Hardware("L40S", 48 * GIB, 0.864e12, "GDDR6"),
-    Hardware("RTX-4090", 24 * GIB, 1.008e12, "GDDR6X"),
-    Hardware("MI300X", 192 * GIB, 5.3e12, "HBM3"),
-    Hardware("cpu", 64 * GIB, 100e9, "a CPU host; set --memory-gib and --bandwidth-gbs"),
+    Hardware("H100-80GB", 80 * GIB, 3.35e12, "SXM, HBM3", flops=989e12),
+    Hardware("H200-141GB", 141 * GIB, 4.8e12, "HBM3e", flops=989e12),
+    Hardware("A100-40GB", 40 * GIB, 1.555e12, "HBM2", flops=312e12),
+    Hardware("A100-80GB", 80 * GIB, 2.039e12, "SXM, HBM2e", flops=312e12),
+    Hardware("L40S", 48 * GIB, 0.864e12, "GDDR6", flops=362e12),
+    Hardware("RTX-4090", 24 * GIB, 1.008e12, "GDDR6X", flops=165e12),
+    Hardware("MI300X", 192 * GIB, 5.3e12, "HBM3", flops=1307e12),
+    Hardware("cpu", 64 * GIB, 100e9, "a CPU host; set --memory-gib, --bandwidth-gbs and --tflops",
+             flops=1e12),
 ]
 
 HARDWARE_ALIASES = {
@@ -147,8 +149,8 @@ def get_model_preset(name: str) -> ModelShape:
 
 
 def get_hardware(name: str, memory_gib: float | None = None,
-                 bandwidth_gbs: float | None = None) -> Hardware:
-    """A hardware preset by name, optionally with memory (GiB) or bandwidth (GB/s) overridden."""
+                 bandwidth_gbs: float | None = None, tflops: float | None = None) -> Hardware:
+    """A hardware preset by name, optionally with memory (GiB), bandwidth (GB/s) or compute (TFLOP/s) overridden."""
     hw = _lookup(name, HARDWARE_PRESETS, HARDWARE_ALIASES, "hardware")
     if memory_gib is not None:
         if memory_gib <= 0:
@@ -158,6 +160,10 @@ def get_hardware(name: str, memory_gib: float | None = None,
         if bandwidth_gbs <= 0:
             raise ValueError(f"bandwidth must be positive, got {bandwidth_gbs} GB/s")
         hw = replace(hw, bandwidth_bytes_per_s=bandwidth_gbs * 1e9)
+    if tflops is not None:
+        if tflops <= 0:
+            raise ValueError(f"compute must be positive, got {tflops} TFLOP/s")
+        hw = replace(hw, flops=tflops * 1e12)
     return hw
 
 
