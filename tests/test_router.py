@@ -201,6 +201,17 @@ def test_gap_replayed_and_what_the_replay_lost_is_counted():
     assert blind.replicas["b"].lost_batches == 5 and blind.replicas["b"].next_seq == 6
 
 
+def test_a_restarted_replica_starts_afresh():
+    ids = list(range(400, 413))
+    h = HASHER.block_hashes(ids)
+    index = PrefixIndex()
+    index.feed("b", 0, _batch(_stored(HASHER, ids)))
+    index.feed("b", 1, _batch(BlockRemoved(h[:1])))
+    assert index.holds("b") == set(h[1:])
+    index.feed("b", 0, _batch(BlockStored(h[:1], None, ids[:4], 4)))  # a new process numbers from 0
+    assert index.holds("b") == {h[0]} and index.replicas["b"].next_seq == 1
+
+
 def test_drop_replica_forgets_its_blocks_and_routing_moves_on():
     ids = list(range(300, 341))
     index = PrefixIndex()

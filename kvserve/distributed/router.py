@@ -3,7 +3,8 @@
 `PrefixIndex` keeps, per replica and KV group, the chained block hashes its prefix cache holds,
 from the event batches of kv/events.py (BlockStored adds, BlockRemoved drops, AllBlocksCleared
 empties). Batches carry sequence numbers: a gap is filled from the replica's replay socket
-(`ReplayClient`), and what the replay no longer holds is counted as lost. `PromptHasher` hashes a
+(`ReplayClient`), what the replay no longer holds is counted as lost, and a stream that starts
+again at 0 (a restarted replica) starts the replica's blocks afresh. `PromptHasher` hashes a
 prompt exactly as the engine's KV manager does (kv/hashing.py under the engine's namespace), so
 the router and the engine name the same blocks. `Router.pick` chooses a replica by policy:
 round-robin, least-loaded (queue depth, then KV usage) or prefix (prefix tokens held, weighed
@@ -77,6 +78,9 @@ class PrefixIndex:
     def feed(self, name: str, seq: int, payload: bytes) -> None:
         """One batch as published (msgpack payload); fills a gap before it from the replay."""
         state = self.replicas.setdefault(name, ReplicaBlocks())
+        if seq == 0 and state.next_seq > 0:  # the replica restarted: its cache is new
+            log.info("KV events of replica %s start again at 0: its blocks are forgotten", name)
+            state = self.replicas[name] = ReplicaBlocks()
         if seq < state.next_seq:
             return  # already applied (a replayed batch arriving again)
         if seq > state.next_seq:
