@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from kvserve.model.quant import GROUP_SIZE, QuantLinear
+from kvserve.model import quant
+from kvserve.model.quant import GROUP_SIZE, INT4_WIDE_ROWS, QuantLinear
 
 
 def _layer(fmt, n=96, k=128, bias=True, seed=0):
@@ -26,8 +27,9 @@ def test_dequantized_weight_is_within_half_a_step(fmt, n):
     assert err.max() > 0  # it really is quantized
 
 
-@pytest.mark.parametrize("fmt,n", [("float32", 96), ("bfloat16", 96), ("int8", 96), ("int4", 96), ("int4", 128)])
-@pytest.mark.parametrize("rows", [1, 5, 16, 17, 64])
+@pytest.mark.parametrize("fmt,n", [("float32", 96), ("bfloat16", 96), ("float16", 96), ("int8", 96),
+                                   ("int4", 96), ("int4", 128)])
+@pytest.mark.parametrize("rows", [1, 5, 16, 17, 64, INT4_WIDE_ROWS + 3])
 def test_kernel_matches_the_dequantized_reference(fmt, n, rows):
     """Each kernel (int8 small-row kernel, widened path, int4 kernel) computes x W^T + b for the stored W."""
     w, b, q = _layer(fmt, n=n)
@@ -38,6 +40,46 @@ def test_kernel_matches_the_dequantized_reference(fmt, n, rows):
     # bfloat16 activations in the CPU kernels: error ~ 2^-8 relative per product, summed over k=128
     tol = 1e-4 if fmt == "float32" else 0.08
     assert torch.allclose(out.double(), ref, atol=tol * ref.abs().max().item(), rtol=0.02)
+
+
+@pytest.mark.parametrize("fmt", ["int4", "float16", "bfloat16"])
+def test_widened_paths_give_each_row_the_result_it_gets_alone(fmt, monkeypatch):
+    """Many-row steps take another path (int4: a float32 matmul on the unpacked weight; 16-bit on a CPU
+    without 16-bit units: float32 arithmetic) with the kernel's roundings: each row's result is what it
+    gets in a one-row step, up to the last bit of the 16-bit output."""
+    monkeypatch.setattr(quant, "_native_half_cpu", lambda: False)
+    w, b, q = _layer(fmt, n=128)
+    x = torch.randn(INT4_WIDE_ROWS + 3, w.shape[1], generator=torch.Generator().manual_seed(2))
+    alone = torch.cat([q(x[i:i + 1]) for i in range(len(x))])
+    together = q(x)
+    ulp = 2 ** -8 if fmt != "float16" else 2 ** -11
+    assert torch.allclose(alone, together, rtol=2 * ulp, atol=1e-3)
+    if fmt == "int4":
+        unpacked = torch.ops.kvserve.int4_weight_t(q.packed, q.scales_zeros)
+        assert torch.equal(unpacked.T, q.dequantize())
+
+
+def test_tied_head_reads_the_float32_embedding_for_many_rows(monkeypatch):
+    """The float16 LM head of a tied model computes multi-row steps from the float32 embedding it
+    shares (no widening, no extra copy), and a single row on the float16 weight: both agree."""
+    monkeypatch.setattr(quant, "_native_half_cpu", lambda: False)
+    emb = torch.nn.Embedding(64, 32)
+    model = torch.nn.Module()
+    model.embed, model.lm_head = emb, torch.nn.Linear(32, 64, bias=False)
+    model.lm_head.weight = emb.weight
+    quant.quantize_model(model, "int4")
+    head = model.lm_head
+    assert head.fmt == "float16" and head.tied[0] is emb.weight and head.wide_rows == 1
+    x = torch.randn(5, 32)
+    calls = []
+    monkeypatch.setattr(torch.Tensor, "float", lambda t, *a, **k: calls.append(t.shape) or t.to(torch.float32))
+    together = head(x)
+    assert (64, 32) not in calls                       # the weight was not widened
+    monkeypatch.undo()
+    alone = torch.cat([head(x[i:i + 1]) for i in range(5)])
+    # they differ by the float16 rounding of the weights (2^-12 relative) summed over 32 products
+    assert torch.allclose(alone, together, rtol=2 ** -9, atol=32 ** 0.5 * 2 ** -11)
+    assert quant.weight_bytes(model) == emb.weight.numel() * 4 + head.weight.numel() * 2
 
 
 def test_int8_result_of_a_row_does_not_depend_on_the_rows_beside_it():
@@ -164,3 +206,14 @@ def test_eval_weights_measures_a_format_against_float32():
     assert 0 < res.mean_kl < 0.05 and res.top1 >= 0.75
     assert res.weight_mib < 200                       # 513 MiB in float32
     assert table_rows([res])[0][-1] == ("pass" if res.passes_gate else "fail")
+
+
+def test_cpu_engines_ask_malloc_to_keep_freed_memory(monkeypatch):
+    """glibc takes both settings (the engine calls this when it loads a model on the CPU); the
+    environment switch turns it off."""
+    import platform
+    from kvserve.engine.builder import keep_freed_memory
+    if platform.libc_ver()[0] == "glibc":
+        assert keep_freed_memory() is True
+    monkeypatch.setenv("KVSERVE_MALLOC_TUNING", "0")
+    assert keep_freed_memory() is False

@@ -6,11 +6,20 @@ Activations keep the model dtype; each format runs on the fastest kernel torch h
 - int8 on CPU: `_weight_int8pack_mm` (bfloat16 activations) for up to `small_rows` rows, where
   reading 1 byte per weight wins; for more rows the weight is widened to the activation dtype
   inside the matmul (`F.linear(x, q) * scale`), which is also the CUDA path.
-- int4 on CPU: `_weight_int4pack_mm_for_cpu` (bfloat16 activations); elsewhere the groups are
-  unpacked to the activation dtype inside the matmul.
+- int4 on CPU: `_weight_int4pack_mm_for_cpu` (bfloat16 activations) for up to INT4_WIDE_ROWS rows; a
+  step of more rows (a prefill chunk) unpacks the weight to float32 once and runs a float32 matmul;
+  elsewhere the groups are unpacked to the activation dtype inside the matmul.
+- 16-bit float weights on a CPU without native 16-bit arithmetic (no AVX512-BF16/AMX): a step of more
+  than `wide_rows` rows runs in float32, reading the tied float32 embedding where the LM head shares
+  it, else widening the weight for that call (a float16 GEMM of 64 rows there runs 8x slower than
+  float32).
+Every widened path applies the kernel's roundings (16-bit inputs and outputs), so a row's result
+does not depend on how many rows share its step.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import torch.nn.functional as F
@@ -22,6 +31,9 @@ GROUP_SIZE = 32
 CPU_INT4_ROWS = 64       # the CPU int4 kernel packs rows in tiles of 64
 INT8_KERNEL_K = 16       # the CPU int8 kernel needs in_features in multiples of 16 (else: widened path)
 SMALL_ROWS = 16          # int8 on CPU: rows up to this use the int8 kernel, more use a widened weight
+INT4_WIDE_ROWS = 128     # int4 on CPU: more rows than this unpack the weight to float32 (prefill)
+HALF_WIDE_ROWS = 16      # 16-bit weights on a CPU without 16-bit units: more rows widen to float32
+TIED_WIDE_ROWS = 1       # ... or more than this when a float32 copy exists anyway (tied embedding)
 # Linears whose weight other code reads directly (MLA's absorbed kv_b_proj): they stay in float.
 FLOAT_ONLY = ("kv_b_proj",)
 # The LM head keeps 16-bit float weights under int8/int4 (as llama.cpp keeps output.weight at higher
@@ -35,13 +47,18 @@ HEAD_FORMAT = "float16"
 class QuantLinear(nn.Module):
     """y = x W^T + b with W stored as `fmt` (see the module docstring)."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, fmt: str):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, fmt: str,
+                 tied: torch.Tensor | None = None):
         super().__init__()
         if fmt not in WEIGHT_FORMATS:
             raise ValueError(f"weight format must be one of {WEIGHT_FORMATS}, got {fmt!r}")
         self.fmt = fmt
         self.out_features, self.in_features = weight.shape
         self.small_rows = SMALL_ROWS
+        # a float32 tensor holding the same weight that other code keeps anyway (the embedding a
+        # tied LM head shares); a list, so it is neither a submodule nor counted in this layer's bytes
+        self.tied = [tied] if tied is not None else []
+        self.wide_rows = TIED_WIDE_ROWS if tied is not None else HALF_WIDE_ROWS
         self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
         w = weight.detach()
         if fmt in FLOAT_FORMATS:
@@ -103,7 +120,7 @@ class QuantLinear(nn.Module):
         shape = x.shape
         x2 = x.reshape(-1, self.in_features)
         if self.fmt in FLOAT_FORMATS:
-            out = F.linear(x2.to(self.weight.dtype), self.weight).to(x.dtype)
+            out = self._float(x2)
         elif self.fmt == "int8":
             out = self._int8(x2)
         else:
@@ -111,6 +128,14 @@ class QuantLinear(nn.Module):
         if self.bias is not None:
             out = out + self.bias.to(out.dtype)
         return out.view(*shape[:-1], self.out_features)
+
+    def _float(self, x: torch.Tensor) -> torch.Tensor:
+        w = self.weight
+        if w.dtype == x.dtype or x.shape[0] <= self.wide_rows or not slow_half(x.device):
+            return F.linear(x.to(w.dtype), w).to(x.dtype)
+        tied = self.tied[0] if self.tied and self.tied[0].dtype == torch.float32 else None
+        wide = tied if tied is not None else w.float()
+        return F.linear(x.to(w.dtype).float(), wide).to(w.dtype).to(x.dtype)
 
     def _int8(self, x: torch.Tensor) -> torch.Tensor:
         if x.device.type != "cpu":
@@ -124,13 +149,42 @@ class QuantLinear(nn.Module):
         return out.to(torch.bfloat16).to(x.dtype)
 
     def _int4(self, x: torch.Tensor) -> torch.Tensor:
-        if hasattr(self, "packed"):
-            xb = x.to(torch.bfloat16)
+        if not hasattr(self, "packed"):
+            return F.linear(x, self.dequantize(x.dtype))
+        xb = x.to(torch.bfloat16)
+        if x.shape[0] <= INT4_WIDE_ROWS:
             return torch.ops.aten._weight_int4pack_mm_for_cpu(xb, self.packed, GROUP_SIZE, self.scales_zeros).to(x.dtype)
-        return F.linear(x, self.dequantize(x.dtype))
+        w_t = torch.ops.kvserve.int4_weight_t(self.packed, self.scales_zeros)
+        return torch.mm(xb.float(), w_t).to(torch.bfloat16).to(x.dtype)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, fmt={self.fmt}"
+
+
+@torch.library.custom_op("kvserve::int4_weight_t", mutates_args=())
+def int4_weight_t(packed: torch.Tensor, scales_zeros: torch.Tensor) -> torch.Tensor:
+    """W^T [K, N] in float32 from the CPU int4 kernel's layout (an op of its own, so a compiled graph
+    calls it as is: unpacking per element in generated code runs several times slower)."""
+    n, k = packed.shape[0], packed.shape[1] * 2
+    v = packed.view(n // CPU_INT4_ROWS, k, CPU_INT4_ROWS // 2)
+    codes = torch.cat([v & 15, v >> 4], dim=2).permute(1, 0, 2).reshape(k // GROUP_SIZE, GROUP_SIZE, n)
+    scale, zero = (scales_zeros[..., i].float().unsqueeze(1) for i in (0, 1))      # [K/G, 1, N]
+    return torch.addcmul(zero - 8 * scale, codes.float(), scale).view(k, n)
+
+
+@int4_weight_t.register_fake
+def _(packed: torch.Tensor, scales_zeros: torch.Tensor) -> torch.Tensor:
+    return packed.new_empty((packed.shape[1] * 2, packed.shape[0]), dtype=torch.float32)
+
+
+def slow_half(device: torch.device) -> bool:
+    """True on a CPU without native 16-bit float arithmetic (no AVX512-BF16, no AMX)."""
+    return device.type == "cpu" and not _native_half_cpu()
+
+
+@functools.cache
+def _native_half_cpu() -> bool:
+    return bool(torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
 
 
 class FusedMember(nn.Module):
@@ -147,6 +201,7 @@ class FusedMember(nn.Module):
 def quantize_model(model: nn.Module, fmt: str) -> None:
     """Replace every linear layer of `model` (fused groups first) by a QuantLinear in `fmt`."""
     members = set()
+    embeddings = {id(m.weight): m.weight for m in model.modules() if isinstance(m, nn.Embedding)}
     for module in list(model.modules()):
         for group in getattr(module, "fused", ()):
             if group.weight is not None:
@@ -158,7 +213,8 @@ def quantize_model(model: nn.Module, fmt: str) -> None:
         for name, child in list(parent.named_children()):
             if isinstance(child, nn.Linear) and id(child) not in members and name not in FLOAT_ONLY:
                 head = name in FLOAT_HEAD and fmt not in FLOAT_FORMATS
-                setattr(parent, name, QuantLinear(child.weight, child.bias, HEAD_FORMAT if head else fmt))
+                tied = embeddings.get(id(child.weight)) if head else None
+                setattr(parent, name, QuantLinear(child.weight, child.bias, HEAD_FORMAT if head else fmt, tied))
 
 
 def _replace_members(module: nn.Module, group) -> None:
