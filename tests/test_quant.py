@@ -212,6 +212,7 @@ def test_cpu_engines_ask_malloc_to_keep_freed_memory(monkeypatch):
     """glibc takes both settings (the engine calls this when it loads a model on the CPU); the
     environment switch turns it off."""
     import platform
+
     from kvserve.engine.builder import keep_freed_memory
     if platform.libc_ver()[0] == "glibc":
         assert keep_freed_memory() is True
