@@ -15,6 +15,7 @@ from kvserve.distributed.router import (
     ReplayClient,
     ReplicaLoad,
     Router,
+    hit_groups,
 )
 from kvserve.kv.events import AllBlocksCleared, BlockRemoved, BlockStored, encode_batch
 
@@ -164,6 +165,16 @@ def test_removed_and_cleared_per_kv_group():
     assert index.prefix_blocks("b", hashes, groups=(1,)) == 4
     index.feed("b", 2, _batch(AllBlocksCleared()))
     assert index.holds("b", 0) == index.holds("b", 1) == set()
+
+
+def test_a_hit_needs_the_full_attention_groups_only():
+    from kvserve.kv.hashing import namespace_hash
+    from kvserve.kv.manager import KVCacheManager
+    from kvserve.kv.spec import KVGroup, KVSpec
+
+    groups = [KVGroup(KVSpec("sliding", 1, 1, window=8), [0]), KVGroup(KVSpec("full", 1, 1), [1])]
+    assert hit_groups(KVCacheManager(9, 4, namespace_hash("g"), groups=groups)) == (1,)
+    assert hit_groups(KVCacheManager(9, 4, namespace_hash("g"))) == (0,)
 
 
 def test_vllm_events_without_a_group_count_as_group_zero():

@@ -53,6 +53,11 @@ class PromptHasher:
                                 algo=self.algo, salt=salt)
 
 
+def hit_groups(kv) -> tuple[int, ...]:
+    """The KV groups of a KVCacheManager whose every block a prefix hit needs (not sliding-window ones)."""
+    return tuple(g for g, group in enumerate(kv.groups) if group.spec.kind != "sliding") or (0,)
+
+
 # ---- the index ----------------------------------------------------------------------------
 
 
