@@ -111,13 +111,19 @@ def load_shard(config, group: Group, device: torch.device, dtype: torch.dtype, w
 class ShardPlanner(CachePlanner):
     """CachePlanner of one rank: its pool from its own budget, then the smallest block count of all ranks."""
 
-    def __init__(self, engine, loaded: LoadedModel, group: Group):
+    def __init__(self, engine, loaded: LoadedModel, group: Group, fail=None):
         self.group = group
+        self.fail = fail  # rank 0: TensorParallel.fail, which names a rank that died
         super().__init__(engine, loaded)
 
     def plan_pool(self):
         plan = super().plan_pool()
-        fewest = self.group.min(plan.num_blocks)
+        try:
+            fewest = self.group.min(plan.num_blocks)
+        except RuntimeError as exc:
+            if self.fail is None:
+                raise
+            raise self.fail(f"sizing the KV pools failed ({str(exc).splitlines()[0][:300]})") from exc
         if fewest < plan.num_blocks:
             plan.num_blocks = fewest
             check_fits(plan, self.blocks_per_sequence(plan.block_size), self.max_model_len, self.bound_note())
@@ -244,7 +250,7 @@ class TensorParallel:
 
     def planner(self, engine, loaded: LoadedModel) -> ShardPlanner:
         """Rank 0's cache planner."""
-        return ShardPlanner(engine, loaded, self.group)
+        return ShardPlanner(engine, loaded, self.group, self.fail)
 
     def runner(self, *args, **kwargs) -> LeaderRunner:
         """Rank 0's model runner (ModelRunner's arguments)."""
