@@ -74,7 +74,10 @@ class ReplicaBlocks:
 
 
 class PrefixIndex:
-    """Which replica holds which chained block hashes, per KV group, from KV event batches."""
+    """Which replica holds which chained block hashes, per KV group, from KV event batches.
+
+    Not locked: feed it and route from one thread (or one event loop). Filling a gap waits for the
+    replay's answer (ReplayClient: up to its timeout)."""
 
     def __init__(self, replay: Replay | None = None):
         self.replay = replay
