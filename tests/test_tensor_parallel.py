@@ -96,6 +96,19 @@ def test_killed_rank_mid_collective_fails_loudly(checkpoints):
     assert time.monotonic() - t0 < OPTIONS["tensor_parallel_timeout"]
 
 
+def test_rank_that_exits_at_start_up_fails_it_at_once(checkpoints, monkeypatch):
+    import subprocess
+    import sys
+
+    from kvserve.distributed.tensor_parallel import TensorParallel
+    monkeypatch.setattr(TensorParallel, "_spawn", lambda self, rank, port: subprocess.Popen(
+        [sys.executable, "-c", "import sys; sys.exit(3)"]))
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"start-up failed .* rank 1 \(pid \d+\) exited with status 3"):
+        LLM(checkpoints["llama"], tensor_parallel_size=2, **OPTIONS)
+    assert time.monotonic() - t0 < 10
+
+
 def test_sizes_that_do_not_split_the_model_are_refused(checkpoints):
     with pytest.raises(ValueError, match="tensor_parallel_size=3 does not split .* sizes that work: 1, 2, 4"):
         LLM(checkpoints["llama"], tensor_parallel_size=3, **OPTIONS)

@@ -17,6 +17,7 @@ import pickle
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import traceback
 import weakref
@@ -233,7 +234,7 @@ class TensorParallel:
         self.procs = [self._spawn(rank, store.port) for rank in range(1, self.size)]
         self._finalizer = weakref.finalize(self, _stop, self.procs, 0.0)
         try:
-            self.group = Group(store, 0, self.size, device, config.tensor_parallel_timeout)
+            self.group = self._join(store, device)
             self.loaded = load_shard(config, self.group, device, dtype, (mc, weights))
         except BaseException as exc:
             raise self.fail(f"start-up failed ({exc})") from exc
@@ -247,6 +248,26 @@ class TensorParallel:
         proc.stdin.write(pickle.dumps(self.config))
         proc.stdin.close()
         return proc
+
+    def _join(self, store, device: torch.device) -> Group:
+        """Rank 0's group, made while watching the workers: one that exits before joining fails
+        start-up at once instead of after the timeout."""
+        done: dict = {}
+
+        def connect():
+            try:
+                done["group"] = Group(store, 0, self.size, device, self.config.tensor_parallel_timeout)
+            except BaseException as exc:
+                done["error"] = exc
+        thread = threading.Thread(target=connect, daemon=True)
+        thread.start()
+        while thread.is_alive():
+            thread.join(0.05)
+            if thread.is_alive() and any(p.poll() is not None for p in self.procs):
+                raise RuntimeError("a worker rank exited before joining the group")
+        if "error" in done:
+            raise done["error"]
+        return done["group"]
 
     def planner(self, engine, loaded: LoadedModel) -> ShardPlanner:
         """Rank 0's cache planner."""
