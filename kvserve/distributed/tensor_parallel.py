@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import os
 import pickle
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -232,7 +233,7 @@ class TensorParallel:
         store = leader_store(self.size, config.tensor_parallel_timeout)
         self.errors = tempfile.mkdtemp(prefix="kvserve-tp-")
         self.procs = [self._spawn(rank, store.port) for rank in range(1, self.size)]
-        self._finalizer = weakref.finalize(self, _stop, self.procs, 0.0)
+        self._finalizer = weakref.finalize(self, _cleanup, self.procs, self.errors)
         try:
             self.group = self._join(store, device)
             self.loaded = load_shard(config, self.group, device, dtype, (mc, weights))
@@ -309,6 +310,7 @@ class TensorParallel:
                 pass
             self.failed = "tensor parallel workers were stopped (LLM.close()): create a new LLM"
         _stop(self.procs)
+        self._finalizer()
 
 
 def _stop(procs: list[subprocess.Popen], wait: float = 5.0) -> None:
@@ -320,6 +322,12 @@ def _stop(procs: list[subprocess.Popen], wait: float = 5.0) -> None:
         except subprocess.TimeoutExpired:
             p.kill()
             p.wait()
+
+
+def _cleanup(procs: list[subprocess.Popen], errors: str) -> None:
+    """Kill workers still running and remove their error files."""
+    _stop(procs, 0.0)
+    shutil.rmtree(errors, ignore_errors=True)
 
 
 def worker_main(rank: int, size: int, port: int, error_file: str) -> int:
