@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from kvserve.engine.sampler import Logprob
 
@@ -62,6 +62,34 @@ class RequestOutput:
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     metrics: RequestMetrics | None = None
     error: str | None = None     # set when the engine failed this request (finish reason 'abort')
+
+
+class DeltaCollector:
+    """Adds up a request's DELTA outputs into the output CUMULATIVE would have given: pieces are kept
+    and joined once, so collecting costs the size of what is new at each step."""
+
+    def __init__(self):
+        self.last: RequestOutput | None = None
+        self.parts: dict[int, tuple[list[str], list[int], list | None]] = {}
+
+    def add(self, out: RequestOutput) -> None:
+        for c in out.outputs:
+            texts, ids, logprobs = self.parts.setdefault(c.index, ([], [], None if c.logprobs is None else []))
+            texts.append(c.text)
+            ids.extend(c.token_ids)
+            if logprobs is not None and c.logprobs is not None:
+                logprobs.extend(c.logprobs)
+        self.last = out
+
+    def result(self) -> RequestOutput | None:
+        """The whole output so far (None before the first)."""
+        if self.last is None:
+            return None
+        outs = []
+        for c in self.last.outputs:
+            texts, ids, logprobs = self.parts[c.index]
+            outs.append(replace(c, text="".join(texts), token_ids=list(ids), logprobs=logprobs))
+        return replace(self.last, outputs=outs)
 
 
 @dataclass

@@ -125,3 +125,25 @@ def test_fail_ends_every_fork_of_the_group():
     out = proc.output("g")
     assert out.finished and out.error == "boom"
     assert [c.finish_reason for c in out.outputs] == ["abort", "abort"]
+
+
+def test_delta_outputs_hold_back_what_may_begin_a_stop_string():
+    """A running DELTA output never sends text that the stop-truncated final text drops: the deltas,
+    added up by DeltaCollector, give exactly the CUMULATIVE output."""
+    from kvserve.outputs import DeltaCollector
+    word = "abcdexyzfgh"
+    for stop in (["xyz"], ["xyq", "fg"], ["q"]):
+        _, full, _ = _run(SamplingParams(max_tokens=len(word), stop=stop), word)
+        _, deltas, _ = _run(SamplingParams(max_tokens=len(word), stop=stop,
+                                           output_kind=RequestOutputKind.DELTA), word)
+        final = full[-1].outputs[0]
+        sent = ""
+        for o in deltas:
+            sent += o.outputs[0].text
+            assert final.text.startswith(sent), (stop, sent)      # nothing sent is taken back
+        collected = DeltaCollector()
+        for o in deltas:
+            collected.add(o)
+        got = collected.result().outputs[0]
+        assert (got.text, got.token_ids, got.finish_reason) == (final.text, final.token_ids, final.finish_reason)
+    assert final.text == word and final.finish_reason == "length"              # stop "q" never matched

@@ -21,7 +21,7 @@ from typing import Any
 
 from kvserve.engine.engine import LLMEngine, PromptType
 from kvserve.outputs import RequestOutput
-from kvserve.sampling_params import SamplingParams
+from kvserve.sampling_params import RequestOutputKind, SamplingParams
 
 log = logging.getLogger("kvserve")
 
@@ -59,6 +59,29 @@ class FinishedRequest:
     queue_time: float | None
     e2e: float | None
     inter_token_latencies: list[float] = field(default_factory=list)
+
+
+class TokenClock:
+    """Tokens seen and inter-token gaps of one request's completions, from its outputs (DELTA outputs
+    carry the new tokens, the others all of them)."""
+
+    def __init__(self, delta: bool):
+        self.delta = delta
+        self.seen: dict[int, tuple[int, float]] = {}     # completion index -> (tokens, time of the last)
+        self.gaps: list[float] = []
+
+    def record(self, out: RequestOutput, now: float) -> None:
+        for c in out.outputs:
+            count, last = self.seen.get(c.index, (0, now))
+            n = count + len(c.token_ids) if self.delta else len(c.token_ids)
+            if n > count:
+                if count > 0:
+                    self.gaps.extend([(now - last) / (n - count)] * (n - count))
+                self.seen[c.index] = (n, now)
+
+    @property
+    def tokens(self) -> int:
+        return sum(n for n, _ in self.seen.values())
 
 
 class RequestStream:
@@ -119,7 +142,7 @@ class AsyncEngine:
         self._failed_last_step = False
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, RequestStream] = {}
-        self._token_times: dict[str, dict[int, tuple[int, float, list[float]]]] = {}
+        self._token_times: dict[str, TokenClock] = {}
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stopping = False
@@ -301,7 +324,7 @@ class AsyncEngine:
             self.engine.make_request(p, params, rid)
         for p, rid in zip(prompts, request_ids):
             self.engine.add_request(p, params, rid)
-            self._token_times[rid] = {}
+            self._token_times[rid] = TokenClock(params.output_kind == RequestOutputKind.DELTA)
 
     def _abort_now(self, request_id: str, notify: bool) -> None:
         out = self.engine.abort_request(request_id)  # the final 'abort' output; forgets the group
@@ -321,30 +344,25 @@ class AsyncEngine:
             if notify:
                 self._deliver(out.request_id, out if out.error is None else RequestFailedError(out.error))
             if out.finished:
-                per_index = self._token_times.pop(out.request_id, {})
-                self._report_finished(out, [g for _, _, gaps in per_index.values() for g in gaps])
+                self._report_finished(out, self._token_times.pop(out.request_id, None))
 
     def _record_token_times(self, out: RequestOutput, now: float) -> None:
-        """Inter-token gaps per completion, as seen by the engine thread (appended: O(new tokens))."""
-        per_index = self._token_times.setdefault(out.request_id, {})
-        for c in out.outputs:
-            count, last, gaps = per_index.get(c.index, (0, now, []))
-            n = len(c.token_ids)
-            if n > count:
-                if count > 0:
-                    gaps.extend([(now - last) / (n - count)] * (n - count))
-                per_index[c.index] = (n, now, gaps)
+        """Inter-token gaps per completion, as seen by the engine thread (O(new tokens))."""
+        clock = self._token_times.get(out.request_id)
+        if clock is not None:
+            clock.record(out, now)
 
-    def _report_finished(self, out: RequestOutput, gaps: list[float]) -> None:
+    def _report_finished(self, out: RequestOutput, clock: TokenClock | None) -> None:
         if self.on_finished is None:
             return
+        tokens = clock.tokens if clock is not None else sum(len(c.token_ids) for c in out.outputs)
         m = out.metrics
         ttft = m.ttft if m is not None else None
         queue_time = m.queue_time if m is not None else None
         e2e = (m.finished_time or time.monotonic()) - m.arrival_time if m is not None else None
         rec = FinishedRequest(out.request_id, [c.finish_reason for c in out.outputs],
-                              len(out.prompt_token_ids), sum(len(c.token_ids) for c in out.outputs),
-                              out.num_cached_tokens, ttft, queue_time, e2e, gaps)
+                              len(out.prompt_token_ids), tokens, out.num_cached_tokens, ttft, queue_time,
+                              e2e, clock.gaps if clock is not None else [])
         try:
             self.on_finished(rec)
         except Exception:

@@ -147,12 +147,26 @@ class OutputProcessor:
 
 def completion(req: Request) -> CompletionOutput:
     """One completion as the request's output kind asks: everything so far (CUMULATIVE, FINAL_ONLY)
-    or what is new since its last output (DELTA: no copy of what was already reported)."""
+    or what is new since its last output (DELTA: no copy of what was already reported; text that may
+    begin a stop string waits until the next output proves it does not)."""
     if req.params.output_kind != RequestOutputKind.DELTA:
         return CompletionOutput(req.index, req.text, list(req.output_token_ids), req.cumulative_logprob,
                                 req.logprobs, req.finish_reason(), req.stop_reason)
     t, c = req.num_sent_tokens, req.num_sent_chars
-    req.num_sent_tokens, req.num_sent_chars = req.num_output_tokens, max(c, len(req.output_text))
+    end = len(req.output_text)
+    if req.finish_reason() is None:
+        end -= stop_holdback(req.params)
+    text = req.output_text.since(c)[:end - c] if end > c else ""
+    req.num_sent_tokens, req.num_sent_chars = req.num_output_tokens, max(c, end)
     logprobs = req.logprobs[t:] if req.logprobs is not None else None
-    return CompletionOutput(req.index, req.output_text.since(c), req.output_token_ids[t:],
+    return CompletionOutput(req.index, text, req.output_token_ids[t:],
                             req.cumulative_logprob, logprobs, req.finish_reason(), req.stop_reason)
+
+
+def stop_holdback(params) -> int:
+    """Characters a running DELTA output holds back: the start of a stop string that the finished,
+    stop-truncated text will not contain (the longest stop string less one character), so the
+    deltas add up to the final text exactly."""
+    if params.include_stop_str_in_output or not params.stop:
+        return 0
+    return max(len(s) for s in params.stop) - 1

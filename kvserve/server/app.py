@@ -37,8 +37,8 @@ from kvserve.engine.async_engine import (
     RequestStream,
 )
 from kvserve.engine.engine import LLMEngine
-from kvserve.outputs import CompletionOutput, RequestOutput
-from kvserve.sampling_params import SamplingParams
+from kvserve.outputs import CompletionOutput, DeltaCollector, RequestOutput
+from kvserve.sampling_params import RequestOutputKind, SamplingParams
 from kvserve.server import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_QUEUE, inputs
 from kvserve.server import protocol as P
 from kvserve.server.dashboard import add_dashboard_routes, is_public
@@ -210,6 +210,12 @@ def isolate(state: ServerState, request: Request, params: SamplingParams) -> Sam
     return params
 
 
+def output_kind(params: SamplingParams) -> SamplingParams:
+    """The server asks the engine for DELTA outputs (what is new each step, so a step's cost does not
+    grow with the output); a plain response adds them up (DeltaCollector)."""
+    return dataclasses.replace(params, output_kind=RequestOutputKind.DELTA)
+
+
 def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError):
@@ -348,6 +354,7 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
         except ValueError as exc:
             raise bad_request(exc) from None
         rid = P.random_id("cmpl")
+        params = output_kind(params)
         streams = await add_requests(state, prompts, params, [f"{rid}-{i}" for i in range(len(prompts))])
         if req.stream:
             return EventStreamResponse(_completion_events(state, req, params, rid, streams), streams)
@@ -366,6 +373,7 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
         except ValueError as exc:
             raise bad_request(exc) from None
         rid = P.random_id("chatcmpl")
+        params = output_kind(params)
         streams = await add_requests(state, [prompt], params, [rid])
         if req.stream:
             return EventStreamResponse(_chat_events(state, req, params, rid, streams[0]), streams)
@@ -385,10 +393,10 @@ def _completion_prompts(state: ServerState, prompts: list) -> list[dict]:
 async def _collect(request: Request, streams: list[RequestStream]) -> list[RequestOutput]:
     """Wait for every stream's final output; abort them all if the client goes away."""
     async def last(stream: RequestStream) -> RequestOutput:
-        out = None
+        collected = DeltaCollector()
         async for out in stream:
-            pass
-        return out
+            collected.add(out)
+        return collected.result()
 
     task = asyncio.ensure_future(asyncio.gather(*(last(s) for s in streams)))
     try:
@@ -405,9 +413,13 @@ async def _collect(request: Request, streams: list[RequestStream]) -> list[Reque
             s.close()
 
 
-def _usage(outputs: list[RequestOutput]) -> P.UsageInfo:
+def _usage(outputs: list[RequestOutput], streamed: list[StreamedChoice] | None = None) -> P.UsageInfo:
+    """Token counts of finished requests (of their streamed choices: DELTA outputs carry only the end)."""
     prompt = sum(len(o.prompt_token_ids) for o in outputs)
-    completion = sum(len(c.token_ids) for o in outputs for c in o.outputs)
+    if streamed is None:
+        completion = sum(len(c.token_ids) for o in outputs for c in o.outputs)
+    else:
+        completion = sum(d.tokens for d in streamed)
     cached = sum(o.num_cached_tokens for o in outputs)
     return P.UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
                        prompt_tokens_details=P.PromptTokensDetails(cached_tokens=cached))
@@ -476,35 +488,14 @@ def _chat_logprobs(state: ServerState, c: CompletionOutput, start: int, end: int
 # ---- streamed responses ---------------------------------------------------------------
 
 
-class TextDelta:
-    """Turns one completion's cumulative text into stream deltas.
+class StreamedChoice:
+    """What one streamed choice has sent: the engine's DELTA outputs carry only what is new (and hold
+    back the start of a possible stop string), so the chunks add up to the non-streamed text."""
 
-    While the completion runs, the last (longest stop string - 1) characters are held back: they
-    could be the start of a stop string that the non-streamed text will not contain. Once it
-    finishes, the rest of the final (stop-truncated) text is sent, so the concatenated deltas
-    equal the non-streamed text exactly.
-    """
-
-    def __init__(self, params: SamplingParams):
-        stops = params.stop or []
-        self.holdback = 0 if params.include_stop_str_in_output else max((len(s) for s in stops), default=1) - 1
-        self.sent = ""
-        self.num_tokens = 0
-        self.offset = 0
+    def __init__(self):
+        self.offset = 0      # characters sent so far (completions' logprobs text_offset)
+        self.tokens = 0      # tokens sent so far (the usage chunk)
         self.done = False
-
-    def step(self, c: CompletionOutput) -> tuple[str, int, int]:
-        """(new text, first new token index, end token index) for the latest output."""
-        text = c.text
-        if c.finish_reason is None and self.holdback:
-            text = text[:max(len(text) - self.holdback, len(self.sent))]
-        if not text.startswith(self.sent):  # cannot happen with append-only text; never resend
-            log.warning("stream text diverged for choice %d", c.index)
-            text = self.sent
-        delta = text[len(self.sent):]
-        self.sent = text
-        start, self.num_tokens = self.num_tokens, len(c.token_ids)
-        return delta, start, self.num_tokens
 
 
 class EventStreamResponse(StreamingResponse):
@@ -559,21 +550,21 @@ async def _merge(streams: list[RequestStream]) -> AsyncIterator[tuple[int, Reque
 async def _completion_events(state: ServerState, req: P.CompletionRequest, params: SamplingParams,
                              rid: str, streams: list[RequestStream]) -> AsyncIterator[str]:
     created = int(time.time())
-    deltas: dict[int, TextDelta] = {}
+    deltas: dict[int, StreamedChoice] = {}
     finals: dict[int, RequestOutput] = {}
     try:
         async for i, out in _merge(streams):
             choices = []
             for c in out.outputs:
                 index = i * params.n + c.index
-                d = deltas.setdefault(index, TextDelta(params))
+                d = deltas.setdefault(index, StreamedChoice())
                 if d.done:
                     continue
-                text, start, end = d.step(c)
-                d.done = c.finish_reason is not None
+                text = c.text
+                d.done, d.tokens = c.finish_reason is not None, d.tokens + len(c.token_ids)
                 logprobs = None
                 if params.logprobs is not None:
-                    logprobs = _completion_logprobs(state, c, start, end, params.logprobs, d.offset)
+                    logprobs = _completion_logprobs(state, c, 0, len(c.token_ids), params.logprobs, d.offset)
                     d.offset += sum(len(t) for t in logprobs.tokens)
                 if text or d.done or (logprobs is not None and logprobs.tokens):
                     choices.append(P.CompletionChoice(index=index, text=text, logprobs=logprobs,
@@ -584,7 +575,7 @@ async def _completion_events(state: ServerState, req: P.CompletionRequest, param
                 yield _event(P.CompletionResponse(id=rid, created=created, model=state.model_name,
                                                   choices=choices))
         if req.include_usage:
-            usage = _usage([finals[i] for i in sorted(finals)])
+            usage = _usage([finals[i] for i in sorted(finals)], list(deltas.values()))
             yield _event(P.CompletionResponse(id=rid, created=created, model=state.model_name,
                                               choices=[], usage=usage))
     except (EngineDeadError, RequestFailedError) as exc:
@@ -600,7 +591,7 @@ async def _chat_events(state: ServerState, req: P.ChatCompletionRequest, params:
         return _event(P.ChatCompletionChunk(id=rid, created=created, model=state.model_name,
                                             choices=choices, usage=usage))
 
-    deltas = {i: TextDelta(params) for i in range(params.n)}
+    deltas = {i: StreamedChoice() for i in range(params.n)}
     final = None
     try:
         yield chunk([P.ChatStreamChoice(index=i, delta=P.DeltaMessage(role="assistant", content=""))
@@ -611,11 +602,11 @@ async def _chat_events(state: ServerState, req: P.ChatCompletionRequest, params:
                 d = deltas[c.index]
                 if d.done:
                     continue
-                text, start, end = d.step(c)
-                d.done = c.finish_reason is not None
+                text = c.text
+                d.done, d.tokens = c.finish_reason is not None, d.tokens + len(c.token_ids)
                 logprobs = None
                 if params.logprobs is not None:
-                    logprobs = _chat_logprobs(state, c, start, end, params.logprobs)
+                    logprobs = _chat_logprobs(state, c, 0, len(c.token_ids), params.logprobs)
                 if text or d.done or (logprobs is not None and logprobs.content):
                     delta = P.DeltaMessage(content=text) if text or not d.done else P.DeltaMessage()
                     choices.append(P.ChatStreamChoice(index=c.index, delta=delta, logprobs=logprobs,
@@ -625,7 +616,7 @@ async def _chat_events(state: ServerState, req: P.ChatCompletionRequest, params:
             if choices:
                 yield chunk(choices)
         if req.include_usage and final is not None:
-            yield chunk([], _usage([final]))
+            yield chunk([], _usage([final], list(deltas.values())))
     except (EngineDeadError, RequestFailedError) as exc:
         yield _error_event(exc)
     finally:
