@@ -27,9 +27,13 @@ def outputs(outs):
 
 
 @pytest.fixture(scope="module")
-def reference(llm_nocache):
-    """Greedy tokens recomputed from scratch at every step (the oracle)."""
-    return outputs(llm_nocache.generate(PROMPTS, GREEDY, use_tqdm=False))
+def reference(llm):
+    """Greedy tokens of the same model and dtype in a pool that holds every request (no preemption;
+    cached decoding itself is checked against full recompute in test_engine.py)."""
+    before = llm.get_metrics()["num_preemptions"]
+    out = outputs(llm.generate(PROMPTS, GREEDY, use_tqdm=False))
+    assert llm.get_metrics()["num_preemptions"] == before
+    return out
 
 
 def test_swap_tiny_pool_same_outputs(reference):
@@ -54,17 +58,18 @@ def test_full_swap_space_falls_back_to_recompute(reference):
 
 # KIVI's small pools get 2 residual rows, so 2 sequences run at once: 5 blocks make one of them
 # swap when both grow to 3 blocks (max_model_len 96 lets a pool of 3 blocks start)
-@pytest.mark.parametrize("fmt, max_model_len, num_blocks", [("int8", 384, 13), ("kivi4", 96, 5)])
-def test_swap_with_quantized_formats(fmt, max_model_len, num_blocks):
+@pytest.mark.parametrize("fmt, max_model_len, num_blocks, num_prompts", [("int8", 384, 13, 6), ("kivi4", 96, 5, 3)])
+def test_swap_with_quantized_formats(fmt, max_model_len, num_blocks, num_prompts):
     """Every tensor of every slot moves (scales, zero points; KIVI's still-filling residual rows)."""
     opts = dict(max_model_len=max_model_len, block_size=32, kv_cache_dtype=fmt, max_num_seqs=6, dtype="float32")
     big = LLM(**opts, kv_cache_memory="32MiB")
-    ref = outputs(big.generate(PROMPTS, GREEDY, use_tqdm=False))
+    prompts = PROMPTS[:num_prompts]
+    ref = outputs(big.generate(prompts, GREEDY, use_tqdm=False))
     fmt_plan = big.engine.kv_format
     del big
     tiny = LLM(**opts, kv_cache_memory=_pool_bytes(fmt_plan, num_blocks, 2), swap_space=0.05,
                preemption_mode="swap")
-    out = outputs(tiny.generate(PROMPTS, GREEDY, use_tqdm=False))
+    out = outputs(tiny.generate(prompts, GREEDY, use_tqdm=False))
     m = tiny.get_metrics()
     assert m["num_blocks_total"] == num_blocks
     assert m["num_swap_preemptions"] > 0
