@@ -232,3 +232,32 @@ def test_blocks_loaded_back_from_a_tier_are_reported_stored_on_the_device():
     assert [(e.block_hashes, e.parent_block_hash, e.medium) for e in stored] == [
         ([chain[0]], None, "device"), ([chain[1]], chain[0], "device"), ([chain[2]], chain[1], "device")]
     assert [kv.pool.cached[h] for h in chain] == hits[0]
+
+
+def test_tier_events_name_their_medium():
+    """A write-through CPU tier reports each block it stores (medium 'cpu', the device's hashes and
+    group) and each block its size bound pushes out, the least recently stored first."""
+    port = _free_port()
+    llm = LLM(kv_cache_memory="32MiB", max_model_len=512, dtype="float32", kv_tiers=["cpu:2MiB:write_through"],
+              kv_events=f"tcp://127.0.0.1:{port}")
+    ctx = zmq.Context()
+    sub = Subscriber(ctx, f"tcp://127.0.0.1:{port}", llm.engine.kv_events)
+    try:
+        time.sleep(0.3)
+        llm.generate({"prompt_token_ids": _prompt(3, 100)}, ONE, use_tqdm=False)
+        assert llm.engine.tiers.flush(30)
+        llm.engine.kv_events.flush()          # what the writer thread recorded after the last step
+        batches = sub.drain()
+        device = [h for e in _events(batches, "BlockStored") if e[6] == "device" for h in e[1]]
+        cpu = [e for e in _events(batches, "BlockStored") if e[6] == "cpu"]
+        assert len(device) == 6 and [h for e in cpu for h in e[1]] == device   # 100 tokens: 6 full blocks
+        assert all(e[7] == 0 and len(e[3]) == e[4] == 16 for e in cpu)
+        removed = [h for e in _events(batches, "BlockRemoved") if e[2] == "cpu" for h in e[1]]
+        tier = llm.engine.tiers.tiers[0]
+        kept = [device.index(bytes.fromhex(k.rsplit("/", 1)[1])) for k in tier.entries]
+        assert 0 < len(kept) < 6 and removed == device[:6 - len(kept)]          # LRU: the oldest went first
+        assert kept == list(range(6 - len(kept), 6))
+    finally:
+        sub.sock.close()
+        llm.close()
+        ctx.term()

@@ -167,6 +167,27 @@ def test_removed_and_cleared_per_kv_group():
     assert index.holds("b", 0) == index.holds("b", 1) == set()
 
 
+def test_tier_blocks_count_for_their_replica_and_the_shared_redis_tier_for_none():
+    """A replica's CPU/disk tier blocks are its own hits (kept when the device forgets them); blocks
+    in the Redis tier every replica reads tell replicas apart for none of them."""
+    index = PrefixIndex()
+    ids = list(range(200, 217))
+    hashes = HASHER.block_hashes(ids)
+    cpu = BlockStored(hashes[:3], None, ids[:12], 4, medium="cpu")
+    redis = BlockStored(hashes, None, ids[:16], 4, medium="redis")
+    index.feed("b", 0, _batch(_stored(HASHER, ids), cpu, redis))
+    index.feed("b", 1, _batch(AllBlocksCleared()))             # the device cache only
+    assert index.holds("b") == set() and index.prefix_blocks("b", hashes) == 3
+    index.feed("b", 2, _batch(BlockRemoved(hashes[1:2], medium="cpu")))
+    assert index.prefix_blocks("b", hashes) == 1
+    index.feed("c", 0, _batch(BlockStored(hashes, None, ids[:16], 4, medium="redis")))
+    assert index.prefix_blocks("c", hashes) == 0
+    router = Router("prefix", index, HASHER)
+    busier = {"c": ReplicaLoad(), "b": ReplicaLoad(kv_usage=0.01)}   # least-loaded alone would pick c
+    assert Router("least-loaded", index, HASHER).pick(ids, busier) == "c"
+    assert router.pick(ids, busier) == "b"
+
+
 def test_a_hit_needs_the_full_attention_groups_only():
     from kvserve.kv.hashing import namespace_hash
     from kvserve.kv.manager import KVCacheManager

@@ -26,6 +26,7 @@ log = logging.getLogger("kvserve")
 POLICIES = ("round-robin", "least-loaded", "prefix")
 DEFAULT_QUEUE_COST = 128   # prefix tokens one queued request on a replica is worth
 DEFAULT_KV_COST = 256      # prefix tokens a full KV cache (usage 1.0) is worth
+SHARED_MEDIA = ("redis",)  # a tier every replica reads: its blocks do not tell replicas apart
 
 Replay = Callable[[str, int], list[tuple[int, bytes]]]  # (replica, first seq) -> [(seq, payload)]
 
@@ -65,12 +66,26 @@ def hit_groups(kv) -> tuple[int, ...]:
 class ReplicaBlocks:
     """What one replica's prefix cache holds, and where its event stream is."""
 
-    groups: dict[int, set[BlockHash]] = field(default_factory=dict)
+    groups: dict[int, set[BlockHash]] = field(default_factory=dict)   # on the device, per KV group
+    tiers: dict[tuple[int, str], set[BlockHash]] = field(default_factory=dict)  # (group, medium): cpu, disk
     next_seq: int = 0          # the sequence number of the next batch expected
     lost_batches: int = 0      # batches neither received nor replayed
 
     def held(self, group: int) -> set[BlockHash]:
+        """Blocks of `group` on the device."""
         return self.groups.setdefault(group, set())
+
+    def where(self, group: int, medium: str) -> set[BlockHash] | None:
+        """The set an event of `medium` updates: None for a tier shared by every replica (redis)."""
+        if medium in (None, "device", "gpu"):
+            return self.held(group)
+        if medium in SHARED_MEDIA:
+            return None
+        return self.tiers.setdefault((group, medium), set())
+
+    def local(self, group: int) -> list[set[BlockHash]]:
+        """Every set of this replica's own blocks of `group` (device first, then its cpu/disk tiers)."""
+        return [self.held(group)] + [s for (g, _), s in self.tiers.items() if g == group]
 
 
 class PrefixIndex:
@@ -114,9 +129,9 @@ class PrefixIndex:
         state = self.replicas.get(name)
         if state is None:
             return 0
-        held = [state.held(g) for g in groups]
+        held = [state.local(g) for g in groups]
         n = 0
-        while n < len(hashes) and all(hashes[n] in h for h in held):
+        while n < len(hashes) and all(any(hashes[n] in s for s in sets) for sets in held):
             n += 1
         return n
 
@@ -138,13 +153,21 @@ class PrefixIndex:
         for event in events:
             kind = event[0]
             if kind == "BlockStored":
-                state.held(_group(event, 7)).update(event[1])
+                blocks = state.where(_group(event, 7), _field(event, 6))
+                if blocks is not None:
+                    blocks.update(event[1])
             elif kind == "BlockRemoved":
-                state.held(_group(event, 3)).difference_update(event[1])
+                blocks = state.where(_group(event, 3), _field(event, 2))
+                if blocks is not None:
+                    blocks.difference_update(event[1])
             elif kind == "AllBlocksCleared":
-                state.groups.clear()
+                state.groups.clear()   # the device cache only: the tiers keep their entries
             else:
                 log.warning("KV events: unknown event type %r ignored", kind)
+
+
+def _field(event: list, index: int):
+    return event[index] if len(event) > index else None
 
 
 def _group(event: list, index: int) -> int:

@@ -239,4 +239,6 @@ def build_publisher(endpoint: str | None, replay_endpoint: str | None, kv) -> KV
         return None
     publisher = KVEventPublisher(endpoint, replay_endpoint)
     kv.events = publisher.events
+    if getattr(kv, "lower", None) is not None:   # the tiers below the device (kv/tiers.py TierBridge)
+        kv.lower.publish_to(publisher.events)
     return publisher

@@ -371,11 +371,16 @@ class KVCacheManager:
         """BlockRemoved for pool keys that left the cache, one event per KV group."""
         from kvserve.kv.events import BlockRemoved
         by_group: dict[int, list[BlockHash]] = {}
-        n = len(digest_fn(self.hash_algo)(b""))  # a pool key: the chained hash, + 2 bytes of group past group 0
         for key in keys:
-            by_group.setdefault(int.from_bytes(key[n:], "little"), []).append(key[:n])
+            block_hash, g = self.split_key(key)
+            by_group.setdefault(g, []).append(block_hash)
         for g, hashes in sorted(by_group.items()):
             self.events.add(BlockRemoved(hashes, group=g))
+
+    def split_key(self, key: BlockHash) -> tuple[BlockHash, int]:
+        """(chained hash, KV group) of a pool key: the hash, + 2 bytes of group past group 0."""
+        n = len(digest_fn(self.hash_algo)(b""))
+        return key[:n], int.from_bytes(key[n:], "little")
 
     def _report_reset(self, before: set[BlockHash]) -> None:
         """AllBlocksCleared when no block stays cached; else BlockRemoved for the keys that went."""

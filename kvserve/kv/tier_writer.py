@@ -24,8 +24,9 @@ FLUSH_TIMEOUT = 60.0              # seconds close() waits for pending writes
 class WriteBatch:
     """Blocks copied off the device in one step: their tier keys, and their entries packed once on demand."""
 
-    def __init__(self, keys: list[str], pack: Callable[[], list[bytes]]):
+    def __init__(self, keys: list[str], pack: Callable[[], list[bytes]], blocks: list | None = None):
         self.keys = keys
+        self.blocks = blocks          # what each key is (the bridge's (block id, pool key, tokens)), for events
         self._pack = pack
         self._entries: list[bytes] | None = None
         self._lock = threading.Lock()
@@ -51,6 +52,7 @@ class TierWriter:
         self._thread: threading.Thread | None = None
         self._stop = False
         self._warned = False
+        self.on_stored: Callable[[WriteBatch, list[int]], None] | None = None  # (batch, indices written)
 
     def room(self, bytes_per_block: int) -> int:
         """How many more blocks of this size the queue takes now."""
@@ -135,6 +137,8 @@ class TierWriter:
         if missing:
             entries = batch.entries()
             self.tier.put_many([(keys[i], entries[i]) for i in missing])
+            if self.on_stored is not None:
+                self.on_stored(batch, missing)
 
 
 def close_writers(writers: list[TierWriter], timeout: float | None = FLUSH_TIMEOUT) -> None:

@@ -192,6 +192,7 @@ class CpuTier:
     """Host-memory entries, bounded in bytes, least recently used dropped first."""
 
     name = "cpu"
+    on_evict: Callable[[str], None] | None = None   # told each key the bound pushes out
 
     def __init__(self, capacity: int, write_policy: str = "write_back"):
         self.capacity = capacity
@@ -225,9 +226,11 @@ class CpuTier:
                 self.usage_bytes += len(data)
                 self.stats.add(bytes_written=len(data), entries_written=1)
                 while self.usage_bytes > self.capacity:
-                    _, old = self.entries.popitem(last=False)
+                    old_key, old = self.entries.popitem(last=False)
                     self.usage_bytes -= len(old)
                     self.stats.add(evictions=1)
+                    if self.on_evict is not None:
+                        self.on_evict(old_key)
 
     def delete(self, key: str) -> None:
         """Drop one entry if present."""
@@ -247,6 +250,7 @@ class DiskTier:
 
     name = "disk"
     SUFFIX = ".kvb"
+    on_evict: Callable[[str], None] | None = None   # told each key the bound pushes out
 
     def __init__(self, root: str | os.PathLike, capacity: int, write_policy: str = "write_through"):
         self.root = Path(root)
@@ -346,6 +350,8 @@ class DiskTier:
             self.usage_bytes -= size
             p.unlink(missing_ok=True)
             self.stats.add(evictions=1)
+            if self.on_evict is not None:
+                self.on_evict(f"{p.parent.parent.name}/{p.stem}")   # the key _path made this path of
 
 
 class RedisTier:
@@ -479,6 +485,8 @@ class TierBridge:
     _loaded: dict = field(default_factory=dict, init=False)     # block id -> (pool key, tier) of a load
     _warned: set = field(default_factory=set, init=False)
     _located: dict = field(default_factory=dict, init=False)  # hash -> index of the tier that has it
+    events: object = field(default=None, init=False)  # KVEventQueue (kv/events.py) when KV events are on
+    split_key: Callable = field(default=None, init=False)  # pool key -> (chained hash, group), from the manager
 
     def __post_init__(self):
         self.layout = self.storage.block_layout()
@@ -492,6 +500,7 @@ class TierBridge:
         every block its pool registers is written through."""
         kv.lower = self
         self.pool = kv.pool
+        self.split_key = kv.split_key
         if self.writers:
             kv.pool.on_register = self.registered
         if self.pin_writers:
@@ -520,6 +529,7 @@ class TierBridge:
         for tier, idx in todo:
             if idx:
                 tier.put_many([(keys[i], entries[i]) for i in idx])
+                self._report_stored(tier, [evicted[i] for i in idx])
 
     # ---- write-through ---------------------------------------------------------------
     def registered(self, block_id: int, block_hash: BlockHash, token_ids: tuple[int, ...]) -> None:
@@ -567,11 +577,38 @@ class TierBridge:
             if ready is not None:
                 ready.synchronize()
             return self._pack(blocks, tensors)
-        return WriteBatch([self.key(h) for _, h, _ in blocks], pack)
+        return WriteBatch([self.key(h) for _, h, _ in blocks], pack, blocks)
 
     def _pack(self, blocks: Evicted, tensors: list[torch.Tensor]) -> list[bytes]:
         """One entry per block from `read_blocks` tensors of those blocks."""
         return [pack_entry(h, tokens, self.layout, row) for (_, h, tokens), row in zip(blocks, pack_rows(tensors))]
+
+    # ---- KV events (kv/events.py): what each tier gains and loses, medium = the tier's name ----
+    def publish_to(self, events) -> None:
+        """Record BlockStored / BlockRemoved events of every tier into `events` (a KVEventQueue).
+        The Redis tier's own LRU evictions are not seen (Redis drops keys by itself)."""
+        self.events = events
+        for w in self.writers + self.pin_writers:
+            w.on_stored = lambda batch, idx, tier=w.tier: self._report_stored(tier, [batch.blocks[i] for i in idx])
+        for tier in self.tiers:
+            if hasattr(tier, "on_evict"):
+                tier.on_evict = lambda key, tier=tier: self._report_evicted(tier, key)
+
+    def _report_stored(self, tier, blocks: Evicted) -> None:
+        """One BlockStored per block written to `tier` (blocks of a batch need not form one chain)."""
+        if self.events is None:
+            return
+        from kvserve.kv.events import BlockStored
+        for _, key, tokens in blocks:
+            block_hash, g = self.split_key(key)
+            self.events.add(BlockStored([block_hash], None, list(tokens), len(tokens), medium=tier.name, group=g))
+
+    def _report_evicted(self, tier, key: str) -> None:
+        if self.events is None or not key.startswith(self.namespace + "/"):
+            return  # another engine's entry (a shared directory)
+        from kvserve.kv.events import BlockRemoved
+        block_hash, g = self.split_key(bytes.fromhex(key[len(self.namespace) + 1:]))
+        self.events.add(BlockRemoved([block_hash], medium=tier.name, group=g))
 
     def flush(self, timeout: float | None = FLUSH_TIMEOUT) -> bool:
         """Wait for every queued write-through write; False if `timeout` passed first."""
