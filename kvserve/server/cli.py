@@ -60,6 +60,15 @@ def register(subparsers) -> None:
     p.add_argument("--record", default=None, metavar="FILE",
                    help="append the KV state stream (one JSON snapshot per line, at most 4 a second while "
                         "something changes) to FILE; the dashboard at /dashboard replays it")
+    p.add_argument("--replicas", type=int, default=None, metavar="N",
+                   help="serve N engines as a Ray Serve application behind one router (docs/DISTRIBUTED.md; "
+                        "needs pip install 'kvserve[distributed]'); default: one engine, no Ray")
+    p.add_argument("--ray-address", default=None, metavar="ADDR",
+                   help="with --replicas: the Ray cluster to join (e.g. ray://head:10001 or auto); default: "
+                        "a local Ray on this machine")
+    p.add_argument("--routing", default="prefix", choices=["prefix", "round-robin", "least-loaded"],
+                   help="with --replicas: prefix = the replica holding most of the prompt's prefix, weighed "
+                        "against its load; least-loaded; round-robin")
     p.add_argument("--uvicorn-log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug", "trace"])
     p.add_argument("--no-access-log", action="store_true", help="do not log one line per HTTP request")
@@ -79,6 +88,9 @@ def cmd_serve(args) -> int:
         raise ValueError(f"--max-body-bytes must be >= 1, got {args.max_body_bytes}")
     api_keys = api_keys_of(args)
     check_cache_isolation(args.cache_isolation, api_keys)
+    if args.replicas is not None:
+        from kvserve.server.replicas import serve_replicas
+        return serve_replicas(args, api_keys)
     engine = make_llm(args).engine
     app = build_app(engine, served_model_name=args.served_model_name, api_key=api_keys,
                     max_queue=args.max_queue, max_body_bytes=args.max_body_bytes,
