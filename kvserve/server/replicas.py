@@ -100,7 +100,7 @@ class EngineReplica:
         """Run one HTTP call through kvserve's app: yields the response head, then body chunks."""
         if call.route.replica is not None and call.route.replica != self.name:
             yield {"status": 503, "headers": [(b"content-type", b"application/json")]}
-            yield _error_body(503, f"replica {call.route.replica} is not serving (gone or restarted)")
+            yield _error_body(f"replica {call.route.replica} is not serving (gone or restarted)")
             return
         async for item in run_asgi(self.app, call, self.name):
             yield item
@@ -310,7 +310,8 @@ async def _relay(gen, sse: bool):
     except Exception as exc:
         log.warning("replica lost mid-answer: %r", exc)
         if sse:
-            yield b"data: " + json.dumps(_lost(exc).body()).encode() + b"\n\n"
+            lost = _lost(exc)
+            yield b"data: " + _error_body(lost.message, lost.code) + b"\n\n"
             yield b"data: [DONE]\n\n"
     finally:
         gen.cancel()
@@ -321,9 +322,9 @@ def _lost(exc: BaseException) -> APIError:
                          "replica will take it", type="service_unavailable", code="replica_failed")
 
 
-def _error_body(status: int, message: str) -> bytes:
+def _error_body(message: str, code: str = "replica_unavailable") -> bytes:
     return json.dumps({"error": {"message": message, "type": "service_unavailable", "param": None,
-                                 "code": "replica_unavailable"}}).encode()
+                                 "code": code}}).encode()
 
 
 async def _read_body(request, max_bytes: int) -> bytes:
