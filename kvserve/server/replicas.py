@@ -106,7 +106,8 @@ class EngineReplica:
             yield item
 
     async def __del__(self):
-        await self.lifespan.__aexit__(None, None, None)
+        if getattr(self, "lifespan", None) is not None:  # start-up got that far
+            await self.lifespan.__aexit__(None, None, None)
 
 
 def add_replica_routes(app) -> None:
@@ -428,11 +429,17 @@ def serve_replicas(args, api_keys: list[str]) -> int:
     log.info("serving %d replicas on http://%s:%d (routing %s)", args.replicas, args.host, args.port,
              args.routing)
     stop = threading.Event()
+
+    def on_signal(*_):
+        if stop.is_set():
+            os._exit(1)  # a second signal: leave at once
+        stop.set()
+
     for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
+        signal.signal(sig, on_signal)
     stop.wait()
     log.info("stopping the replicas")
-    serve.delete("kvserve")
-    serve.shutdown()
-    ray.shutdown()
+    if args.ray_address:
+        serve.delete("kvserve")  # the cluster goes on without this application
+    ray.shutdown()  # a local Ray (a Ctrl-C reaches its processes too) stops with its replicas
     return 0
