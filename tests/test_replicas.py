@@ -22,6 +22,7 @@ from kvserve.server.replicas import (
     REPLICA_HEADER,
     build_application,
     build_ingress,
+    merge_metrics,
 )
 
 ENGINE = {"kv_cache_memory": "64MiB", "max_model_len": 512, "enforce_eager": True}
@@ -66,6 +67,16 @@ def _wait(cond, timeout: float = 15.0, what: str = "condition"):
         assert time.monotonic() < deadline, f"timed out waiting for {what}"
         time.sleep(0.2)
     return value
+
+
+def test_merge_metrics_labels_every_sample_and_keeps_one_header():
+    one = ('# HELP x_total X.\n# TYPE x_total counter\nx_total{model_name="m"} 1.0\n'
+           '# HELP y Y.\n# TYPE y gauge\ny 2.0\n')
+    text = merge_metrics({"a": one, "b": one.replace("1.0", "3.0")})
+    assert text.count("# TYPE x_total counter") == 1
+    assert 'x_total{replica="a",model_name="m"} 1.0' in text and 'x_total{replica="b",model_name="m"} 3.0' in text
+    lines = text.splitlines()
+    assert lines.index('x_total{replica="b",model_name="m"} 3.0') < lines.index('y{replica="a"} 2.0')
 
 
 def test_shared_prefix_lands_on_the_replica_holding_it(base_url):
