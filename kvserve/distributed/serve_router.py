@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import importlib
 import logging
+from collections import OrderedDict
 from dataclasses import dataclass
 
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
@@ -32,6 +33,7 @@ from kvserve.distributed.router import (
 log = logging.getLogger("kvserve")
 
 POLL_SECONDS = 0.02          # how often the feeds are read between requests
+MAX_REMEMBERED = 10_000      # choices kept for requests not yet sent
 ROUTERS: dict[str, KVRouter] = {}   # app name -> this process's router (the ingress reads it)
 
 
@@ -60,6 +62,7 @@ class KVRouter(RequestRouter):
         self.costs = {k: v for k, v in (("queue_cost", queue_cost), ("kv_cost", kv_cost)) if v is not None}
         self.index = PrefixIndex(replay=self._replay)
         self.routers: dict[str, Router] = {}    # policy -> Router (each keeps its own turn)
+        self.chosen: OrderedDict[str, str] = OrderedDict()  # request -> replica, until it is sent
         self.hasher: PromptHasher | None = None  # the replicas' hashing, from the first one's metadata
         self.groups: tuple[int, ...] = (0,)
         self.feeds: dict[str, EventFeed] = {}
@@ -71,7 +74,9 @@ class KVRouter(RequestRouter):
     # ---- Serve's hooks -----------------------------------------------------------------
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
-        """The chosen replica first, then the others (taken only if the chosen one is full)."""
+        """The one replica the policy picks. Router.pick runs once per request: when Serve retries
+        (the replica was full, or slow to say how busy it is) the request waits for the same one,
+        unless it is gone."""
         self.sync()
         by_name = {replica_name(r): r for r in candidate_replicas}
         info = route_info(pending_request)
@@ -80,9 +85,22 @@ class KVRouter(RequestRouter):
         router = self.router(info.policy or self.policy)
         if router is None:
             return [candidate_replicas]
-        loads = {name: self.load(r) for name, r in by_name.items()}
-        chosen = router.pick(info.token_ids or [], loads, info.salt)
-        return [[by_name[chosen]], [r for n, r in by_name.items() if n != chosen]]
+        rid = pending_request.metadata.internal_request_id if pending_request is not None else None
+        chosen = self.chosen.get(rid)
+        if chosen not in by_name:  # a retry keeps its choice while that replica lives
+            loads = {name: self.load(r) for name, r in by_name.items()}
+            chosen = router.pick(info.token_ids or [], loads, info.salt)
+            self._remember(rid, chosen)
+        return [[by_name[chosen]]]
+
+    def on_request_routed(self, pending_request, replica_id, result) -> None:
+        self.chosen.pop(pending_request.metadata.internal_request_id, None)
+
+    def _remember(self, rid: str | None, name: str) -> None:
+        if rid is not None:
+            self.chosen[rid] = name
+            while len(self.chosen) > MAX_REMEMBERED:  # requests cancelled before they were routed
+                self.chosen.popitem(last=False)
 
     def on_replica_actor_died(self, replica_id):
         super().on_replica_actor_died(replica_id)
