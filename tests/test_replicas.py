@@ -42,9 +42,11 @@ def base_url():
     port = _free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     app = build_application(ENGINE, {}, replicas=2, routing="prefix", events_host="127.0.0.1")
-    serve.run(app, name="kvserve", route_prefix="/")
+    serve.run_many([serve.RunTarget(app, name="kvserve", route_prefix="/")], wait_for_applications_running=False)
     round_robin = build_ingress(serve.get_deployment_handle(ENGINE_DEPLOYMENT, "kvserve"), routing="round-robin")
-    serve.run(round_robin, name="rr", route_prefix="/rr")
+    serve.run(round_robin, name="rr", route_prefix="/rr")   # starts while the engines load
+    _wait(lambda: serve.status().applications["kvserve"].status == "RUNNING", timeout=120,
+          what="the replicas to start")
     yield f"http://127.0.0.1:{port}"
     serve.shutdown()
     ray.shutdown()
