@@ -2,7 +2,9 @@
 
 One Ray session for the module: app "kvserve" (two replicas of the bundled model, prefix routing)
 at /, and app "rr" at /rr, a second entry to the same replicas with round-robin routing; served
-on loopback.
+on loopback. Both replicas share one Redis KV tier (a private redis-server, write-through), so a
+prompt one replica computed is loaded from Redis by the other; a later test kills that Redis
+(and starts it again on the same port when done).
 """
 
 from __future__ import annotations
@@ -14,7 +16,9 @@ import time
 import httpx
 import pytest
 import ray
+from conftest import RedisServer
 from openai import OpenAI
+from prometheus_client.parser import text_string_to_metric_families
 from ray import serve
 
 from kvserve.server.replicas import (
@@ -36,12 +40,22 @@ def _free_port() -> int:
 
 
 @pytest.fixture(scope="module")
-def base_url():
+def redis_tier(tmp_path_factory):
+    """The replicas' shared Redis tier: a private redis-server for the module."""
+    server = RedisServer(workdir := tmp_path_factory.mktemp("redis"))
+    server.workdir = workdir
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def base_url(redis_tier):
     """A local Ray with both apps deployed; the HTTP address."""
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     port = _free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
-    app = build_application(ENGINE, {}, replicas=2, routing="prefix", events_host="127.0.0.1")
+    engine = {**ENGINE, "kv_tiers": [redis_tier.url]}
+    app = build_application(engine, {"metrics_names": "vllm"}, replicas=2, routing="prefix", events_host="127.0.0.1")
     serve.run_many([serve.RunTarget(app, name="kvserve", route_prefix="/")], wait_for_applications_running=False)
     round_robin = build_ingress(serve.get_deployment_handle(ENGINE_DEPLOYMENT, "kvserve"), routing="round-robin")
     serve.run(round_robin, name="rr", route_prefix="/rr")   # starts while the engines load
@@ -61,6 +75,26 @@ def _complete(client: OpenAI, prompt: str, **kw):
 def _replicas(base_url: str, hashes: bool = False) -> dict:
     r = httpx.get(f"{base_url}/v1/replicas", params={"hashes": "true"} if hashes else None, timeout=10)
     return r.json()["replicas"]
+
+
+def _metrics(base_url: str, replica: str) -> dict:
+    """One replica's kvserve:* samples, keyed by name and labels other than model_name."""
+    r = httpx.get(f"{base_url}/metrics", headers={REPLICA_HEADER: replica}, timeout=20)
+    assert r.status_code == 200 and r.headers[REPLICA_HEADER] == replica
+    out = {}
+    for family in text_string_to_metric_families(r.text):
+        for s in family.samples:
+            labels = "".join(f"[{k}={v}]" for k, v in sorted(s.labels.items()) if k != "model_name")
+            out[s.name + labels] = s.value
+    return out
+
+
+def _pinned(client: OpenAI, replica: str, prompt: str, max_tokens: int = 6):
+    """A greedy completion on `replica` only; asserts that it served it."""
+    raw = client.completions.with_raw_response.create(model=None, prompt=prompt, max_tokens=max_tokens,
+                                                      temperature=0, extra_headers={REPLICA_HEADER: replica})
+    assert raw.status_code == 200 and raw.headers[REPLICA_HEADER] == replica
+    return raw.parse()
 
 
 def _wait(cond, timeout: float = 15.0, what: str = "condition"):
@@ -119,6 +153,8 @@ def test_chat_routes_and_models_health_metrics(base_url):
     for name in names:
         assert f'kvserve:prompt_tokens_total{{replica="{name}"' in metrics
     assert metrics.count("# TYPE kvserve:prompt_tokens_total ") == 1
+    for name in names:                                        # --metrics-names vllm reaches the replicas
+        assert f'vllm:prompt_tokens_total{{replica="{name}"' in metrics
     bad = httpx.post(f"{base_url}/v1/completions", json={"prompt": "x", "max_tokens": 0}, timeout=10)
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "max_tokens"
 
@@ -133,6 +169,63 @@ def test_index_matches_each_engines_cached_blocks(base_url):
                 return False
         return True
     _wait(matches, what="the index to equal the engines' cached blocks")
+
+
+REDIS_DOC = " ".join(f"Entry {i}: ferry number {i} leaves the harbour at {i} o'clock with {3 * i} bicycles."
+                     for i in range(14))
+
+
+def test_redis_tier_carries_a_prompt_from_one_replica_to_the_other(base_url):
+    client = OpenAI(base_url=f"{base_url}/v1", api_key="none", max_retries=0, timeout=60)
+    a, b = sorted(_replicas(base_url))
+    before_b = _metrics(base_url, b)
+    out_a = _pinned(client, a, REDIS_DOC)
+    full_blocks = (out_a.usage.prompt_tokens - 1) // 16         # the blocks a prefix lookup can hit
+    assert out_a.usage.prompt_tokens > 300 and out_a.usage.prompt_tokens_details.cached_tokens == 0
+
+    def written():  # write-through: every full block of the prompt in Redis, nothing pending
+        m = _metrics(base_url, a)
+        return (m["kvserve:kv_tier_pending_writes[tier=redis]"] == 0
+                and m["kvserve:kv_tier_written_entries_total[tier=redis]"] >= full_blocks)
+    _wait(written, what="replica A's blocks written to Redis")
+    out_b = _pinned(client, b, REDIS_DOC)                       # B never saw it: its blocks come from Redis
+    after_b = _metrics(base_url, b)
+    assert out_b.usage.prompt_tokens_details.cached_tokens == 16 * full_blocks
+    hits = after_b["kvserve:kv_tier_hits_total[tier=redis]"] - before_b["kvserve:kv_tier_hits_total[tier=redis]"]
+    by_source = "kvserve:prefix_cache_hits_by_source_total[source=redis]"
+    assert hits == full_blocks and after_b[by_source] - before_b.get(by_source, 0) == 16 * full_blocks
+    assert after_b["kvserve:kv_tier_errors_total[tier=redis]"] == 0
+    assert out_b.choices[0].text == out_a.choices[0].text
+
+
+def test_redis_down_both_replicas_keep_serving(base_url, redis_tier):
+    client = OpenAI(base_url=f"{base_url}/v1", api_key="none", max_retries=0, timeout=30)
+    names = sorted(_replicas(base_url))
+    fresh = REDIS_DOC.replace("ferry", "train")                 # never seen: no block of it cached anywhere
+    short = "The harbour master counts the bicycles:"
+    expected = {name: _pinned(client, name, short).choices[0].text for name in names}
+    redis_tier.stop()                                           # Redis dies (SIGKILL)
+    try:
+        texts = {}
+        for name in names:                                      # a new prompt: lookups and writes fail
+            t0 = time.monotonic()
+            out = _pinned(client, name, fresh)
+            texts[name] = out.choices[0].text
+            assert out.usage.prompt_tokens_details.cached_tokens == 0 and time.monotonic() - t0 < 20
+        assert texts[names[0]] == texts[names[1]]
+        for name in names:                                      # later requests neither hang nor fail
+            t0 = time.monotonic()
+            assert _pinned(client, name, short).choices[0].text == expected[name]
+            assert time.monotonic() - t0 < 20
+        body = {"prompt": fresh + " Once more:", "max_tokens": 4, "temperature": 0, "stream": True}
+        with httpx.stream("POST", f"{base_url}/v1/completions", json=body, timeout=30) as r:
+            assert r.status_code == 200
+            events = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+        assert events[-1] == "[DONE]" and not any("error" in json.loads(e) for e in events[:-1])
+        errors = [_metrics(base_url, name)["kvserve:kv_tier_errors_total[tier=redis]"] for name in names]
+        assert all(e >= 1 for e in errors)                       # counted, not raised
+    finally:
+        redis_tier.proc = RedisServer(redis_tier.workdir, port=redis_tier.port).proc   # back, empty
 
 
 def test_killed_replica_ends_its_stream_and_the_other_serves(base_url):

@@ -71,8 +71,12 @@ class EngineReplica:
         engine_kwargs = {**engine_kwargs, "kv_events": f"tcp://{host}:{free_port(host)}",
                          "kv_events_replay": f"tcp://{host}:{free_port(host)}"}
         self.llm = await asyncio.to_thread(LLM, **engine_kwargs)
+        app_kwargs = dict(app_kwargs)
+        metrics_names = app_kwargs.pop("metrics_names", None)
         self.app = build_app(self.llm.engine, **app_kwargs)
         self.state = self.app.state.kvserve
+        if metrics_names == "vllm":
+            self.state.metrics.export_vllm_names()
         add_replica_routes(self.app)
         self.lifespan = self.app.router.lifespan_context(self.app)
         await self.lifespan.__aenter__()
@@ -422,7 +426,7 @@ def serve_replicas(args, api_keys: list[str]) -> int:
     app_kwargs = {"served_model_name": args.served_model_name, "api_key": api_keys,
                   "max_queue": args.max_queue, "max_body_bytes": args.max_body_bytes,
                   "allow_special_tokens_in_content": args.allow_special_tokens_in_content,
-                  "cache_isolation": args.cache_isolation}
+                  "cache_isolation": args.cache_isolation, "metrics_names": args.metrics_names}
     app = build_application(engine_kwargs(args), app_kwargs, replicas=args.replicas, routing=args.routing,
                             events_host=None if args.ray_address else "127.0.0.1")
     serve.run(app, name="kvserve", route_prefix="/")
