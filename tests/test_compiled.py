@@ -95,3 +95,24 @@ def test_a_failed_compile_leaves_the_model_eager(llm, monkeypatch, caplog):
     assert model.model.regions is EAGER and "no compiler" in caplog.text
     out = llm.generate(PROMPTS[:1], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 4
+
+
+def test_batch_one_decode_runs_the_one_token_graph(graphs_and_compiled, eager_int4, monkeypatch):
+    """A lone sequence decodes through the one-token stack graph (its attention runs as the opaque
+    op, with the step's metadata in regions._STEP) and makes the eager model's greedy tokens."""
+    import kvserve.model.regions as regions
+    _, compiled = graphs_and_compiled
+    attn = compiled.engine.model.model.layers[3].self_attn
+    seen = []
+    real = attn.attend
+
+    def attend(q, k, v, meta):
+        seen.append((q.shape[0], bool(regions._STEP)))
+        return real(q, k, v, meta)
+    monkeypatch.setattr(attn, "attend", attend)
+    greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    out = compiled.generate(PROMPTS[2], greedy, use_tqdm=False)[0].outputs[0].token_ids
+    want = eager_int4.generate(PROMPTS[2], greedy, use_tqdm=False)[0].outputs[0].token_ids
+    assert seen[0][0] > 1 and not seen[0][1]                  # the prompt: regions, attention eager
+    assert [s for s in seen[1:]] == [(1, True)] * 11          # each decode step: the one-token graph
+    assert out[:8] == want[:8]

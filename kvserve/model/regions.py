@@ -2,10 +2,13 @@
 attention calls (output projection, residuals, norms, MLP, the next layer's norm, Q/K/V projection
 and rotary embedding) as one region, run eagerly or compiled.
 
-Compiled, every region of a model is one `torch.compile` graph shared by all its layers (the
-layer's weights are graph inputs, not constants), so a 30-layer model compiles two graphs:
-one for single-token steps and one for any larger number of tokens (dynamic shapes). Between
-regions the attention backend reads the paged cache as it does eagerly.
+Compiled, a step of one token (batch-1 decode) runs the whole stack as one `torch.compile` graph
+in which each layer's attention is an opaque op (`kvserve::stack_attend`: the backend reads and
+writes the paged cache eagerly, with the step's metadata): one graph call per step instead of one
+per layer, which is most of the host time of a small model's step. Steps of more tokens run
+per region: every region of a model is one graph shared by all its layers (the layer's weights
+are graph inputs, not constants) with dynamic shapes, compiled in seconds; at those sizes the
+arithmetic outweighs the calls.
 """
 
 from __future__ import annotations
@@ -19,8 +22,8 @@ from tqdm.auto import tqdm
 
 log = logging.getLogger("kvserve")
 
-# Token counts a warm-up runs: one token (decode at batch 1 gets its own graph), then two and 64
-# (the dynamic graph, and past the int8 kernel's row limit, model/quant.py SMALL_ROWS).
+# Token counts a warm-up runs: one token (the one-token stack graph), then two and 64 (the regions'
+# dynamic graphs, and past the int8 kernel's row limit, model/quant.py SMALL_ROWS).
 WARMUP_TOKENS = (1, 2, 64)
 # Graphs kept per region across every engine of the process (torch's default is 8).
 RECOMPILE_LIMIT = 64
@@ -40,16 +43,52 @@ def _last(layer, x, o):
     return layer.post_attention(x, o)
 
 
+def _one_token_stack(layers, x, positions):
+    """The whole stack for one token, attention by the opaque op (compiled as one graph)."""
+    q, k, v = _first(layers[0], x, positions)
+    last = len(layers) - 1
+    for i, layer in enumerate(layers):
+        o = torch.ops.kvserve.stack_attend(q, k, v, i)
+        if i == last:
+            return _last(layer, x, o)
+        x, (q, k, v) = _between(layer, layers[i + 1], x, o, positions)
+    return x
+
+
+# (layers, metadata) of the one-token stack running now, for its attention ops
+_STEP: list = []
+
+
+@torch.library.custom_op("kvserve::stack_attend", mutates_args=())
+def stack_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int) -> torch.Tensor:
+    """Layer `layer`'s attention (cache write and read, run eagerly) inside the one-token graph."""
+    layers, meta = _STEP[-1]
+    return layers[layer].self_attn.attend(q, k, v, meta)
+
+
+@stack_attend.register_fake
+def _(q, k, v, layer):
+    return q.new_empty((*q.shape[:2], v.shape[-1]))
+
+
 class Regions:
-    """The dense regions of a decoder stack; `compiled` wraps each with torch.compile."""
+    """The dense regions of a decoder stack; `compiled` wraps each with torch.compile, and adds the
+    one-token stack graph."""
 
     def __init__(self, compiled: bool = False):
         self.compiled = compiled
         wrap = _compile if compiled else (lambda f: f)
         self.first, self.between, self.last = wrap(_first), wrap(_between), wrap(_last)
+        self.one_token = torch.compile(_one_token_stack, dynamic=False, fullgraph=True) if compiled else None
 
     def run(self, layers, x: torch.Tensor, positions: torch.Tensor, meta) -> torch.Tensor:
         """x through every layer: layer i's attention, then the region up to layer i + 1's."""
+        if self.one_token is not None and x.shape[0] == 1:
+            _STEP.append((layers, meta))
+            try:
+                return self.one_token(layers, x, positions)
+            finally:
+                _STEP.pop()
         q, k, v = self.first(layers[0], x, positions)
         last = len(layers) - 1
         for i, layer in enumerate(layers):
