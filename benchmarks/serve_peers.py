@@ -13,8 +13,8 @@ ITL the gap between successive text chunks. Output tokens are counted from the s
 checked against the number asked for.
 
 llama-server is built, when missing, from the llama.cpp tree vendored in the llama-cpp-python
-sdist into ~/.cache/kvserve/llama-server/ (cmake, Release, native CPU flags; 10+ minutes on two
-cores). The servers run one after the other, each alone on the machine.
+sdist into ~/.cache/kvserve/llama-server/ (cmake, Release, this CPU's vector extensions except
+AMX; 10+ minutes on two cores). The servers run one after the other, each alone on the machine.
 """
 
 from __future__ import annotations
@@ -73,6 +73,23 @@ def _run(cmd: list[str], cwd: Path | None = None, nice: bool = False, log: Path 
         raise RuntimeError(f"{cmd[0]} failed ({proc.returncode}); the end of {log}:\n" + "\n".join(tail))
 
 
+# ggml's instruction-set switches, by the /proc/cpuinfo flag that each needs.
+GGML_CPU_FLAGS = {"GGML_AVX": "avx", "GGML_AVX2": "avx2", "GGML_FMA": "fma", "GGML_F16C": "f16c",
+                  "GGML_BMI2": "bmi2", "GGML_AVX512": "avx512f", "GGML_AVX512_VBMI": "avx512vbmi",
+                  "GGML_AVX512_VNNI": "avx512_vnni", "GGML_AVX512_BF16": "avx512_bf16", "GGML_AVX_VNNI": "avx_vnni"}
+
+
+def cpu_options() -> list[str]:
+    """Every vector extension this CPU lists, except AMX: some VMs list AMX without enabling its
+    tile state, and a GGML_NATIVE build then dies with an illegal instruction on its first batch."""
+    try:
+        flags = set(next(line for line in Path("/proc/cpuinfo").read_text().splitlines()
+                         if line.startswith("flags")).split(":", 1)[1].split())
+    except (OSError, StopIteration):
+        return ["-DGGML_NATIVE=ON"]
+    return ["-DGGML_NATIVE=OFF"] + [f"-D{opt}={'ON' if flag in flags else 'OFF'}" for opt, flag in GGML_CPU_FLAGS.items()]
+
+
 def build_llama_server(cache: Path = CACHE_DIR, jobs: int = 2, nice: bool = True) -> Path:
     """The llama-server binary in `cache`, built from llama-cpp-python's sdist when missing."""
     binary = cache / "bin" / "llama-server"
@@ -100,7 +117,7 @@ def build_llama_server(cache: Path = CACHE_DIR, jobs: int = 2, nice: bool = True
     if not (tree / "CMakeLists.txt").exists():
         raise RuntimeError(f"no llama.cpp tree in {tree}")
     build = tree / "build"
-    options = ["-DLLAMA_CURL=OFF", "-DLLAMA_OPENSSL=OFF", "-DGGML_NATIVE=ON", "-DCMAKE_BUILD_TYPE=Release"]
+    options = ["-DLLAMA_CURL=OFF", "-DLLAMA_OPENSSL=OFF", "-DCMAKE_BUILD_TYPE=Release", *cpu_options()]
     cmake_text = (tree / "CMakeLists.txt").read_text()
     options += [f"-D{opt}=OFF" for opt in ("LLAMA_BUILD_TESTS", "LLAMA_BUILD_EXAMPLES") if opt in cmake_text]
     print("[3/4] configuring llama.cpp with cmake", flush=True)
