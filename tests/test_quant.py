@@ -59,6 +59,24 @@ def test_widened_paths_give_each_row_the_result_it_gets_alone(fmt, monkeypatch):
         assert torch.equal(unpacked.T, q.dequantize())
 
 
+def test_int4_many_rows_run_a_bfloat16_matmul_where_the_cpu_has_bfloat16_units(monkeypatch):
+    """With bfloat16 units, a step of more than INT4_WIDE_ROWS rows multiplies in bfloat16 by the
+    unpacked weight rounded to bfloat16: as close to the exact product as the one-row int4 kernel,
+    and each row within a bfloat16 step (of the largest output) of its one-row result."""
+    monkeypatch.setattr(quant, "_native_half_cpu", lambda: True)
+    w, b, q = _layer("int4", n=128)
+    x = torch.randn(INT4_WIDE_ROWS + 3, w.shape[1], generator=torch.Generator().manual_seed(2))
+    together = q(x)
+    w_bf16 = torch.ops.kvserve.int4_weight_t(q.packed, q.scales_zeros).to(torch.bfloat16)
+    assert torch.equal(together, torch.mm(x.to(torch.bfloat16), w_bf16).float() + b)
+    alone = torch.cat([q(x[i:i + 1]) for i in range(len(x))])
+    ref = x.double() @ q.dequantize(torch.float64).T + b.double()
+    scale = ref.abs().max().item()
+    err = {name: (y.double() - ref).abs().max().item() / scale for name, y in (("alone", alone), ("together", together))}
+    assert err["together"] <= 1.5 * err["alone"] and err["together"] < 2 ** -7, err
+    assert (alone - together).abs().max().item() / scale < 2 ** -7
+
+
 def test_tied_head_reads_the_float32_embedding_for_many_rows(monkeypatch):
     """The float16 LM head of a tied model computes multi-row steps from the float32 embedding it
     shares (no widening, no extra copy), and a single row on the float16 weight: both agree."""
