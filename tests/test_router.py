@@ -9,6 +9,7 @@ import pytest
 
 from kvserve import LLM, SamplingParams
 from kvserve.distributed.router import (
+    PENDING_S,
     EventFeed,
     PrefixIndex,
     PromptHasher,
@@ -253,6 +254,21 @@ def test_drop_replica_forgets_its_blocks_and_routing_moves_on():
     router.drop_replica("a")
     assert index.holds("a") == set() and "a" not in index.replicas
     assert router.pick(ids, {"b": ReplicaLoad(), "c": ReplicaLoad(3)}) == "b"
+
+
+def test_a_prompt_just_routed_draws_its_followers_until_events_can_confirm_it():
+    """Before a replica publishes a prompt's blocks (its prefill is still running), requests sharing
+    that prompt follow it to the same replica; PENDING_S later, without events, they do not."""
+    now = [0.0]
+    router = Router("prefix", PrefixIndex(), HASHER, clock=lambda: now[0])
+    system = list(range(500, 580))
+    first = router.pick(system + [1, 2, 3], IDLE)
+    assert [router.pick(system + [9, i], IDLE) for i in range(4)] == [first] * 4
+    assert router.hit_tokens(["a", "b"], system + [7])[first] == len(system) // HASHER.block_size * HASHER.block_size
+    now[0] += PENDING_S + 1
+    assert router.hit_tokens(["a", "b"], system + [7]) == {"a": 0, "b": 0}
+    router.drop_replica(first)
+    assert first not in router.pending
 
 
 def test_round_robin_and_least_loaded():

@@ -8,12 +8,17 @@ again at 0 (a restarted replica) starts the replica's blocks afresh. `PromptHash
 prompt exactly as the engine's KV manager does (kv/hashing.py under the engine's namespace), so
 the router and the engine name the same blocks. `Router.pick` chooses a replica by policy:
 round-robin, least-loaded (queue depth, then KV usage) or prefix (prefix tokens held, weighed
-against load; no hit anywhere falls back to least loaded).
+against load; no hit anywhere falls back to least loaded). The prefix policy also counts the blocks
+of prompts it sent to a replica in the last PENDING_S seconds as held there: a replica publishes a
+prompt's blocks only once its prefill is done, and requests sharing that prompt which arrive
+meanwhile would otherwise be spread over the replicas.
 """
 
 from __future__ import annotations
 
 import logging
+import time
+from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
@@ -26,6 +31,8 @@ log = logging.getLogger("kvserve")
 POLICIES = ("round-robin", "least-loaded", "prefix")
 DEFAULT_QUEUE_COST = 128   # prefix tokens one queued request on a replica is worth
 DEFAULT_KV_COST = 256      # prefix tokens a full KV cache (usage 1.0) is worth
+PENDING_S = 30.0           # seconds a routed prompt's blocks count as on its replica before events say so
+PENDING_MAX = 1 << 16      # block hashes remembered per replica that way (oldest forgotten first)
 SHARED_MEDIA = ("redis",)  # a tier every replica reads: its blocks do not tell replicas apart
 
 Replay = Callable[[str, int], list[tuple[int, bytes]]]  # (replica, first seq) -> [(seq, payload)]
@@ -247,7 +254,8 @@ class Router:
 
     def __init__(self, policy: str = "prefix", index: PrefixIndex | None = None,
                  hasher: PromptHasher | None = None, groups: Iterable[int] = (0,),
-                 queue_cost: float = DEFAULT_QUEUE_COST, kv_cost: float = DEFAULT_KV_COST):
+                 queue_cost: float = DEFAULT_QUEUE_COST, kv_cost: float = DEFAULT_KV_COST,
+                 clock: Callable[[], float] = time.monotonic):
         if policy not in POLICIES:
             raise ValueError(f"routing policy must be one of {POLICIES}, got {policy!r}")
         if policy == "prefix" and hasher is None:
@@ -258,6 +266,8 @@ class Router:
         self.groups = tuple(groups)    # the KV groups a hit needs (sliding-window groups need not be)
         self.queue_cost, self.kv_cost = queue_cost, kv_cost
         self.turn = 0                  # round-robin position
+        self.clock = clock
+        self.pending: dict[str, OrderedDict[BlockHash, float]] = {}  # replica -> routed block -> when
 
     def pick(self, prompt_token_ids: list[int], loads: dict[str, ReplicaLoad], salt: str | None = None) -> str:
         """The replica to send this prompt to, among those in `loads`."""
@@ -275,17 +285,41 @@ class Router:
     def by_prefix(self, names: list[str], loads: dict[str, ReplicaLoad], prompt_token_ids: list[int],
                   salt: str | None = None) -> str:
         """Highest score: prefix tokens held minus the load's cost; no hit: least loaded."""
-        hit = self.hit_tokens(names, prompt_token_ids, salt)
+        hashes = self.hasher.block_hashes(prompt_token_ids, salt)
+        hit = self._hit_tokens(names, hashes)
         if not any(hit.values()):
-            return self.least_loaded(names, loads)
-        score = {n: hit[n] - self.load_cost(_load(loads, n)) for n in names}
-        best = max(score.values())
-        return self.least_loaded([n for n in names if score[n] == best], loads)
+            choice = self.least_loaded(names, loads)
+        else:
+            score = {n: hit[n] - self.load_cost(_load(loads, n)) for n in names}
+            best = max(score.values())
+            choice = self.least_loaded([n for n in names if score[n] == best], loads)
+        self._remember(choice, hashes)
+        return choice
 
     def hit_tokens(self, names: list[str], prompt_token_ids: list[int], salt: str | None = None) -> dict[str, int]:
-        """Prompt tokens each replica holds as a cached prefix."""
-        hashes = self.hasher.block_hashes(prompt_token_ids, salt)
-        return {n: self.index.prefix_blocks(n, hashes, self.groups) * self.hasher.block_size for n in names}
+        """Prompt tokens each replica holds as a cached prefix (or was sent within PENDING_S)."""
+        return self._hit_tokens(names, self.hasher.block_hashes(prompt_token_ids, salt))
+
+    def _hit_tokens(self, names: list[str], hashes: list[BlockHash]) -> dict[str, int]:
+        now = self.clock()
+        out = {}
+        for n in names:
+            held = self.index.prefix_blocks(n, hashes, self.groups)
+            sent = self.pending.get(n, {})
+            while held < len(hashes) and now - sent.get(hashes[held], -PENDING_S) < PENDING_S:
+                held += 1
+            out[n] = held * self.hasher.block_size
+        return out
+
+    def _remember(self, name: str, hashes: list[BlockHash]) -> None:
+        """The blocks of a prompt just sent to `name`: held there until its events can say so."""
+        sent = self.pending.setdefault(name, OrderedDict())
+        now = self.clock()
+        for h in hashes:
+            sent[h] = now
+            sent.move_to_end(h)
+        while len(sent) > PENDING_MAX:
+            sent.popitem(last=False)
 
     def load_cost(self, load: ReplicaLoad) -> float:
         """A replica's load in prefix tokens: queued requests and KV usage, each at its weight."""
@@ -294,6 +328,7 @@ class Router:
     def drop_replica(self, name: str) -> None:
         """A replica died or left: forget its blocks (the caller stops listing it in `loads`)."""
         self.index.drop_replica(name)
+        self.pending.pop(name, None)
 
     def _rotation(self, loads: dict[str, ReplicaLoad]) -> list[str]:
         """The replicas in name order, starting at the round-robin position (which then advances)."""
