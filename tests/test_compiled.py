@@ -98,21 +98,81 @@ def test_a_failed_compile_leaves_the_model_eager(llm, monkeypatch, caplog):
 
 
 def test_batch_one_decode_runs_the_one_token_graph(graphs_and_compiled, eager_int4, monkeypatch):
-    """A lone sequence decodes through the one-token stack graph (its attention runs as the opaque
-    op, with the step's metadata in regions._STEP) and makes the eager model's greedy tokens."""
+    """A lone sequence decodes through the one-token paged graph (the cache written and read inside
+    it: no layer's eager attention runs) and makes the eager model's greedy tokens; the LM head of
+    a one-row step runs its group-wise int8 kernel."""
     import kvserve.model.regions as regions
     _, compiled = graphs_and_compiled
-    attn = compiled.engine.model.model.layers[3].self_attn
-    seen = []
-    real = attn.attend
+    model = compiled.engine.model
+    regions_ = model.model.regions
+    attn = model.model.layers[3].self_attn
+    seen, graph_calls, head_rows = [], [], []
+    real_attend, real_graph, real_head = attn.attend, regions_.one_token_paged, model.lm_head.row_kernel
 
     def attend(q, k, v, meta):
-        seen.append((q.shape[0], bool(regions._STEP)))
-        return real(q, k, v, meta)
+        seen.append(q.shape[0])
+        return real_attend(q, k, v, meta)
+
+    def graph(layers, x, *args):
+        graph_calls.append(x.shape[0])
+        return real_graph(layers, x, *args)
+
+    def head(x, *args):
+        head_rows.append(x.shape[0])
+        return real_head(x, *args)
     monkeypatch.setattr(attn, "attend", attend)
+    monkeypatch.setattr(regions_, "one_token_paged", graph)
+    monkeypatch.setattr(model.lm_head, "row_kernel", head)
+    rows_before = model.kv_rows
     greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-    out = compiled.generate(PROMPTS[2], greedy, use_tqdm=False)[0].outputs[0].token_ids
+    out = compiled.generate(PROMPTS[2], greedy, use_tqdm=False)[0]
     want = eager_int4.generate(PROMPTS[2], greedy, use_tqdm=False)[0].outputs[0].token_ids
-    assert seen[0][0] > 1 and not seen[0][1]                  # the prompt: regions, attention eager
-    assert [s for s in seen[1:]] == [(1, True)] * 11          # each decode step: the one-token graph
-    assert out[:8] == want[:8]
+    prompt = len(out.prompt_token_ids)
+    assert seen == [prompt]                           # the prompt: regions, attention eager
+    assert graph_calls == [1] * 11                    # each decode step: the one-token graph
+    assert head_rows == [1] * 12                      # every step samples one row
+    assert model.kv_rows - rows_before == prompt + 11  # K/V rows still counted (kvserve analyze)
+    assert out.outputs[0].token_ids[:8] == want[:8]
+
+
+def test_one_token_paged_attention_matches_the_paged_reference():
+    """paged_decode_one (traced into the one-token graph) writes the new K/V at its slot and
+    attends like paged_decode over the same blocks, grouped query heads included."""
+    from kvserve.attention.metadata import DecodeChunks
+    from kvserve.attention.paged import paged_decode, paged_decode_one
+    torch.manual_seed(0)
+    nb, bs, hkv, hq, d = 8, 4, 2, 6, 16
+    k_pool, v_pool = torch.randn(nb, bs, hkv, d), torch.randn(nb, bs, hkv, d)
+    q, k, v = torch.randn(1, hq, d), torch.randn(1, hkv, d), torch.randn(1, hkv, d)
+    blocks = torch.tensor([5, 2, 7])                  # 10 tokens: the new one at position 9 (block 7, row 1)
+    bias = torch.zeros(3 * bs)
+    bias[10:] = float("-inf")
+    slot = torch.tensor([7 * bs + 1])
+    ref_k, ref_v = k_pool.clone(), v_pool.clone()
+    ref_k[7, 1], ref_v[7, 1] = k[0], v[0]
+    want = paged_decode(q, ref_k, ref_v, DecodeChunks(blocks, torch.tensor([0]), bias.view(1, 1, 1, -1), 1, True), 0.25)
+    got = paged_decode_one(q, k, v, k_pool, v_pool, slot, blocks, bias, 0.25)
+    assert torch.equal(k_pool, ref_k) and torch.equal(v_pool, ref_v)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    # by hand for head 4 (K/V head 1): softmax over the 10 visible positions
+    keys = ref_k[blocks].view(-1, hkv, d)[:10, 1]
+    vals = ref_v[blocks].view(-1, hkv, d)[:10, 1]
+    torch.testing.assert_close(got[0, 4], torch.softmax(keys @ q[0, 4] * 0.25, 0) @ vals, rtol=1e-5, atol=1e-5)
+
+
+def test_the_row_kernel_head_holds_q8_0_weights_exactly():
+    """The one-row LM head kernel: int8 in groups of 32 with float16 scales reproduces Q8_0-coded
+    weights exactly, so its logits equal the float32 head's over those weights."""
+    from kvserve.model.quant import QuantLinear
+    torch.manual_seed(0)
+    n, k = 96, 64
+    scale = (torch.rand(n, k // 32) * 0.01 + 1e-3).half()
+    codes = torch.randint(-127, 128, (n, k // 32, 32))
+    codes[:, :, 0] = 127                                 # Q8_0: each block's largest code is +-127
+    w = (codes.float() * scale.float()[..., None]).view(n, k)
+    head = QuantLinear(w, None, "float16", tied=w)
+    head.add_row_kernel()
+    assert torch.equal(head.row_q8.permute(2, 0, 1).reshape(n, k // 32, 32).long(), codes)
+    x = torch.randn(1, k)
+    torch.testing.assert_close(head(x), x @ w.t(), rtol=1e-5, atol=1e-5)
+    assert head(torch.randn(3, k)).shape == (3, n)       # more rows: the float16 weight

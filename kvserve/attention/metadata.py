@@ -72,6 +72,10 @@ class AttentionMetadata:
     # KV eviction (engine/eviction.py): called as score_hook(layer, ctx, q[ctx.rows], keys, scale) for
     # every context, so H2O / SnapKV can see the attention their requests' cached entries receive.
     score_hook: object | None = None
+    # A single decode token over native paged K/V in every layer: (pools per layer, then per group
+    # slot, blocks, bias, then each layer's group) for the compiled one-token stack, which writes
+    # and reads the cache itself (model/regions.py); None: attention goes through the backends.
+    one_token: tuple | None = None
 
     def group(self, layer: int) -> GroupMetadata:
         return self.groups[self.layer_group[layer]]

@@ -62,3 +62,20 @@ def paged_decode(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, ch
     total = w.new_zeros(b, hq).index_add_(0, row, w)
     acc = w.new_zeros(b, hq, d).index_add_(0, row, out.reshape(num, hq, d).float() * w.unsqueeze(-1))
     return (acc / total.unsqueeze(-1)).to(q.dtype)
+
+
+def paged_decode_one(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
+                     slot: torch.Tensor, blocks: torch.Tensor, bias: torch.Tensor, scale: float) -> torch.Tensor:
+    """One decode token, traceable (the compiled one-token stack, model/regions.py): write its K/V
+    [1, Hkv, D] at `slot` [1], attend over `blocks` [n] of the pools (bias [n * block_size]: 0
+    visible, -inf not), each K/V head's query heads as its query rows; q [1, Hq, D] -> [1, Hq, Dv]."""
+    nb, bs, hkv, d = k_pool.shape
+    dv = v_pool.shape[-1]
+    k_pool.view(nb * bs, hkv, d).index_put_((slot,), k)
+    v_pool.view(nb * bs, hkv, dv).index_put_((slot,), v)
+    keys = k_pool.index_select(0, blocks).view(-1, hkv, d).permute(1, 2, 0)      # [Hkv, D, L]
+    values = v_pool.index_select(0, blocks).view(-1, hkv, dv).transpose(0, 1)    # [Hkv, L, Dv]
+    hq = q.shape[1]
+    scores = torch.matmul(q.view(hkv, hq // hkv, d), keys) * scale + bias
+    weights = torch.softmax(scores.float(), dim=-1).to(values.dtype)
+    return torch.matmul(weights, values).view(1, hq, dv)

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvserve.attention import AttentionMetadata, PrefillSpan, StepBatch, select_backend
+from kvserve.attention import AttentionMetadata, PagedBackend, PrefillSpan, StepBatch, select_backend
 from kvserve.engine.input_batch import InputBatch
 from kvserve.engine.request import Request
 from kvserve.kv.eviction import KeepAll
@@ -45,6 +45,7 @@ class ModelRunner:
         self.backends: list = []
         self.layer_backend: dict[int, object] = {}
         self.layer_group: dict[int, int] = {}
+        self.native_pools = None   # ((K pool, V pool) per layer, group per layer): see one_token_plan
         if kv is not None:
             self.input_batch = InputBatch(len(kv.groups), max_num_seqs, -(-max_model_len // self.block_size) + 1,
                                           device)
@@ -65,6 +66,58 @@ class ModelRunner:
         """Use `backends[g]` for the layers of KV group g."""
         self.backends = backends
         self.layer_backend = {layer: backends[g] for layer, g in self.layer_group.items()}
+        self.native_pools = self._native_pools()
+        if self.native_pools is not None:
+            self._warm_up_one_token()
+
+    def _native_pools(self):
+        """Every layer's (K pool, V pool) and group when the model runs compiled and every group
+        keeps native K/V read by PagedBackend: a single decode token then runs as one graph that
+        writes and reads the pools itself (model/regions.py). None otherwise."""
+        layers = getattr(self.model.model, "layers", ())
+        regions = getattr(self.model.model, "regions", None)
+        if (not getattr(regions, "compiled", False) or not all(type(b) is PagedBackend for b in self.backends)
+                or sorted(self.layer_group) != list(range(len(layers)))
+                or not all(hasattr(layer.self_attn, "scale") for layer in layers)):
+            return None
+        pools = tuple(tuple(self.storage.native_kv(i)) for i in range(len(layers)))
+        return pools, tuple(self.layer_group[i] for i in range(len(layers)))
+
+    def one_token_plan(self, meta: AttentionMetadata) -> tuple | None:
+        """The one-token graph's inputs for a step of a single decode token (see _native_pools)."""
+        if self.native_pools is None or meta.num_decodes != 1 or meta.prefills or meta.score_hook is not None:
+            return None
+        pools, groups = self.native_pools
+        blocks, biases = [], []
+        for md in meta.groups:
+            b, bias = md.chunks.blocks, md.chunks.bias.view(-1)
+            if b.numel() == 1:   # at least two blocks: one graph for every length (a size of 1 specializes)
+                b, bias = b.repeat(2), torch.cat([bias, torch.full_like(bias, float("-inf"))])
+            blocks.append(b)
+            biases.append(bias)
+        return pools, tuple(md.slot_mapping for md in meta.groups), tuple(blocks), tuple(biases), groups
+
+    @torch.inference_mode()
+    def _warm_up_one_token(self) -> None:
+        """Compile the one-token graph now (not on a request's first decode step): one fake decode
+        at slot 0 of every pool, whose old contents are put back."""
+        pools, groups = self.native_pools
+        flat = [p.view(-1, *p.shape[2:]) for kv in pools for p in kv]
+        saved = [p[0].clone() for p in flat]
+        rows = [layer.self_attn.kv_rows for layer in self.model.model.layers]
+        n = len(self.backends)
+        blocks = torch.zeros(2, dtype=torch.long, device=self.device)
+        bias = torch.zeros(2 * self.block_size, device=self.device)
+        bias[1:] = float("-inf")
+        meta = AttentionMetadata(num_decodes=1)
+        meta.one_token = (pools, (blocks[:1],) * n, (blocks,) * n, (bias,) * n, groups)
+        try:
+            self.model(torch.zeros(1, dtype=torch.long, device=self.device), blocks[:1], meta)
+        finally:
+            for p, old in zip(flat, saved):
+                p[0] = old
+            for layer, n in zip(self.model.model.layers, rows):
+                layer.self_attn.kv_rows = n
 
     def backend_names(self) -> list[str]:
         """The backend class of each KV group (for logs and tests)."""
@@ -108,6 +161,7 @@ class ModelRunner:
         if cached:
             inp.step, inp.tables = self._cache_metadata(meta, order, len(decodes), len(ids))
             meta.score_hook = self.eviction.score_hook(decodes, prefills)
+            meta.one_token = self.one_token_plan(meta)
         return inp
 
     def _cache_metadata(self, meta: AttentionMetadata, order, num_decodes: int, num_tokens: int):

@@ -42,6 +42,7 @@ class LlamaAttention(nn.Module):
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
         self.spec = layer_spec(cfg, layer)
         self.window = self.spec.window
+        self.scale = self.head_dim ** -0.5
         self.rope = rope
         self.kv_rows = 0  # token rows pushed through k_proj/v_proj (instrumented, for `analyze`)
 
@@ -64,7 +65,7 @@ class LlamaAttention(nn.Module):
     def attend(self, q, k, v, meta: AttentionMetadata):
         """Write K/V to the cache and attend (the layer's backend); out [n, heads, head_dim]."""
         self.kv_rows += q.shape[0]
-        return attend(q, k, v, self.layer, meta, self.head_dim ** -0.5, self.window)
+        return attend(q, k, v, self.layer, meta, self.scale, self.window)
 
     def forward(self, x, positions, meta: AttentionMetadata):
         o = self.attend(*self.project(x, positions), meta)

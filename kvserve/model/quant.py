@@ -62,6 +62,7 @@ class QuantLinear(nn.Module):
         self.tied = [tied] if tied is not None else []
         self.wide_rows = TIED_WIDE_ROWS if tied is not None else HALF_WIDE_ROWS
         self.bf16_units = not slow_half(weight.device)   # read once: compiled graphs cannot ask the CPU
+        self.row_kernel = None   # add_row_kernel
         self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
         w = weight.detach()
         if fmt in FLOAT_FORMATS:
@@ -122,7 +123,9 @@ class QuantLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x2 = x.reshape(-1, self.in_features)
-        if self.fmt in FLOAT_FORMATS:
+        if x2.shape[0] == 1 and self.row_kernel is not None:
+            out = self.row_kernel(x2.float(), self.row_q8, self.row_scale).to(x.dtype)
+        elif self.fmt in FLOAT_FORMATS:
             out = self._float(x2)
         elif self.fmt == "int8":
             out = self._int8(x2)
@@ -162,8 +165,36 @@ class QuantLinear(nn.Module):
             return torch.mm(xb.float(), w_t).to(torch.bfloat16).to(x.dtype)
         return torch.mm(xb, w_t.to(torch.bfloat16)).to(x.dtype)   # bfloat16 units: 2.3x float32 here
 
+    def add_row_kernel(self) -> None:
+        """A compiled kernel for a single row (a one-token step's LM head): the weight as int8 in
+        groups of GROUP_SIZE input channels, one float16 scale each (GGUF's Q8_0, which it holds
+        exactly when built from a Q8_0 tensor), laid out [K/G, G, N] so the GEMV runs along N;
+        it reads half the bytes of float16 (2.1 vs 4.6 ms for SmolLM2's 49152 x 576 head here)."""
+        if self.fmt not in ("float16", "bfloat16") or self.in_features % GROUP_SIZE or self.weight.device.type != "cpu":
+            return
+        w = self.tied[0] if self.tied and self.tied[0].dtype == torch.float32 else self.weight.float()
+        groups = w.view(self.out_features, -1, GROUP_SIZE)
+        scale = (groups.abs().amax(-1) / 127).to(torch.float16).clamp(min=1e-7)   # [N, K/G]
+        q = torch.round(groups / scale.float()[..., None]).clamp(-127, 127).to(torch.int8)
+        self.register_buffer("row_q8", q.permute(1, 2, 0).contiguous())             # [K/G, G, N]
+        self.register_buffer("row_scale", scale.t().contiguous())                   # [K/G, N]
+        self.row_kernel = torch.compile(_private_copy(_q8_row), dynamic=False, fullgraph=True)
+        self.row_kernel(self.weight.new_zeros(1, self.in_features, dtype=torch.float32), self.row_q8, self.row_scale)
+
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, fmt={self.fmt}"
+
+
+def _q8_row(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """x [1, K] times the group-wise int8 weight q [K/G, G, N] (scales [K/G, N]) -> [1, N] float32."""
+    groups, size, n = q.shape
+    return ((q.float() * x.view(groups, size, 1)).sum(1) * scale.float()).sum(0, keepdim=True)
+
+
+def _private_copy(fn):
+    """`fn` with a code object of its own (torch.compile keeps graphs per code object)."""
+    from kvserve.model.regions import _private
+    return _private(fn)
 
 
 @torch.library.custom_op("kvserve::int4_weight_t", mutates_args=())

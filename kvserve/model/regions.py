@@ -22,6 +22,10 @@ import types
 import torch
 from tqdm.auto import tqdm
 
+from kvserve.attention import OBSERVERS
+from kvserve.attention.paged import paged_decode_one
+from kvserve.model.quant import QuantLinear
+
 log = logging.getLogger("kvserve")
 
 # Token counts a warm-up runs: one token (the one-token stack graph), then two and 64 (the regions'
@@ -57,6 +61,20 @@ def _one_token_stack(layers, x, positions):
     return x
 
 
+def _one_token_paged_stack(layers, x, positions, pools, slots, blocks, biases, groups):
+    """The whole stack for one decode token over native paged K/V, the cache written and read in
+    the graph (attention/paged.py paged_decode_one): no Python between the layers."""
+    q, k, v = _first(layers[0], x, positions)
+    last = len(layers) - 1
+    for i, layer in enumerate(layers):
+        g = groups[i]
+        o = paged_decode_one(q, k, v, *pools[i], slots[g], blocks[g], biases[g], layer.self_attn.scale)
+        if i == last:
+            return _last(layer, x, o)
+        x, (q, k, v) = _between(layer, layers[i + 1], x, o, positions)
+    return x
+
+
 # (layers, metadata) of the one-token stack running now, for its attention ops
 _STEP: list = []
 
@@ -81,12 +99,14 @@ class Regions:
         self.compiled = compiled
         wrap = (lambda f: _compile(_private(f))) if compiled else (lambda f: f)
         self.first, self.between, self.last = wrap(_first), wrap(_between), wrap(_last)
-        self.one_token = (torch.compile(_private(_one_token_stack), dynamic=False, fullgraph=True)
-                          if compiled else None)
+        self.one_token = _compile_static(_one_token_stack) if compiled else None
+        self.one_token_paged = _compile_static(_one_token_paged_stack) if compiled else None
 
     def run(self, layers, x: torch.Tensor, positions: torch.Tensor, meta) -> torch.Tensor:
         """x through every layer: layer i's attention, then the region up to layer i + 1's."""
         if self.one_token is not None and x.shape[0] == 1:
+            if meta.one_token is not None and not OBSERVERS:
+                return self._paged(layers, x, positions, meta.one_token)
             _STEP.append((layers, meta))
             try:
                 return self.one_token(layers, x, positions)
@@ -101,6 +121,14 @@ class Regions:
             x, (q, k, v) = self.between(layer, layers[i + 1], x, o, positions)
         return x
 
+    def _paged(self, layers, x, positions, plan):
+        for layer in layers:
+            layer.self_attn.kv_rows += 1
+        pools, slots, blocks, biases, groups = plan
+        for t in (*blocks, *biases):   # the context length varies: one graph for every length
+            torch._dynamo.maybe_mark_dynamic(t, 0)
+        return self.one_token_paged(layers, x, positions, pools, slots, blocks, biases, groups)
+
 
 EAGER = Regions(False)
 
@@ -114,6 +142,13 @@ def _private(fn):
     a third engine in the process slowed the first one's decode step from 27 to 38 ms)."""
     code = fn.__code__.replace(co_name=f"{fn.__name__}_{next(_copies)}")
     return types.FunctionType(code, fn.__globals__, code.co_name, fn.__defaults__, fn.__closure__)
+
+
+def _compile_static(fn):
+    """One static graph; guards on the modules skipped (a Regions' layers never change), the
+    dynamo cache lookup being most of the host time of a one-token call otherwise (1.3 ms)."""
+    return torch.compile(_private(fn), dynamic=False, fullgraph=True,
+                         options={"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe})
 
 
 def _compile(fn):
@@ -143,6 +178,8 @@ def compile_regions(model: torch.nn.Module, device: torch.device, show_progress:
     t0 = time.perf_counter()
     try:
         _warm_up(model, device, show_progress)
+        if isinstance(getattr(model, "lm_head", None), QuantLinear):
+            model.lm_head.add_row_kernel()
     except Exception as exc:  # e.g. no C++ compiler for torch's CPU code generation
         model.model.regions = EAGER
         log.warning("compiled regions: compiling failed (%s: %s); the model runs eagerly "
