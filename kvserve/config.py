@@ -91,6 +91,10 @@ class EngineConfig:
                      "float16", choices=["auto", *DTYPE_NAMES])
     weights: str = opt("auto", "linear weights: auto (int8 on CPU, follows --dtype if given), float32, bfloat16, "
                        "float16, int8 (per channel), int4 (groups of 32)", choices=["auto", *WEIGHT_FORMATS])
+    bf16_weight_copy: str = opt("auto", "keep a bfloat16 copy of int8/int4 weights for steps of more than 12 rows "
+                                "(batched decode, prefill): auto (on a CPU with bfloat16 units, when the copy "
+                                "takes at most a quarter of the available RAM), on, off",
+                                choices=["auto", "on", "off"])
     device: str = opt("auto", "auto (cuda if available), cpu, cuda[:N]")
     max_model_len: int | None = opt(None, "longest sequence (default: the model's context length)")
     block_size: int | None = opt(None, "tokens per KV block (default 16; 32 for kivi formats)")
@@ -157,6 +161,8 @@ class EngineConfig:
             raise ValueError(f"dtype must be 'auto' or one of {tuple(DTYPES)}, got {self.dtype!r}")
         if self.weights != "auto" and self.weights not in WEIGHT_FORMATS:
             raise ValueError(f"weights must be 'auto' or one of {WEIGHT_FORMATS}, got {self.weights!r}")
+        if self.bf16_weight_copy not in ("auto", "on", "off"):
+            raise ValueError(f"bf16_weight_copy must be 'auto', 'on' or 'off', got {self.bf16_weight_copy!r}")
         if self.device not in ("auto", "cpu") and not self.device.startswith("cuda"):
             raise ValueError(f"device must be 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}")
         self._validate_kv_format()  # first: it picks the default block_size

@@ -13,7 +13,7 @@ import torch
 
 from kvserve.config import DTYPES, EngineConfig
 from kvserve.engine.eviction import extend_positions
-from kvserve.engine.memory import PoolPlan, check_fits, gib, measure_activation_peak, plan_pool
+from kvserve.engine.memory import PoolPlan, check_fits, device_memory, gib, measure_activation_peak, plan_pool
 from kvserve.kv.formats import KVCacheFormat, build_kv_format, split_budget
 from kvserve.kv.hashing import namespace_hash
 from kvserve.kv.manager import KVCacheManager
@@ -23,7 +23,7 @@ from kvserve.kv.storage import KVStorage
 from kvserve.model.config import ModelConfig
 from kvserve.model.layers import fuse_projections
 from kvserve.model.loader import gguf_linear_types, load_weights, resolve_model_path
-from kvserve.model.quant import cast_unquantized, quantize_model, weight_bytes
+from kvserve.model.quant import COPY_ROWS, cast_unquantized, quant_layers, quantize_model, slow_half, weight_bytes
 from kvserve.model.regions import compile_regions
 from kvserve.model.registry import build_model
 from kvserve.model.tokenizer import Tokenizer
@@ -75,6 +75,7 @@ def load_model(config: EngineConfig, device: torch.device, dtype: torch.dtype) -
     model_config, weights = load_weights(path, torch.float32 if quantized else dtype)
     tokenizer = load_tokenizer(path)
     model = _build_model(model_config, weights, device, dtype, weight_format if quantized else None)
+    _bf16_copies(config, model, device)
     seconds = time.perf_counter() - t0
     log.info("weights: %s, activations and KV %s (%s); %.1f MiB of weights", weight_format,
              str(dtype).removeprefix("torch."), why, weight_bytes(model) / 2**20)
@@ -99,6 +100,26 @@ def keep_freed_memory() -> bool:
     m_trim_threshold, m_mmap_threshold = -1, -3
     # glibc's largest mmap threshold: blocks up to 32 MiB come from the heap; keep 1 GiB of freed heap
     return bool(libc.mallopt(m_mmap_threshold, 32 << 20)) and bool(libc.mallopt(m_trim_threshold, 1 << 30))
+
+
+def _bf16_copies(config: EngineConfig, model: torch.nn.Module, device: torch.device) -> bool:
+    """Give the int8/int4 layers their bfloat16 copies when config.bf16_weight_copy says so."""
+    layers = [m for m in quant_layers(model) if m.fmt in ("int8", "int4")]
+    if not layers or config.bf16_weight_copy == "off":
+        return False
+    need = sum(2 * m.in_features * m.out_features for m in layers)
+    if config.bf16_weight_copy == "auto":
+        if device.type != "cpu" or slow_half(device):
+            return False
+        if need > device_memory(device) // 4:
+            log.info("bf16_weight_copy=auto: no bfloat16 copy of the weights (%.0f MiB is more than a quarter "
+                     "of the available RAM)", need / 2**20)
+            return False
+    for m in layers:
+        m.add_bf16_copy()
+    log.info("bfloat16 copy of the %s weights for steps of more than %d rows: %.0f MiB (bf16_weight_copy=%s)",
+             layers[0].fmt, COPY_ROWS, need / 2**20, config.bf16_weight_copy)
+    return True
 
 
 def _compile(config: EngineConfig, model: torch.nn.Module, device: torch.device, weight_format: str) -> bool:

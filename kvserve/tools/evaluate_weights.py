@@ -86,7 +86,7 @@ def evaluate_weights(model: str | None, specs: list[str], context: int = 512, sc
     for spec in ["float32:float32", *specs]:
         t0 = time.perf_counter()
         llm = LLM(model, max_model_len=context + score_tokens + 16, kv_cache_memory="256MiB",
-                  seed=seed, **spec_options(spec))
+                  seed=seed, bf16_weight_copy="off", **spec_options(spec))   # the format's own bytes
         eng = llm.engine
         if data is None:
             data = windows(corpus_ids(eng.tokenizer), context, score_tokens, samples, seed)
