@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+import time
 from dataclasses import dataclass
 
 import torch
@@ -12,6 +14,8 @@ from kvserve.engine.request import Request
 from kvserve.kv.eviction import KeepAll
 from kvserve.kv.manager import KVCacheManager
 from kvserve.kv.storage import KVStorage
+
+log = logging.getLogger("kvserve")
 
 
 @dataclass
@@ -111,8 +115,10 @@ class ModelRunner:
         bias[1:] = float("-inf")
         meta = AttentionMetadata(num_decodes=1)
         meta.one_token = (pools, (blocks[:1],) * n, (blocks,) * n, (bias,) * n, groups)
+        t0 = time.perf_counter()
         try:
             self.model(torch.zeros(1, dtype=torch.long, device=self.device), blocks[:1], meta)
+            log.info("one-token decode graph over the paged KV pools compiled in %.1f s", time.perf_counter() - t0)
         finally:
             for p, old in zip(flat, saved):
                 p[0] = old
