@@ -89,8 +89,9 @@ class EngineConfig:
     model: str | None = opt(None, "GGUF file or HF model directory (default: bundled SmolLM2-135M-Instruct)")
     dtype: str = opt("auto", "activations and KV: auto (float32 on CPU, bfloat16 on CUDA), float32, bfloat16, "
                      "float16", choices=["auto", *DTYPE_NAMES])
-    weights: str = opt("auto", "linear weights: auto (int8 on CPU, follows --dtype if given), float32, bfloat16, "
-                       "float16, int8 (per channel), int4 (groups of 32)", choices=["auto", *WEIGHT_FORMATS])
+    weights: str = opt("auto", "linear weights: auto (follows --dtype if given; else on CPU int4 for a GGUF of 4-bit "
+                       "blocks, float32 otherwise; bfloat16 on CUDA), float32, bfloat16, float16, int8 (per "
+                       "channel), int4 (groups of 32)", choices=["auto", *WEIGHT_FORMATS])
     bf16_weight_copy: str = opt("auto", "keep a bfloat16 copy of int8/int4 weights for steps of more than 12 rows "
                                 "(batched decode, prefill): auto (on a CPU with bfloat16 units, when the copy "
                                 "takes at most a quarter of the available RAM), on, off",

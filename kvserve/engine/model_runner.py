@@ -109,12 +109,12 @@ class ModelRunner:
         flat = [p.view(-1, *p.shape[2:]) for kv in pools for p in kv]
         saved = [p[0].clone() for p in flat]
         rows = [layer.self_attn.kv_rows for layer in self.model.model.layers]
-        n = len(self.backends)
+        groups_n = len(self.backends)
         blocks = torch.zeros(2, dtype=torch.long, device=self.device)
         bias = torch.zeros(2 * self.block_size, device=self.device)
         bias[1:] = float("-inf")
         meta = AttentionMetadata(num_decodes=1)
-        meta.one_token = (pools, (blocks[:1],) * n, (blocks,) * n, (bias,) * n, groups)
+        meta.one_token = (pools, (blocks[:1],) * groups_n, (blocks,) * groups_n, (bias,) * groups_n, groups)
         t0 = time.perf_counter()
         try:
             self.model(torch.zeros(1, dtype=torch.long, device=self.device), blocks[:1], meta)

@@ -15,8 +15,12 @@ Activations keep the model dtype; each format runs on the fastest kernel torch h
   than `wide_rows` rows runs in float32, reading the tied float32 embedding where the LM head shares
   it, else widening the weight for that call (a float16 GEMM of 64 rows there runs 8x slower than
   float32).
+- int8 / int4 with a bfloat16 copy (`add_bf16_copy`, the engine's bf16_weight_copy): steps of more
+  than COPY_ROWS rows run one bfloat16 GEMM on it.
+- a one-row LM head in a compiled engine (`add_row_kernel`): a group-wise int8 (Q8_0) GEMV.
 Every widened path applies the kernel's roundings (16-bit inputs and outputs), so a row's result
-does not depend on how many rows share its step.
+does not depend on how many rows share its step, except where a bfloat16 GEMM runs (the copy, and
+int4 prefill chunks on a CPU with bfloat16 units): there the weight is rounded to bfloat16 too.
 """
 
 from __future__ import annotations
