@@ -176,3 +176,26 @@ def test_the_row_kernel_head_holds_q8_0_weights_exactly():
     x = torch.randn(1, k)
     torch.testing.assert_close(head(x), x @ w.t(), rtol=1e-5, atol=1e-5)
     assert head(torch.randn(3, k)).shape == (3, n)       # more rows: the float16 weight
+
+
+def test_a_hybrid_sliding_model_decodes_in_the_one_token_graph_like_eager(monkeypatch):
+    """Gemma-3 (five sliding-window layers per full one, six KV groups): a lone decode past the
+    512-token window runs the one-token paged graph, each group with its own visible blocks, and
+    makes the eager engine's greedy tokens."""
+    from kvserve.tools.evaluate import common_prefix
+    prompt = " ".join(["The quick brown fox jumps over the lazy dog near the river bank."] * 60)
+    greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    eager = LLM("gemma3-270m", weights="int4", kv_cache_memory="64MiB", max_model_len=1024, enforce_eager=True)
+    want = eager.generate(prompt, greedy, use_tqdm=False)[0]
+    del eager
+    monkeypatch.setenv(EAGER_ENV, "0")
+    llm = LLM("gemma3-270m", weights="int4", kv_cache_memory="64MiB", max_model_len=1024)
+    runner = llm.engine.runner
+    assert runner.native_pools is not None and len(set(runner.native_pools[1])) == len(runner.backends) > 1
+    calls = []
+    real = llm.engine.model.model.regions.one_token_paged
+    monkeypatch.setattr(llm.engine.model.model.regions, "one_token_paged",
+                        lambda *a: calls.append(1) or real(*a))
+    got = llm.generate(prompt, greedy, use_tqdm=False)[0]
+    assert len(got.prompt_token_ids) > 512 and len(calls) == 11
+    assert common_prefix(got.outputs[0].token_ids, want.outputs[0].token_ids) >= 8
