@@ -1,5 +1,6 @@
-"""Decode attention that reads blocks by id (kvserve/attention/paged.py `paged_decode`) against the
-attention formula computed directly in float64 over each row's own tokens."""
+"""Decode attention that reads blocks by id (kvserve/attention/paged.py `paged_decode`, and the CPU
+kernel kvserve/attention/cpu/) against the attention formula computed directly in float64 over each
+row's own tokens."""
 
 import math
 
@@ -103,13 +104,19 @@ def test_paged_decode_bfloat16_close_to_formula():
     assert (got.double() - want).abs().max() < 2e-2
 
 
-def test_paged_decode_large_scores_do_not_overflow():
-    """Softmax takes each row's maximum over all its chunks before exponentiating."""
+@pytest.mark.parametrize("path", ["torch", "kernel"])
+def test_paged_decode_large_scores_do_not_overflow(path):
+    """Softmax takes each row's maximum over all its chunks (all its keys) before exponentiating."""
+    from kvserve.attention import cpu
     lengths = [50, 70]
-    k, v, tables = _pool_and_tables(lengths, 16, 1, 4, torch.float32, seed=7)
+    k, v, tables = _pool_and_tables(lengths, 16, 1, 64, torch.float32, seed=7)
     k = k * 100.0
-    q = torch.randn(2, 2, 4, generator=torch.Generator().manual_seed(8)) * 100.0
-    got = paged_decode(q, k, v, paged_decode_plan(tables, [0, 0], lengths, 16, 1), 1.0)
+    q = torch.randn(2, 2, 64, generator=torch.Generator().manual_seed(8)) * 100.0
+    if path == "torch":
+        got = paged_decode(q, k, v, paged_decode_plan(tables, [0, 0], lengths, 16, 1), 1.0)
+    else:
+        table = torch.stack([torch.cat([t, torch.full((5 - len(t),), -1)]) for t in tables])
+        got = cpu.paged_decode(q, k, v, table, torch.zeros(2, dtype=torch.long), torch.tensor(lengths), 1.0)
     assert torch.isfinite(got).all()
     torch.testing.assert_close(got.double(), _oracle(q, k, v, tables, [0, 0], lengths, 16, 1.0),
                                atol=1e-4, rtol=1e-4)
@@ -130,17 +137,88 @@ def _count_calls(monkeypatch, owner, name: str) -> list[int]:
 
 
 def test_default_engine_decodes_in_place_and_equals_recompute(llm, llm_nocache, monkeypatch):
+    """Default (attention_backend='auto') on CPU: the C++ kernel decodes; the torch path, put in
+    its place, decodes by block chunks; both equal full recompute."""
     from helpers import assert_same_completions
 
     from kvserve import SamplingParams
-    from kvserve.attention import backends
+    from kvserve.attention import PagedBackend, backends, cpu
     runner = llm.engine.runner
     assert set(runner.backend_names()) == {"PagedBackend"}
-    calls = _count_calls(monkeypatch, backends, "paged_decode")
+    assert all(b.kernel for b in runner.backends)
     params = SamplingParams(temperature=0, max_tokens=8, logprobs=2, ignore_eos=True)
-    out = llm.generate(PROMPTS, params, use_tqdm=False)
-    assert calls[0] >= 7  # every decode step after the first token
-    assert_same_completions(out, llm_nocache.generate(PROMPTS, params, use_tqdm=False))
+    want = llm_nocache.generate(PROMPTS, params, use_tqdm=False)
+    in_kernel = _count_calls(monkeypatch, cpu, "paged_decode")
+    assert_same_completions(llm.generate(PROMPTS, params, use_tqdm=False), want)
+    assert in_kernel[0] >= 7 * len(runner.model.model.layers)  # every decode step after the first token
+    kernel_backends = runner.backends
+    try:
+        runner.set_backends([PagedBackend(llm.engine.storage, g) for g in llm.engine.kv.groups])
+        by_chunks = _count_calls(monkeypatch, backends, "paged_decode")
+        assert_same_completions(llm.generate(PROMPTS, params, use_tqdm=False), want)
+        assert by_chunks[0] >= 7
+    finally:
+        runner.set_backends(kernel_backends)
+
+
+def _kernel_case(lengths, starts, block_size, kv_heads, q_heads, d, dtype, seed):
+    from kvserve.attention import cpu
+    k, v, tables = _pool_and_tables(lengths, block_size, kv_heads, d, dtype, seed=seed)
+    width = max(len(t) for t in tables)
+    table = torch.stack([torch.cat([t, torch.full((width - len(t),), -1)]) for t in tables])
+    # q as a slice of a wider tensor: rows and heads strided, as the model's fused projections give
+    wide = torch.randn(len(lengths), q_heads, d + 8, generator=torch.Generator().manual_seed(seed + 1)).to(dtype)
+    q = wide[..., :d]
+    got = cpu.paged_decode(q, k, v, table, torch.tensor(starts), torch.tensor(lengths), 0.2)
+    return got, _oracle(q, k, v, tables, starts, lengths, block_size, 0.2)
+
+
+@pytest.mark.parametrize("d", [64, 128, 256, 48, 8])   # 16-lane vector path; scalar path (48, 8)
+@pytest.mark.parametrize("kv_heads,q_heads", [(3, 9), (1, 4), (4, 4), (2, 16)])   # GQA, MQA, MHA, 8:1
+def test_cpu_kernel_equals_attention_formula(d, kv_heads, q_heads):
+    from kvserve.attention import cpu
+    if cpu.kernel() is None:
+        pytest.fail("the CPU decode kernel did not build (a C++ compiler is part of the install)")
+    lengths = [1, 15, 16, 17, 33, 97, 300]
+    got, want = _kernel_case(lengths, [0] * len(lengths), 16, kv_heads, q_heads, d, torch.float32, seed=d)
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got.double(), want, atol=2e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("block_size", [1, 8, 32])
+def test_cpu_kernel_sliding_windows_and_block_sizes(block_size):
+    """Rows whose window starts mid-block and mid-table; tokens straddling blocks of any size."""
+    lengths = [7, 20, 21, 45, 64, 100, 257]
+    starts = [max(0, n - 20) for n in lengths]
+    got, want = _kernel_case(lengths, starts, block_size, 2, 6, 64, torch.float32, seed=3)
+    torch.testing.assert_close(got.double(), want, atol=2e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("d", [64, 40])
+def test_cpu_kernel_bfloat16_close_to_formula(d):
+    """bf16 pools and queries: float32 arithmetic, one bf16 rounding of the output."""
+    lengths = [3, 40, 130, 300]
+    got, want = _kernel_case(lengths, [0] * 4, 16, 3, 9, d, torch.bfloat16, seed=5)
+    assert got.dtype == torch.bfloat16
+    assert (got.double() - want).abs().max() < 2e-2
+
+
+def test_cpu_kernel_without_a_compiler_falls_back_to_torch(llm_nocache, monkeypatch, tmp_path, caplog):
+    """No C++ compiler: a warning says why, the engine decodes through torch's ops, same tokens."""
+    from helpers import assert_same_completions
+
+    from kvserve import LLM, SamplingParams
+    from kvserve.attention import cpu
+    monkeypatch.setattr(cpu, "_state", {})
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
+    monkeypatch.setenv(cpu.CACHE_ENV, str(tmp_path / "kernels"))
+    with caplog.at_level("WARNING", logger="kvserve"):
+        eng = LLM(kv_cache_memory="32MiB", max_model_len=256, dtype="float32")
+    assert "CPU decode attention kernel unavailable" in caplog.text
+    assert not any(b.kernel for b in eng.engine.runner.backends)
+    params = SamplingParams(temperature=0, max_tokens=6, logprobs=1, ignore_eos=True)
+    assert_same_completions(eng.generate(PROMPTS, params, use_tqdm=False),
+                            llm_nocache.generate(PROMPTS, params, use_tqdm=False))
 
 
 def test_quantized_pool_reads_through_its_codec(llm_nocache, monkeypatch):

@@ -8,7 +8,8 @@ metadata from the step batch; `forward` writes a layer's new entries and attends
 - GatheredBackend: any storage format (quantized, KIVI, rotated, MLA latents): the entries a row
   attends over are gathered by slot and decoded through the format's codec; attention scores can
   be handed to KV eviction (score hook).
-- PagedBackend: native K/V (model dtype, no rotation): decodes read whole blocks by id
+- PagedBackend: native K/V (model dtype, no rotation): decodes read the pools by block id, in
+  place with the C++ kernel on CPU (attention/cpu/) or whole blocks through torch
   (attention/paged.py); prefill chunks as GatheredBackend.
 """
 
@@ -19,7 +20,8 @@ from dataclasses import dataclass
 
 import torch
 
-from kvserve.attention.metadata import AttentionMetadata, Context, GroupMetadata, window_mask
+from kvserve.attention import cpu as cpu_kernel
+from kvserve.attention.metadata import AttentionMetadata, Context, DecodeChunks, GroupMetadata, window_mask
 from kvserve.attention.paged import paged_decode, plan_chunks
 from kvserve.kv.spec import KVGroup
 from kvserve.kv.storage import KVStorage
@@ -148,20 +150,29 @@ class GatheredBackend:
 
 
 class PagedBackend(GatheredBackend):
-    """Native K/V: decode rows read whole blocks from the pools by id (attention/paged.py)."""
+    """Native K/V: decode rows read the pools by block id: in place through the CPU kernel
+    (`use_kernel`, attention/cpu/), or whole blocks gathered by torch (attention/paged.py)."""
 
-    def __init__(self, storage: KVStorage, group: KVGroup):
+    def __init__(self, storage: KVStorage, group: KVGroup, use_kernel: bool = False):
         super().__init__(storage, group)
         self.blocks_per_chunk = max(1, DECODE_CHUNK_TOKENS // self.block_size)
         self._buffers: dict[tuple, torch.Tensor] = {}
+        self.kernel = use_kernel and _cpu_kernel_reads(storage, group)
 
     def _prepare_decodes(self, md: GroupMetadata, step: StepBatch, g: int, table: torch.Tensor) -> None:
         start, end = self._decode_range(step, g)
         width = max(1, -(-(max(step.cache_lens[g][:step.num_decodes]) + 1) // self.block_size))
-        md.chunks = plan_chunks(table[:step.num_decodes, :width], start, end, self.block_size,
-                                self.blocks_per_chunk)
-        pool = self.storage.native_kv(self.layers[0])[0]
-        md.chunks.workspace = [self._buffer(i, pool, md.chunks.blocks.numel()) for i in range(2)]
+        md.decode_range = (table[:step.num_decodes, :width], start, end)
+        if not self.kernel:
+            self._chunks(md)
+
+    def _chunks(self, md: GroupMetadata) -> DecodeChunks:
+        """The torch path's block chunks, planned once per step."""
+        if md.chunks is None:
+            md.chunks = plan_chunks(*md.decode_range, self.block_size, self.blocks_per_chunk)
+            pool = self.storage.native_kv(self.layers[0])[0]
+            md.chunks.workspace = [self._buffer(i, pool, md.chunks.blocks.numel()) for i in range(2)]
+        return md.chunks
 
     def _buffer(self, i: int, pool: torch.Tensor, n: int) -> torch.Tensor:
         """Buffer i shaped [n, *pool.shape[1:]], grown by doubling and reused across layers and steps:
@@ -181,11 +192,20 @@ class PagedBackend(GatheredBackend):
         d = meta.num_decodes
         if d:
             k_pool, v_pool = self.storage.native_kv(layer)
-            out[:d] = paged_decode(q[:d], k_pool, v_pool, md.chunks, scale)
+            if self.kernel and q.dtype == k_pool.dtype:
+                cpu_kernel.paged_decode(q[:d], k_pool, v_pool, *md.decode_range, scale, out=out[:d])
+            else:
+                out[:d] = paged_decode(q[:d], k_pool, v_pool, self._chunks(md), scale)
         for span, idx, mask in zip(meta.prefills, md.prefill_idx, md.prefill_mask):
             rows = slice(span.start, span.start + span.num_tokens)
             out[rows] = math.prefill(q[rows], self.storage.read(layer, idx), mask, scale)
         return out
+
+
+def _cpu_kernel_reads(storage: KVStorage, group: KVGroup) -> bool:
+    """True when the CPU decode kernel reads every layer's pools of the group and builds here."""
+    pools = [p for layer in group.layers for p in storage.native_kv(layer)]
+    return all(cpu_kernel.supports(p) for p in pools) and cpu_kernel.kernel() is not None
 
 
 def select_backend(storage: KVStorage, group: KVGroup, observed: bool, kind: str = "auto") -> GatheredBackend:
@@ -193,14 +213,17 @@ def select_backend(storage: KVStorage, group: KVGroup, observed: bool, kind: str
     Triton kernels (FlashInfer first for native 16-bit caches under 'auto', when installed) where
     they read the group's format and no KV eviction watches its attention scores. Otherwise
     PagedBackend when every layer keeps plain K/V in the model dtype and nothing watches the
-    scores; GatheredBackend else."""
+    scores (with the CPU decode kernel under 'auto', torch's ops under 'torch'); GatheredBackend
+    else."""
     if kind != "torch" and not observed:
         fast = _kernel_backend(storage, group, kind)
         if fast is not None:
             return fast
     native = group.spec.kind != "mla" and all(
         storage.native_kv(layer) is not None and storage.rotation(layer) is None for layer in group.layers)
-    return PagedBackend(storage, group) if native and not observed else GatheredBackend(storage, group)
+    if native and not observed:
+        return PagedBackend(storage, group, use_kernel=kind == "auto")
+    return GatheredBackend(storage, group)
 
 
 def _kernel_backend(storage: KVStorage, group: KVGroup, kind: str):

@@ -41,7 +41,9 @@ class GroupMetadata:
     decode_mask: torch.Tensor | None = None    # [num_decodes, 1, 1, L] bool
     prefill_idx: list[torch.Tensor] = field(default_factory=list)          # per span: [ctx_g] slots
     prefill_mask: list[torch.Tensor | None] = field(default_factory=list)  # per span: [n, ctx_g] or None = causal
-    chunks: DecodeChunks | None = None         # PagedBackend: the decode rows' blocks
+    chunks: DecodeChunks | None = None         # PagedBackend (torch path): the decode rows' blocks
+    # PagedBackend: the decode rows' block tables [B, W] and the [start, end) [B] each attends over
+    decode_range: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
 
 @dataclass

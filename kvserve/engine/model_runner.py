@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvserve.attention import AttentionMetadata, PagedBackend, PrefillSpan, StepBatch, select_backend
+from kvserve.attention import AttentionMetadata, PagedBackend, PrefillSpan, StepBatch, plan_chunks, select_backend
 from kvserve.engine.input_batch import InputBatch
 from kvserve.engine.request import Request
 from kvserve.kv.eviction import KeepAll
@@ -93,8 +93,9 @@ class ModelRunner:
             return None
         pools, groups = self.native_pools
         blocks, biases = [], []
-        for md in meta.groups:
-            b, bias = md.chunks.blocks, md.chunks.bias.view(-1)
+        for md in meta.groups:   # one row: one chunk of all its blocks
+            chunks = md.chunks or plan_chunks(*md.decode_range, self.block_size, 1)
+            b, bias = chunks.blocks, chunks.bias.view(-1)
             if b.numel() == 1:   # at least two blocks: one graph for every length (a size of 1 specializes)
                 b, bias = b.repeat(2), torch.cat([bias, torch.full_like(bias, float("-inf"))])
             blocks.append(b)
