@@ -112,7 +112,8 @@ class EngineConfig:
     kv_cache_mode: str = opt("paged", "paged, contiguous (reserve max_model_len per sequence) or none "
                              "(recompute every step)", choices=list(KV_CACHE_MODES))
     attention_backend: str = opt("auto", "attention kernels: auto (Triton, or FlashInfer for 16-bit caches, on CUDA "
-                                 "when installed; torch otherwise), torch, triton (docs/KERNELS.md)",
+                                 "when installed; the C++ decode kernel on CPU; torch otherwise), torch "
+                                 "(torch's ops only), triton (docs/KERNELS.md)",
                                  choices=["auto", "torch", "triton"])
     enforce_eager: bool = opt(False, "run the model eagerly: no compiled regions, no compile at start-up "
                               "(float32 weights with float32 activations, the oracle, always run eagerly; "
