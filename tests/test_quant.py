@@ -102,28 +102,6 @@ def test_tied_head_reads_the_float32_embedding_for_many_rows(monkeypatch):
     assert quant.weight_bytes(model) == emb.weight.numel() * 4 + head.weight.numel() * 2
 
 
-@pytest.mark.parametrize("fmt,act", [("int8", torch.float32), ("bfloat16", torch.bfloat16), ("float16", torch.float32)])
-def test_one_row_in_a_compiled_graph_is_a_fused_gemv_with_the_eager_roundings(fmt, act):
-    """Traced, a one-row int8 / 16-bit layer runs the widened-product reduction (no torch kernel
-    call in the graph); its result is the eager kernel's up to summation order, and both are
-    x W^T + b for the stored W. Several rows keep the eager kernels."""
-    w, b, q = _layer(fmt, n=96, k=576)
-    calls = []
-    real = q._row_gemv
-    q._row_gemv = lambda x: calls.append(x.shape) or real(x)
-    run = torch.compile(lambda x: q(x), dynamic=False, fullgraph=True)
-    for rows in (1, 3):
-        x = torch.randn(rows, 576, generator=torch.Generator().manual_seed(rows)).to(act)
-        got, eager = run(x), q(x)
-        assert got.dtype == act and got.shape == (rows, 96)
-        ref = x.double() @ q.dequantize(torch.float64).T + b.double()
-        assert torch.allclose(got.double(), ref, rtol=0.02, atol=0.02 * ref.abs().max().item())
-        # the same roundings as the eager kernel: no further from the reference than it is
-        err, eager_err = ((y.double() - ref).abs().mean().item() for y in (got, eager))
-        assert err <= 1.5 * eager_err + 1e-6, (err, eager_err)
-    assert calls == [(1, 576)]   # traced once, for the one-row graph only
-
-
 def test_int8_result_of_a_row_does_not_depend_on_the_rows_beside_it():
     """Above small_rows the widened path applies the kernel's roundings: batch-invariant results."""
     w, b, q = _layer("int8")

@@ -18,9 +18,6 @@ Activations keep the model dtype; each format runs on the fastest kernel torch h
 - int8 / int4 with a bfloat16 copy (`add_bf16_copy`, the engine's bf16_weight_copy): steps of more
   than COPY_ROWS rows run one bfloat16 GEMM on it.
 - a one-row LM head in a compiled engine (`add_row_kernel`): a group-wise int8 (Q8_0) GEMV.
-- one row of an int8 or 16-bit float layer inside a compiled graph (a one-token step): the weight
-  widened inside the reduction, which Inductor fuses into one GEMV over the stored bytes
-  (`_row_gemv`), with the eager kernel's roundings.
 Every widened path applies the kernel's roundings (16-bit inputs and outputs), so a row's result
 does not depend on how many rows share its step, except where a bfloat16 GEMM runs (the copy, and
 int4 prefill chunks on a CPU with bfloat16 units): there the weight is rounded to bfloat16 too.
@@ -53,7 +50,6 @@ FLOAT_ONLY = ("kv_b_proj",)
 # almost exactly), at half the bytes float32 reads per token (docs/WEIGHTS.md).
 FLOAT_HEAD = ("lm_head",)
 HEAD_FORMAT = "float16"
-GEMV_FORMATS = ("int8", "bfloat16", "float16")   # one row in a compiled graph: `_row_gemv`
 
 
 class QuantLinear(nn.Module):
@@ -136,8 +132,6 @@ class QuantLinear(nn.Module):
         x2 = x.reshape(-1, self.in_features)
         if x2.shape[0] == 1 and self.row_kernel is not None:
             out = self.row_kernel(x2.float(), self.row_q8, self.row_scale).to(x.dtype)
-        elif x2.shape[0] == 1 and self.fmt in GEMV_FORMATS and x.device.type == "cpu" and torch.compiler.is_compiling():
-            out = self._row_gemv(x2)
         elif self.fmt in FLOAT_FORMATS:
             out = self._float(x2)
         elif self.fmt == "int8":
@@ -155,18 +149,6 @@ class QuantLinear(nn.Module):
         tied = self.tied[0] if self.tied and self.tied[0].dtype == torch.float32 else None
         wide = tied if tied is not None else w.float()
         return F.linear(x.to(w.dtype).float(), wide).to(w.dtype).to(x.dtype)
-
-    def _row_gemv(self, x: torch.Tensor) -> torch.Tensor:
-        """One row, traced into a compiled graph: products widened to float32 and summed along the
-        input channels, which Inductor turns into one fused GEMV reading each stored weight once
-        (1.7x torch's one-row int8 kernel, 2.5x its bfloat16 GEMM on this CPU, over SmolLM2's layers). The eager
-        kernels' roundings are kept: int8 rounds the input, scale and output to bfloat16, 16-bit
-        weights round the input and output to theirs."""
-        if self.fmt == "int8":
-            out = (self.qweight.float() * x.to(torch.bfloat16).float()).sum(-1) * self.scale_bf16.float()
-            return out.to(torch.bfloat16).to(x.dtype).view(1, -1)
-        w = self.weight
-        return (w.float() * x.to(w.dtype).float()).sum(-1).to(w.dtype).to(x.dtype).view(1, -1)
 
     def _int8(self, x: torch.Tensor) -> torch.Tensor:
         if self.bf16_t is not None and x.shape[0] > COPY_ROWS:
