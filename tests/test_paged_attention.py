@@ -146,6 +146,7 @@ def test_default_engine_decodes_in_place_and_equals_recompute(llm, llm_nocache, 
     runner = llm.engine.runner
     assert set(runner.backend_names()) == {"PagedBackend"}
     assert all(b.kernel for b in runner.backends)
+    assert set(runner.backend_names(detail=True)) == {"PagedBackend (CPU kernel)"}
     params = SamplingParams(temperature=0, max_tokens=8, logprobs=2, ignore_eos=True)
     want = llm_nocache.generate(PROMPTS, params, use_tqdm=False)
     in_kernel = _count_calls(monkeypatch, cpu, "paged_decode")
@@ -212,9 +213,10 @@ def test_cpu_kernel_without_a_compiler_falls_back_to_torch(llm_nocache, monkeypa
     monkeypatch.setattr(cpu, "_state", {})
     monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
     monkeypatch.setenv(cpu.CACHE_ENV, str(tmp_path / "kernels"))
-    with caplog.at_level("WARNING", logger="kvserve"):
+    with caplog.at_level("INFO", logger="kvserve"):
         eng = LLM(kv_cache_memory="32MiB", max_model_len=256, dtype="float32")
     assert "CPU decode attention kernel unavailable" in caplog.text
+    assert "attention backend per KV group: PagedBackend (torch ops)" in caplog.text
     assert not any(b.kernel for b in eng.engine.runner.backends)
     params = SamplingParams(temperature=0, max_tokens=6, logprobs=1, ignore_eos=True)
     assert_same_completions(eng.generate(PROMPTS, params, use_tqdm=False),

@@ -50,6 +50,7 @@ class ModelRunner:
         self.layer_backend: dict[int, object] = {}
         self.layer_group: dict[int, int] = {}
         self.native_pools = None   # ((K pool, V pool) per layer, group per layer): see one_token_plan
+        self._backends_said = ""   # the backends last logged
         if kv is not None:
             self.input_batch = InputBatch(len(kv.groups), max_num_seqs, -(-max_model_len // self.block_size) + 1,
                                           device)
@@ -70,6 +71,10 @@ class ModelRunner:
         """Use `backends[g]` for the layers of KV group g."""
         self.backends = backends
         self.layer_backend = {layer: backends[g] for layer, g in self.layer_group.items()}
+        said = ", ".join(self.backend_names(detail=True))
+        if said != self._backends_said:   # once, and again when it changes
+            log.info("attention backend per KV group: %s", said)
+            self._backends_said = said
         self.native_pools = self._native_pools()
         if self.native_pools is not None:
             self._warm_up_one_token()
@@ -126,9 +131,14 @@ class ModelRunner:
             for layer, n in zip(self.model.model.layers, rows):
                 layer.self_attn.kv_rows = n
 
-    def backend_names(self) -> list[str]:
-        """The backend class of each KV group (for logs and tests)."""
-        return [type(b).__name__ for b in self.backends]
+    def backend_names(self, detail: bool = False) -> list[str]:
+        """The backend class of each KV group (for logs and tests); with `detail`, how PagedBackend
+        decodes (the C++ CPU kernel or torch's ops)."""
+        names = [type(b).__name__ for b in self.backends]
+        if detail:
+            names = [f"{n} ({'CPU kernel' if b.kernel else 'torch ops'})" if isinstance(b, PagedBackend) else n
+                     for n, b in zip(names, self.backends)]
+        return names
 
     @torch.inference_mode()
     def execute(self, scheduled: list[tuple[Request, int]], prompt_logprob_reqs=()):
