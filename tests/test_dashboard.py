@@ -78,7 +78,7 @@ def test_the_page_shows_the_pool_live_with_the_key(served, browser, tmp_path):
     assert browser.execute_script("return sessionStorage.getItem('kvserve.apiKey')") == KEY
     wait_for(lambda: "live" in browser.find_element("id", "status").text, what="the live stream")
     before = map_classes(browser)
-    threads = start_load(served.url, [PREFIX + f"Dashboard {i}:" for i in range(3)], 20, n=2)
+    threads = start_load(served.url, [PREFIX + f"Dashboard {i}:" for i in range(3)], 80, n=2)   # long enough for several snapshots
     seen = set()
 
     def busy():
