@@ -101,7 +101,6 @@ def test_batch_one_decode_runs_the_one_token_graph(graphs_and_compiled, eager_in
     """A lone sequence decodes through the one-token paged graph (the cache written and read inside
     it: no layer's eager attention runs) and makes the eager model's greedy tokens; the LM head of
     a one-row step runs its group-wise int8 kernel."""
-    import kvserve.model.regions as regions
     _, compiled = graphs_and_compiled
     model = compiled.engine.model
     regions_ = model.model.regions

@@ -21,7 +21,13 @@ from dataclasses import dataclass
 import torch
 
 from kvserve.attention import cpu as cpu_kernel
-from kvserve.attention.metadata import AttentionMetadata, Context, DecodeChunks, GroupMetadata, window_mask
+from kvserve.attention.metadata import (
+    AttentionMetadata,
+    Context,
+    DecodeChunks,
+    GroupMetadata,
+    window_mask,
+)
 from kvserve.attention.paged import paged_decode, plan_chunks
 from kvserve.kv.spec import KVGroup
 from kvserve.kv.storage import KVStorage

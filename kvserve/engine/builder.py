@@ -13,7 +13,14 @@ import torch
 
 from kvserve.config import DTYPES, EngineConfig
 from kvserve.engine.eviction import extend_positions
-from kvserve.engine.memory import PoolPlan, check_fits, device_memory, gib, measure_activation_peak, plan_pool
+from kvserve.engine.memory import (
+    PoolPlan,
+    check_fits,
+    device_memory,
+    gib,
+    measure_activation_peak,
+    plan_pool,
+)
 from kvserve.kv.formats import KVCacheFormat, build_kv_format, split_budget
 from kvserve.kv.hashing import namespace_hash
 from kvserve.kv.manager import KVCacheManager
@@ -23,7 +30,15 @@ from kvserve.kv.storage import KVStorage
 from kvserve.model.config import ModelConfig
 from kvserve.model.layers import fuse_projections
 from kvserve.model.loader import gguf_linear_types, load_weights, resolve_model_path
-from kvserve.model.quant import COPY_ROWS, cast_unquantized, quant_layers, quantize_model, slow_half, weight_bytes
+from kvserve.model.quant import (
+    COPY_ROWS,
+    cast_unquantized,
+    cpu_gemv,
+    quant_layers,
+    quantize_model,
+    slow_half,
+    weight_bytes,
+)
 from kvserve.model.regions import compile_regions
 from kvserve.model.registry import build_model
 from kvserve.model.tokenizer import Tokenizer
@@ -139,6 +154,8 @@ def _build_model(mc: ModelConfig, weights: dict[str, torch.Tensor], device: torc
     if quant is None:
         model = model.to(device=device, dtype=dtype).eval()
         fuse_projections(model)
+        if dtype == torch.bfloat16 and cpu_gemv(device, "bfloat16"):
+            quantize_model(model, "bfloat16")   # the same weights, their few-row steps on the C++ GEMV
         return model
     model = model.to(device=device).eval()
     fuse_projections(model)

@@ -8,7 +8,14 @@ from dataclasses import dataclass
 
 import torch
 
-from kvserve.attention import AttentionMetadata, PagedBackend, PrefillSpan, StepBatch, plan_chunks, select_backend
+from kvserve.attention import (
+    AttentionMetadata,
+    PagedBackend,
+    PrefillSpan,
+    StepBatch,
+    plan_chunks,
+    select_backend,
+)
 from kvserve.engine.input_batch import InputBatch
 from kvserve.engine.request import Request
 from kvserve.kv.eviction import KeepAll

@@ -3,14 +3,17 @@
 int8 is weight-only, one symmetric scale per output channel; int4 is asymmetric, one scale and one
 minimum per group of GROUP_SIZE input channels (the layout of GGUF's Q4_1 / Q4_K sub-blocks).
 Activations keep the model dtype; each format runs on the fastest kernel torch has for it:
-- int8 on CPU: `_weight_int8pack_mm` (bfloat16 activations) for up to `small_rows` rows, where
-  reading 1 byte per weight wins; for more rows the weight is widened to the activation dtype
+- int8 on CPU: up to `small_rows` rows, where reading 1 byte per weight wins, kvserve's C++ GEMV
+  (model/cpu/, 1.5-2.5x `_weight_int8pack_mm`, with its roundings: bfloat16 activations), else
+  `_weight_int8pack_mm` where the C++ op cannot be built; for more rows the weight is widened to the activation dtype
   inside the matmul (`F.linear(x, q) * scale`), which is also the CUDA path.
 - int4 on CPU: `_weight_int4pack_mm_for_cpu` (bfloat16 activations) for up to INT4_WIDE_ROWS rows; a
   step of more rows (a prefill chunk) unpacks the weight once and runs a bfloat16 matmul where the
   CPU has bfloat16 units (the weight rounded to bfloat16 too: 2.3x the float32 matmul at 512 rows),
   a float32 one where it has not; elsewhere the groups are unpacked to the activation dtype
   inside the matmul.
+- bfloat16 weights on CPU: up to GEMV_BF16_ROWS rows, kvserve's C++ GEMV (about 2x oneDNN's
+  one-row bfloat16 GEMM here), else F.linear.
 - 16-bit float weights on a CPU without native 16-bit arithmetic (no AVX512-BF16/AMX): a step of more
   than `wide_rows` rows runs in float32, reading the tied float32 embedding where the LM head shares
   it, else widening the weight for that call (a float16 GEMM of 64 rows there runs 8x slower than
@@ -40,6 +43,7 @@ SMALL_ROWS = 16          # int8 on CPU: rows up to this use the int8 kernel, mor
 INT4_WIDE_ROWS = 128     # int4 on CPU: more rows than this unpack the weight to float32 (prefill)
 COPY_ROWS = 12           # with a bfloat16 copy: more rows than this read it (the int4 kernel's time grows
                          # with the rows, a bfloat16 GEMM's is flat to 32 rows: they cross at 12-16 here)
+GEMV_BF16_ROWS = 8       # bfloat16 on CPU: rows up to this use the C++ GEMV (it and oneDNN cross at 8-16)
 HALF_WIDE_ROWS = 16      # 16-bit weights on a CPU without 16-bit units: more rows widen to float32
 TIED_WIDE_ROWS = 1       # ... or more than this when a float32 copy exists anyway (tied embedding)
 # Linears whose weight other code reads directly (MLA's absorbed kv_b_proj): they stay in float.
@@ -69,6 +73,7 @@ class QuantLinear(nn.Module):
         self.wide_rows = TIED_WIDE_ROWS if tied is not None else HALF_WIDE_ROWS
         self.bf16_units = not slow_half(weight.device)   # read once: compiled graphs cannot ask the CPU
         self.row_kernel = None   # add_row_kernel
+        self.gemv = cpu_gemv(weight.device, fmt)   # the C++ GEMV ops serve this layer's few-row steps
         self.register_buffer("bf16_t", None)   # add_bf16_copy
         self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
         w = weight.detach()
@@ -144,6 +149,8 @@ class QuantLinear(nn.Module):
 
     def _float(self, x: torch.Tensor) -> torch.Tensor:
         w = self.weight
+        if self.gemv and x.shape[0] <= GEMV_BF16_ROWS and self.in_features % 32 == 0 and self.out_features >= 16:
+            return torch.ops.kvserve_cpu.bf16_gemv(x.to(w.dtype).contiguous(), w).to(x.dtype)
         if w.dtype == x.dtype or x.shape[0] <= self.wide_rows or not slow_half(x.device):
             return F.linear(x.to(w.dtype), w).to(x.dtype)
         tied = self.tied[0] if self.tied and self.tied[0].dtype == torch.float32 else None
@@ -155,9 +162,11 @@ class QuantLinear(nn.Module):
             return torch.mm(x.to(torch.bfloat16), self.bf16_t).to(x.dtype)
         if x.device.type != "cpu":
             return F.linear(x, self.qweight.to(x.dtype)) * self.scale.to(x.dtype)
-        xb = x.to(torch.bfloat16)
         if x.shape[0] <= self.small_rows and self.in_features % INT8_KERNEL_K == 0:
-            return torch.ops.aten._weight_int8pack_mm(xb, self.qweight, self.scale_bf16).to(x.dtype)
+            if self.gemv and self.out_features >= 16 and x.dtype in (torch.float32, torch.bfloat16):
+                return torch.ops.kvserve_cpu.int8_gemv(x.contiguous(), self.qweight, self.scale_bf16)
+            return torch.ops.aten._weight_int8pack_mm(x.to(torch.bfloat16), self.qweight, self.scale_bf16).to(x.dtype)
+        xb = x.to(torch.bfloat16)
         # the kernel's roundings (bfloat16 in, bfloat16 scale and out), so a row's result does not
         # depend on how many rows share its step
         out = F.linear(xb.to(x.dtype), self.qweight.to(x.dtype)) * self.scale_bf16.to(x.dtype)
@@ -189,6 +198,8 @@ class QuantLinear(nn.Module):
         exactly when built from a Q8_0 tensor), laid out [K/G, G, N] so the GEMV runs along N;
         it reads half the bytes of float16 (2.1 vs 4.6 ms for SmolLM2's 49152 x 576 head here)."""
         if self.fmt not in ("float16", "bfloat16") or self.in_features % GROUP_SIZE or self.weight.device.type != "cpu":
+            return
+        if self.gemv:   # a bfloat16 model's head: its own weights, on the C++ GEMV
             return
         w = self.tied[0] if self.tied and self.tied[0].dtype == torch.float32 else self.weight.float()
         groups = w.view(self.out_features, -1, GROUP_SIZE)
@@ -229,6 +240,14 @@ def int4_weight_t(packed: torch.Tensor, scales_zeros: torch.Tensor) -> torch.Ten
 @int4_weight_t.register_fake
 def _(packed: torch.Tensor, scales_zeros: torch.Tensor) -> torch.Tensor:
     return packed.new_empty((packed.shape[1] * 2, packed.shape[0]), dtype=torch.float32)
+
+
+def cpu_gemv(device: torch.device, fmt: str) -> bool:
+    """True when the C++ GEMV ops serve `fmt` layers on `device` (built here on first need)."""
+    if device.type != "cpu" or fmt not in ("int8", "bfloat16"):
+        return False
+    from kvserve.model import cpu
+    return cpu.available()
 
 
 def slow_half(device: torch.device) -> bool:
@@ -288,9 +307,8 @@ def quant_layers(model: nn.Module) -> list[QuantLinear]:
 
 def weight_bytes(model: nn.Module) -> int:
     """Bytes of every parameter and quantized weight layout (shared tensors counted once)."""
-    params = {t.data_ptr(): t.numel() * t.element_size() for t in model.parameters()}
-    quant = sum(sum(b.numel() * b.element_size() for b in m.buffers()) for m in quant_layers(model))
-    return sum(params.values()) + quant
+    tensors = [*model.parameters(), *(b for m in quant_layers(model) for b in m.buffers())]
+    return sum({t.data_ptr(): t.numel() * t.element_size() for t in tensors}.values())
 
 
 def cast_unquantized(model: nn.Module, dtype: torch.dtype) -> None:

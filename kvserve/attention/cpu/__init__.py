@@ -11,68 +11,25 @@ compiler is found or the build fails (the reason is logged once); callers then u
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import logging
-import os
-import shutil
-import subprocess
-import tempfile
 from pathlib import Path
 
 import torch
 
+from kvserve import native
+from kvserve.native import CACHE_ENV  # noqa: F401  (tests point it at a fresh folder)
+
 log = logging.getLogger("kvserve")
 
 SOURCE = Path(__file__).with_name("paged_decode.cpp")
-FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-fassociative-math",
-         "-fno-signed-zeros", "-freciprocal-math", "-fopenmp", "-std=c++17", "-shared", "-fPIC")
+FLAGS = ("-std=c++17",)
 DTYPES = {torch.float32: 0, torch.bfloat16: 1}
-CACHE_ENV = "KVSERVE_KERNEL_CACHE"
 
 _state: dict = {}
 
 
-def cache_dir() -> Path:
-    return Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "kvserve" / "kernels")
-
-
-def _cpu_flags() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return line
-    except OSError:
-        pass
-    return ""
-
-
-def _compiler() -> str | None:
-    return os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
-
-
-def _build(cxx: str) -> Path:
-    """Compile the kernel (or find it built), atomically: parallel builders do not clash."""
-    key = hashlib.sha256("\0".join([SOURCE.read_text(), cxx, *FLAGS, _cpu_flags()]).encode()).hexdigest()[:16]
-    out = cache_dir() / f"paged_decode-{key}.so"
-    if out.exists():
-        return out
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
-    os.close(fd)
-    try:
-        subprocess.run([cxx, *FLAGS, str(SOURCE), "-o", tmp], check=True, capture_output=True, text=True)
-        os.replace(tmp, out)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    return out
-
-
 def _load():
-    cxx = _compiler()
-    if cxx is None:
-        raise RuntimeError("no C++ compiler found (install g++ or set CXX)")
-    lib = ctypes.CDLL(str(_build(cxx)))
+    lib = ctypes.CDLL(str(native.build(SOURCE, FLAGS)))
     fn = lib.kvserve_paged_decode
     fn.restype = ctypes.c_int
     fn.argtypes = [ctypes.c_void_p] * 7 + [ctypes.c_int64] * 10 + [ctypes.c_float, ctypes.c_int, ctypes.c_int]
@@ -84,10 +41,8 @@ def kernel():
     if "fn" not in _state:
         try:
             _state["fn"] = _load()
-        except (OSError, RuntimeError, subprocess.CalledProcessError) as exc:
-            detail = getattr(exc, "stderr", "") or str(exc)
-            log.warning("CPU decode attention kernel unavailable (%s); decode attention uses the torch path",
-                        detail.strip().splitlines()[-1][:200] if detail.strip() else type(exc).__name__)
+        except (OSError, native.BuildError) as exc:
+            log.warning("CPU decode attention kernel unavailable (%s); decode attention uses the torch path", exc)
             _state["fn"] = None
     return _state["fn"]
 

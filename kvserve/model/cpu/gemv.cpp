@@ -1,0 +1,267 @@
+// Few-row matrix-vector products for CPU decode steps, registered as torch ops (kvserve_cpu::*), so
+// a compiled decode graph calls them through the dispatcher (a few microseconds) like aten's own.
+//   int8_gemv(x [M, K] float32|bfloat16, w [N, K] int8, scale [N] bfloat16) -> [M, N] in x's dtype:
+//     weight-only int8 with one scale per output channel, rounded as torch's CPU kernel
+//     (_weight_int8pack_mm) rounds: x and the scale in bfloat16, sums in float32, the result
+//     rounded to bfloat16.
+//   bf16_gemv(x [M, K] bfloat16, w [N, K] bfloat16) -> [M, N] bfloat16, sums in float32.
+// Sixteen output channels at a time: each channel's dot product runs along K with four
+// accumulators, the 16 partial vectors are reduced together (a transpose), weights are prefetched
+// a few KiB ahead (one core alone does not keep enough loads in flight to fill the memory bus).
+// Output channel blocks are split over torch's threads (at::parallel_for, torch's OpenMP runtime).
+// Built at run time by kvserve/model/cpu/__init__.py against torch's headers.
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+#if defined(__SSE__)
+#include <immintrin.h>
+#endif
+
+#include "simd.h"
+
+namespace {
+
+using namespace kvserve;
+
+constexpr int64_t kPrefetch = 4096;  // bytes ahead in the weight stream
+
+typedef int8_t i8x16 __attribute__((vector_size(16)));
+
+inline void prefetch(const void* p) {
+#if defined(__SSE__)
+  _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T0);
+#else
+  __builtin_prefetch(p);
+#endif
+}
+
+inline v16 widen_int8(const int8_t* p) {
+#ifdef __AVX512F__
+  return (v16)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+#else
+  i8x16 q;
+  std::memcpy(&q, p, 16);
+  return __builtin_convertvector(__builtin_convertvector(q, i32x16), v16);
+#endif
+}
+
+// Dot products of row x (float32, K % 16 == 0) with 16 int8 weight rows from w: part[t] holds 16
+// partial sums of channel t.
+void int8_block(const float* x, const int8_t* w, int64_t k, v16* part) {
+  for (int t = 0; t < 16; ++t) {
+    const int8_t* wr = w + t * k;
+    v16 a = {0}, b = {0}, c = {0}, d = {0};
+    int64_t i = 0;
+    for (; i + 64 <= k; i += 64) {
+      prefetch(wr + i + kPrefetch);
+      a += widen_int8(wr + i) * loadv(x + i);
+      b += widen_int8(wr + i + 16) * loadv(x + i + 16);
+      c += widen_int8(wr + i + 32) * loadv(x + i + 32);
+      d += widen_int8(wr + i + 48) * loadv(x + i + 48);
+    }
+    for (; i < k; i += 16) a += widen_int8(wr + i) * loadv(x + i);
+    part[t] = (a + b) + (c + d);
+  }
+}
+
+// The same for R rows of x at once (row stride k): each widened weight vector serves every row.
+template <int R>
+void int8_rows(const float* x, const int8_t* w, int64_t k, v16 (*part)[16]) {
+  for (int t = 0; t < 16; ++t) {
+    const int8_t* wr = w + t * k;
+    v16 a[R] = {}, b[R] = {};
+    int64_t i = 0;
+    for (; i + 32 <= k; i += 32) {
+      prefetch(wr + i + kPrefetch);
+      const v16 w0 = widen_int8(wr + i), w1 = widen_int8(wr + i + 16);
+      for (int r = 0; r < R; ++r) {
+        a[r] += w0 * loadv(x + r * k + i);
+        b[r] += w1 * loadv(x + r * k + i + 16);
+      }
+    }
+    for (; i < k; i += 16) {
+      const v16 w0 = widen_int8(wr + i);
+      for (int r = 0; r < R; ++r) a[r] += w0 * loadv(x + r * k + i);
+    }
+    for (int r = 0; r < R; ++r) part[r][t] = a[r] + b[r];
+  }
+}
+
+#ifdef __AVX512BF16__
+inline v16 dot_bf16(v16 acc, const uint16_t* w, const uint16_t* x) {
+  __m512i wv = _mm512_loadu_si512(w);
+  __m512i xv = _mm512_loadu_si512(x);
+  return (v16)_mm512_dpbf16_ps((__m512)acc, (__m512bh)wv, (__m512bh)xv);
+}
+#else
+inline v16 widen_bf16(const uint16_t* p) {
+  u16x16 h;
+  std::memcpy(&h, p, 32);
+  return (v16)(__builtin_convertvector(h, u32x16) << 16);
+}
+inline v16 dot_bf16(v16 acc, const uint16_t* w, const uint16_t* x) {
+  return acc + widen_bf16(w) * widen_bf16(x) + widen_bf16(w + 16) * widen_bf16(x + 16);
+}
+#endif
+
+// As int8_block for bfloat16 rows (K % 32 == 0).
+void bf16_block(const uint16_t* x, const uint16_t* w, int64_t k, v16* part) {
+  for (int t = 0; t < 16; ++t) {
+    const uint16_t* wr = w + t * k;
+    v16 a = {0}, b = {0}, c = {0}, d = {0};
+    int64_t i = 0;
+    for (; i + 128 <= k; i += 128) {
+      prefetch(wr + i + kPrefetch / 2);
+      prefetch(wr + i + kPrefetch / 2 + 64);
+      a = dot_bf16(a, wr + i, x + i);
+      b = dot_bf16(b, wr + i + 32, x + i + 32);
+      c = dot_bf16(c, wr + i + 64, x + i + 64);
+      d = dot_bf16(d, wr + i + 96, x + i + 96);
+    }
+    for (; i < k; i += 32) a = dot_bf16(a, wr + i, x + i);
+    part[t] = (a + b) + (c + d);
+  }
+}
+
+// As bf16_block for R rows of x at once.
+template <int R>
+void bf16_rows(const uint16_t* x, const uint16_t* w, int64_t k, v16 (*part)[16]) {
+  for (int t = 0; t < 16; ++t) {
+    const uint16_t* wr = w + t * k;
+    v16 a[R] = {}, b[R] = {};
+    int64_t i = 0;
+    for (; i + 64 <= k; i += 64) {
+      prefetch(wr + i + kPrefetch / 2);
+      for (int r = 0; r < R; ++r) {
+        a[r] = dot_bf16(a[r], wr + i, x + r * k + i);
+        b[r] = dot_bf16(b[r], wr + i + 32, x + r * k + i + 32);
+      }
+    }
+    for (; i < k; i += 32) {
+      for (int r = 0; r < R; ++r) a[r] = dot_bf16(a[r], wr + i, x + r * k + i);
+    }
+    for (int r = 0; r < R; ++r) part[r][t] = a[r] + b[r];
+  }
+}
+
+// Calls block(r, rows, n0) for every block of 16 output channels starting at n0 (the last block
+// overlaps its neighbour when N % 16 != 0) and every group of up to 4 rows from r; blocks are
+// split over torch's threads.
+template <typename Block>
+void for_blocks(int64_t m, int64_t n, Block block) {
+  const int64_t blocks = (n + 15) / 16;
+  at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
+    for (int64_t blk = b0; blk < b1; ++blk) {
+      const int64_t n0 = blk * 16 <= n - 16 ? blk * 16 : n - 16;
+      for (int64_t r = 0; r < m; r += 4) block(r, std::min<int64_t>(4, m - r), n0);
+    }
+  });
+}
+
+// The 16-channel partial sums of `rows` rows (1 to 4) from row r, with the kernel for each count.
+template <typename T, typename W, typename One, typename Many>
+void row_group(const T* x, const W* w, int64_t k, int64_t rows, One one, v16 (*part)[16]) {
+  switch (rows) {
+    case 1: one(x, w, k, part[0]); break;
+    case 2: Many::template run<2>(x, w, k, part); break;
+    case 3: Many::template run<3>(x, w, k, part); break;
+    default: Many::template run<4>(x, w, k, part); break;
+  }
+}
+
+struct Int8Rows {
+  template <int R> static void run(const float* x, const int8_t* w, int64_t k, v16 (*part)[16]) { int8_rows<R>(x, w, k, part); }
+};
+struct Bf16Rows {
+  template <int R> static void run(const uint16_t* x, const uint16_t* w, int64_t k, v16 (*part)[16]) { bf16_rows<R>(x, w, k, part); }
+};
+
+void check_shapes(const at::Tensor& x, const at::Tensor& w, int64_t k_multiple, const char* name) {
+  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), name, ": x [M, K] and w [N, K] expected");
+  TORCH_CHECK(x.is_contiguous() && w.is_contiguous(), name, ": contiguous x and w expected");
+  TORCH_CHECK(x.size(1) % k_multiple == 0, name, ": K must be a multiple of ", k_multiple);
+  TORCH_CHECK(w.size(0) >= 16, name, ": at least 16 output channels expected");
+  TORCH_CHECK(x.size(0) <= 64, name, ": at most 64 rows expected");
+}
+
+at::Tensor int8_gemv(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale) {
+  check_shapes(x, w, 16, "int8_gemv");
+  TORCH_CHECK(w.scalar_type() == at::kChar && scale.scalar_type() == at::kBFloat16 && scale.is_contiguous() &&
+                  scale.numel() == w.size(0), "int8_gemv: int8 w and bfloat16 scale [N] expected");
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, "int8_gemv: float32 or bfloat16 x");
+  const int64_t m = x.size(0), k = x.size(1), n = w.size(0);
+  const bool f32 = x.scalar_type() == at::kFloat;
+  std::vector<float> xb(m * k);  // x rounded to bfloat16, as float32
+  for (int64_t i = 0; i < m * k; ++i) {
+    xb[i] = f32 ? bf16_to_float(float_to_bf16(x.const_data_ptr<float>()[i]))
+                : bf16_to_float(static_cast<const uint16_t*>(x.const_data_ptr())[i]);
+  }
+  at::Tensor y = at::empty({m, n}, x.options());
+  const int8_t* wp = w.const_data_ptr<int8_t>();
+  const uint16_t* sp = static_cast<const uint16_t*>(scale.const_data_ptr());
+  void* yp = y.data_ptr();
+  for_blocks(m, n, [&](int64_t r0, int64_t rows, int64_t n0) {
+    v16 part[4][16];
+    row_group<float, int8_t, decltype(&int8_block), Int8Rows>(xb.data() + r0 * k, wp + n0 * k, k, rows, int8_block, part);
+    for (int64_t i = 0; i < rows; ++i) {
+      const int64_t r = r0 + i;
+      v16 sums = transpose_sum(part[i]);
+      for (int t = 0; t < 16; ++t) {
+        const uint16_t out = float_to_bf16(sums[t] * bf16_to_float(sp[n0 + t]));
+        if (f32) static_cast<float*>(yp)[r * n + n0 + t] = bf16_to_float(out);
+        else static_cast<uint16_t*>(yp)[r * n + n0 + t] = out;
+      }
+    }
+  });
+  return y;
+}
+
+at::Tensor bf16_gemv(const at::Tensor& x, const at::Tensor& w) {
+  check_shapes(x, w, 32, "bf16_gemv");
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && w.scalar_type() == at::kBFloat16, "bf16_gemv: bfloat16 x and w");
+  const int64_t m = x.size(0), k = x.size(1), n = w.size(0);
+  at::Tensor y = at::empty({m, n}, x.options());
+  const uint16_t* xp = static_cast<const uint16_t*>(x.const_data_ptr());
+  const uint16_t* wp = static_cast<const uint16_t*>(w.const_data_ptr());
+  uint16_t* yp = static_cast<uint16_t*>(y.data_ptr());
+  for_blocks(m, n, [&](int64_t r0, int64_t rows, int64_t n0) {
+    v16 part[4][16];
+    row_group<uint16_t, uint16_t, decltype(&bf16_block), Bf16Rows>(xp + r0 * k, wp + n0 * k, k, rows, bf16_block, part);
+    for (int64_t i = 0; i < rows; ++i) {
+      v16 sums = transpose_sum(part[i]);
+      for (int t = 0; t < 16; ++t) yp[(r0 + i) * n + n0 + t] = float_to_bf16(sums[t]);
+    }
+  });
+  return y;
+}
+
+at::Tensor int8_gemv_meta(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale) {
+  return at::empty({x.size(0), w.size(0)}, x.options());
+}
+
+at::Tensor bf16_gemv_meta(const at::Tensor& x, const at::Tensor& w) {
+  return at::empty({x.size(0), w.size(0)}, x.options());
+}
+
+}  // namespace
+
+TORCH_LIBRARY(kvserve_cpu, m) {
+  m.def("int8_gemv(Tensor x, Tensor w, Tensor scale) -> Tensor");
+  m.def("bf16_gemv(Tensor x, Tensor w) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(kvserve_cpu, CPU, m) {
+  m.impl("int8_gemv", int8_gemv);
+  m.impl("bf16_gemv", bf16_gemv);
+}
+
+TORCH_LIBRARY_IMPL(kvserve_cpu, Meta, m) {
+  m.impl("int8_gemv", int8_gemv_meta);
+  m.impl("bf16_gemv", bf16_gemv_meta);
+}

@@ -1,0 +1,142 @@
+"""The C++ few-row GEMVs (kvserve/model/cpu/gemv.cpp) against torch's kernels and a float64 oracle."""
+
+import pytest
+import torch
+
+from kvserve.model import cpu
+from kvserve.model.quant import GEMV_BF16_ROWS, QuantLinear
+
+
+def test_the_ops_build_here():
+    """This machine has a compiler and torch's headers: the ops must build (no silent fallback)."""
+    assert cpu.available()
+
+
+def _ulps_bf16(got: torch.Tensor, want: torch.Tensor, scale: torch.Tensor) -> float:
+    """Largest |got - want| in units of a bfloat16 step at `scale` (per element)."""
+    step = torch.exp2(torch.floor(torch.log2(scale.abs().clamp(min=1e-30))) - 7)
+    return ((got.double() - want.double()).abs() / step.double()).max().item()
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 9, 16])
+@pytest.mark.parametrize("n,k", [(40, 48), (96, 576), (33, 1536)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int8_gemv_rounds_as_torchs_int8_kernel(rows, n, k, dtype):
+    """x and scale in bfloat16, float32 sums, bfloat16 result: torch's _weight_int8pack_mm to within
+    one bfloat16 step (sums in another order), for row groups of 1-4, K tails and N % 16 != 0."""
+    g = torch.Generator().manual_seed(rows * 1000 + n + k)
+    x = torch.randn(rows, k, generator=g).to(dtype)
+    w = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8)
+    scale = (torch.rand(n, generator=g) * 0.02 + 1e-3).to(torch.bfloat16)
+    got = torch.ops.kvserve_cpu.int8_gemv(x, w, scale)
+    want = torch.ops.aten._weight_int8pack_mm(x.to(torch.bfloat16), w, scale)
+    assert got.dtype == dtype and got.shape == (rows, n)
+    assert torch.equal(got.to(torch.bfloat16).float(), got.float())          # rounded to bfloat16
+    exact = (x.to(torch.bfloat16).double() @ w.double().T) * scale.double()
+    assert _ulps_bf16(got, exact, exact) <= 1.0
+    assert _ulps_bf16(got, want, exact) <= 1.0
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 7, 8])
+@pytest.mark.parametrize("n,k", [(16, 32), (50, 96), (96, 576), (40, 1536)])
+def test_bf16_gemv_against_the_float64_product(rows, n, k):
+    """bfloat16 x and w, float32 sums, one bfloat16 rounding: within one bfloat16 step of the exact
+    product of the stored values (the error of float32 sums over k is far below it)."""
+    g = torch.Generator().manual_seed(rows * 100 + n + k)
+    x = torch.randn(rows, k, generator=g).bfloat16()
+    w = torch.randn(n, k, generator=g).bfloat16()
+    got = torch.ops.kvserve_cpu.bf16_gemv(x, w)
+    exact = x.double() @ w.double().T
+    assert got.dtype == torch.bfloat16 and got.shape == (rows, n)
+    assert _ulps_bf16(got, exact, exact.abs() + 1e-3 * exact.abs().max()) <= 1.0
+
+
+def test_zero_rows_give_an_empty_result():
+    w = torch.zeros(32, 64, dtype=torch.int8)
+    assert torch.ops.kvserve_cpu.int8_gemv(torch.randn(0, 64), w, torch.ones(32, dtype=torch.bfloat16)).shape == (0, 32)
+    assert torch.ops.kvserve_cpu.bf16_gemv(torch.randn(0, 64).bfloat16(), w.bfloat16()).shape == (0, 32)
+
+
+@pytest.mark.parametrize("call,message", [
+    (lambda: torch.ops.kvserve_cpu.int8_gemv(torch.randn(1, 40), torch.zeros(32, 40, dtype=torch.int8),
+                                             torch.ones(32, dtype=torch.bfloat16)), "multiple of 16"),
+    (lambda: torch.ops.kvserve_cpu.int8_gemv(torch.randn(1, 32), torch.zeros(32, 32, dtype=torch.int8),
+                                             torch.ones(32)), "bfloat16 scale"),
+    (lambda: torch.ops.kvserve_cpu.int8_gemv(torch.randn(1, 32), torch.zeros(8, 32, dtype=torch.int8),
+                                             torch.ones(8, dtype=torch.bfloat16)), "16 output channels"),
+    (lambda: torch.ops.kvserve_cpu.bf16_gemv(torch.randn(1, 32), torch.zeros(32, 32, dtype=torch.bfloat16)),
+     "bfloat16 x and w"),
+    (lambda: torch.ops.kvserve_cpu.bf16_gemv(torch.randn(65, 32).bfloat16(), torch.zeros(32, 32).bfloat16()),
+     "at most 64 rows"),
+    (lambda: torch.ops.kvserve_cpu.bf16_gemv(torch.randn(2, 64).bfloat16()[:, ::2], torch.zeros(32, 32).bfloat16()),
+     "contiguous"),
+])
+def test_bad_shapes_get_a_clear_error(call, message):
+    """The ops check their inputs (QuantLinear only calls them with shapes they take)."""
+    with pytest.raises(RuntimeError, match=message):
+        call()
+
+
+@pytest.mark.parametrize("fmt", ["int8", "bfloat16"])
+def test_layers_use_the_gemv_for_few_rows_and_match_torchs_path(fmt):
+    """A CPU int8 / bfloat16 QuantLinear serves few-row steps with the op; with it switched off
+    (torch's kernels) the same rows give the same values to within one bfloat16 step."""
+    g = torch.Generator().manual_seed(3)
+    w, b = torch.randn(80, 96, generator=g), torch.randn(80, generator=g)
+    q = QuantLinear(w, b, fmt)
+    assert q.gemv
+    dtype = torch.float32 if fmt == "int8" else torch.bfloat16
+    for rows in (1, 3, GEMV_BF16_ROWS):
+        x = torch.randn(rows, 96, generator=g).to(dtype)
+        with torch.profiler.profile() as prof:
+            fast = q(x)
+        assert any(e.key == f"kvserve_cpu::{fmt.replace('bfloat16', 'bf16')}_gemv" for e in prof.key_averages())
+        q.gemv = False
+        ref = q(x)
+        q.gemv = True
+        assert _ulps_bf16(fast - b.to(dtype), ref - b.to(dtype), ref - b.to(dtype)) <= 1.0
+
+
+def test_without_a_compiler_layers_keep_torchs_kernels(monkeypatch, tmp_path, caplog):
+    """The ops cannot be built: a warning says why, the layers run on torch's kernels."""
+    monkeypatch.setattr(cpu, "_state", {})
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
+    monkeypatch.setenv(cpu.native.CACHE_ENV, str(tmp_path / "kernels"))
+    with caplog.at_level("WARNING", logger="kvserve"):
+        q = QuantLinear(torch.randn(32, 64), None, "int8")
+    assert "CPU GEMV kernels unavailable (C++ compiler" in caplog.text
+    assert not q.gemv
+    x = torch.randn(2, 64)
+    want = torch.ops.aten._weight_int8pack_mm(x.bfloat16(), q.qweight, q.scale_bf16).float()
+    assert torch.equal(q(x), want)
+
+
+PROMPTS = ["The capital of France is", "def fibonacci(n):", "A KV cache stores", "Once upon a time"]
+
+
+def _scores(llm, ids: list[list[int]]) -> torch.Tensor:
+    """Log-prob of each next token of `ids` under `llm` (teacher-forced), flattened."""
+    from kvserve import SamplingParams
+    res = llm.generate([{"prompt_token_ids": i} for i in ids], SamplingParams(max_tokens=1, prompt_logprobs=0),
+                       use_tqdm=False)
+    return torch.tensor([d[t].logprob for r, i in zip(res, ids) for d, t in zip(r.prompt_logprobs[1:], i[1:])])
+
+
+@pytest.mark.parametrize("options,bound", [({"weights": "int8", "dtype": "float32"}, 0.1), ({"dtype": "bfloat16"}, 0.06)])
+def test_an_engine_on_the_gemv_is_as_close_to_float32_as_on_torchs_kernels(llm, options, bound):
+    """An int8-weight and a bfloat16 engine score the float32 engine's greedy continuations in steps
+    of 4 tokens (so every linear runs on the GEMV): as close to float32's log-probs with the C++ GEMV
+    (the default on a CPU) as with torch's kernels, and close in absolute terms."""
+    from kvserve import LLM, SamplingParams
+    from kvserve.model.quant import quant_layers
+    outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True), use_tqdm=False)
+    ids = [list(o.prompt_token_ids) + list(o.outputs[0].token_ids) for o in outs]
+    want = _scores(llm, ids)
+    eng = LLM(kv_cache_memory="32MiB", max_model_len=256, max_num_batched_tokens=4, max_num_seqs=1, **options)
+    layers = quant_layers(eng.engine.runner.model)
+    assert layers and all(q.gemv for q in layers if q.fmt in ("int8", "bfloat16"))
+    fast = (_scores(eng, ids) - want).abs().mean().item()
+    for q in layers:
+        q.gemv = False
+    slow = (_scores(eng, ids) - want).abs().mean().item()
+    assert 0 < fast < bound and fast < 1.25 * slow + 0.005, (fast, slow)
