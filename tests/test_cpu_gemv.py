@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from kvserve.model import cpu
-from kvserve.model.quant import GEMV_BF16_ROWS, QuantLinear
+from kvserve.model.quant import GEMV_ROWS, QuantLinear
 
 
 def test_the_ops_build_here():
@@ -39,16 +39,20 @@ def test_int8_gemv_rounds_as_torchs_int8_kernel(rows, n, k, dtype):
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 7, 8])
 @pytest.mark.parametrize("n,k", [(16, 32), (50, 96), (96, 576), (40, 1536)])
-def test_bf16_gemv_against_the_float64_product(rows, n, k):
-    """bfloat16 x and w, float32 sums, one bfloat16 rounding: within one bfloat16 step of the exact
-    product of the stored values (the error of float32 sums over k is far below it)."""
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_16_bit_gemvs_against_the_float64_product(rows, n, k, dtype):
+    """bfloat16 / float16 x and w, float32 sums, one rounding to the 16-bit type: within one step
+    of that type of the exact product of the stored values (float32 sums over k err far less)."""
     g = torch.Generator().manual_seed(rows * 100 + n + k)
-    x = torch.randn(rows, k, generator=g).bfloat16()
-    w = torch.randn(n, k, generator=g).bfloat16()
-    got = torch.ops.kvserve_cpu.bf16_gemv(x, w)
+    x = torch.randn(rows, k, generator=g).to(dtype)
+    w = torch.randn(n, k, generator=g).to(dtype)
+    op = torch.ops.kvserve_cpu.bf16_gemv if dtype == torch.bfloat16 else torch.ops.kvserve_cpu.f16_gemv
+    got = op(x, w)
     exact = x.double() @ w.double().T
-    assert got.dtype == torch.bfloat16 and got.shape == (rows, n)
-    assert _ulps_bf16(got, exact, exact.abs() + 1e-3 * exact.abs().max()) <= 1.0
+    assert got.dtype == dtype and got.shape == (rows, n)
+    mantissa = 7 if dtype == torch.bfloat16 else 10
+    step = torch.exp2(torch.floor(torch.log2(exact.abs() + 1e-3 * exact.abs().max())) - mantissa)
+    assert ((got.double() - exact).abs() / step).max() <= 1.0
 
 
 def test_zero_rows_give_an_empty_result():
@@ -77,20 +81,21 @@ def test_bad_shapes_get_a_clear_error(call, message):
         call()
 
 
-@pytest.mark.parametrize("fmt", ["int8", "bfloat16"])
+@pytest.mark.parametrize("fmt", ["int8", "bfloat16", "float16"])
 def test_layers_use_the_gemv_for_few_rows_and_match_torchs_path(fmt):
-    """A CPU int8 / bfloat16 QuantLinear serves few-row steps with the op; with it switched off
+    """A CPU int8 / bfloat16 / float16 QuantLinear serves few-row steps with the op; with it switched off
     (torch's kernels) the same rows give the same values to within one bfloat16 step."""
     g = torch.Generator().manual_seed(3)
     w, b = torch.randn(80, 96, generator=g), torch.randn(80, generator=g)
     q = QuantLinear(w, b, fmt)
     assert q.gemv
-    dtype = torch.float32 if fmt == "int8" else torch.bfloat16
-    for rows in (1, 3, GEMV_BF16_ROWS):
+    dtype = torch.bfloat16 if fmt == "bfloat16" else torch.float32
+    for rows in (1, 3, GEMV_ROWS.get(fmt, 16)):
         x = torch.randn(rows, 96, generator=g).to(dtype)
         with torch.profiler.profile() as prof:
             fast = q(x)
-        assert any(e.key == f"kvserve_cpu::{fmt.replace('bfloat16', 'bf16')}_gemv" for e in prof.key_averages())
+        name = {"int8": "int8", "bfloat16": "bf16", "float16": "f16"}[fmt]
+        assert any(e.key == f"kvserve_cpu::{name}_gemv" for e in prof.key_averages())
         q.gemv = False
         ref = q(x)
         q.gemv = True

@@ -12,8 +12,8 @@ Activations keep the model dtype; each format runs on the fastest kernel torch h
   CPU has bfloat16 units (the weight rounded to bfloat16 too: 2.3x the float32 matmul at 512 rows),
   a float32 one where it has not; elsewhere the groups are unpacked to the activation dtype
   inside the matmul.
-- bfloat16 weights on CPU: up to GEMV_BF16_ROWS rows, kvserve's C++ GEMV (about 2x oneDNN's
-  one-row bfloat16 GEMM here), else F.linear.
+- bfloat16 / float16 weights on CPU (a float16 LM head): up to GEMV_ROWS rows, kvserve's C++ GEMV
+  (about 2x oneDNN's one-row 16-bit GEMM here), else F.linear.
 - 16-bit float weights on a CPU without native 16-bit arithmetic (no AVX512-BF16/AMX): a step of more
   than `wide_rows` rows runs in float32, reading the tied float32 embedding where the LM head shares
   it, else widening the weight for that call (a float16 GEMM of 64 rows there runs 8x slower than
@@ -43,7 +43,8 @@ SMALL_ROWS = 16          # int8 on CPU: rows up to this use the int8 kernel, mor
 INT4_WIDE_ROWS = 128     # int4 on CPU: more rows than this unpack the weight to float32 (prefill)
 COPY_ROWS = 12           # with a bfloat16 copy: more rows than this read it (the int4 kernel's time grows
                          # with the rows, a bfloat16 GEMM's is flat to 32 rows: they cross at 12-16 here)
-GEMV_BF16_ROWS = 8       # bfloat16 on CPU: rows up to this use the C++ GEMV (it and oneDNN cross at 8-16)
+# 16-bit weights on CPU: rows up to this use the C++ GEMV (it and oneDNN's GEMM cross at 8-16 rows)
+GEMV_ROWS = {"bfloat16": 8, "float16": 8}
 HALF_WIDE_ROWS = 16      # 16-bit weights on a CPU without 16-bit units: more rows widen to float32
 TIED_WIDE_ROWS = 1       # ... or more than this when a float32 copy exists anyway (tied embedding)
 # Linears whose weight other code reads directly (MLA's absorbed kv_b_proj): they stay in float.
@@ -149,8 +150,9 @@ class QuantLinear(nn.Module):
 
     def _float(self, x: torch.Tensor) -> torch.Tensor:
         w = self.weight
-        if self.gemv and x.shape[0] <= GEMV_BF16_ROWS and self.in_features % 32 == 0 and self.out_features >= 16:
-            return torch.ops.kvserve_cpu.bf16_gemv(x.to(w.dtype).contiguous(), w).to(x.dtype)
+        if self.gemv and x.shape[0] <= GEMV_ROWS[self.fmt] and self.in_features % 32 == 0 and self.out_features >= 16:
+            op = torch.ops.kvserve_cpu.bf16_gemv if self.fmt == "bfloat16" else torch.ops.kvserve_cpu.f16_gemv
+            return op(x.to(w.dtype).contiguous(), w).to(x.dtype)
         if w.dtype == x.dtype or x.shape[0] <= self.wide_rows or not slow_half(x.device):
             return F.linear(x.to(w.dtype), w).to(x.dtype)
         tied = self.tied[0] if self.tied and self.tied[0].dtype == torch.float32 else None
@@ -199,7 +201,7 @@ class QuantLinear(nn.Module):
         it reads half the bytes of float16 (2.1 vs 4.6 ms for SmolLM2's 49152 x 576 head here)."""
         if self.fmt not in ("float16", "bfloat16") or self.in_features % GROUP_SIZE or self.weight.device.type != "cpu":
             return
-        if self.gemv:   # a bfloat16 model's head: its own weights, on the C++ GEMV
+        if self.gemv and self.fmt == "bfloat16":   # a bfloat16 model's head: its own weights, on the C++ GEMV
             return
         w = self.tied[0] if self.tied and self.tied[0].dtype == torch.float32 else self.weight.float()
         groups = w.view(self.out_features, -1, GROUP_SIZE)
@@ -244,7 +246,7 @@ def _(packed: torch.Tensor, scales_zeros: torch.Tensor) -> torch.Tensor:
 
 def cpu_gemv(device: torch.device, fmt: str) -> bool:
     """True when the C++ GEMV ops serve `fmt` layers on `device` (built here on first need)."""
-    if device.type != "cpu" or fmt not in ("int8", "bfloat16"):
+    if device.type != "cpu" or fmt not in ("int8", "bfloat16", "float16"):
         return False
     from kvserve.model import cpu
     return cpu.available()

@@ -41,7 +41,11 @@ inline void prefetch(const void* p) {
 #endif
 }
 
-inline v16 widen_int8(const int8_t* p) {
+struct Half {  // a float16 value's bits
+  uint16_t bits;
+};
+
+inline v16 widen(const int8_t* p) {  // 16 int8 values as floats
 #ifdef __AVX512F__
   return (v16)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
 #else
@@ -51,42 +55,68 @@ inline v16 widen_int8(const int8_t* p) {
 #endif
 }
 
-// Dot products of row x (float32, K % 16 == 0) with 16 int8 weight rows from w: part[t] holds 16
-// partial sums of channel t.
-void int8_block(const float* x, const int8_t* w, int64_t k, v16* part) {
+inline v16 widen(const Half* p) {  // 16 float16 values as floats
+#ifdef __AVX512F__
+  return (v16)_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+#else
+  typedef _Float16 h16 __attribute__((vector_size(32)));
+  h16 h;
+  std::memcpy(&h, p, 32);
+  return __builtin_convertvector(h, v16);
+#endif
+}
+
+inline float half_to_float(uint16_t bits) {
+  _Float16 h;
+  std::memcpy(&h, &bits, 2);
+  return static_cast<float>(h);
+}
+
+inline uint16_t float_to_half(float x) {  // round to nearest even
+  _Float16 h = static_cast<_Float16>(x);
+  uint16_t bits;
+  std::memcpy(&bits, &h, 2);
+  return bits;
+}
+
+// Dot products of row x (float32, K % 16 == 0) with 16 weight rows from w (int8 or float16,
+// widened to float32): part[t] holds 16 partial sums of channel t.
+template <typename W>
+void widened_block(const float* x, const W* w, int64_t k, v16* part) {
   for (int t = 0; t < 16; ++t) {
-    const int8_t* wr = w + t * k;
+    const W* wr = w + t * k;
     v16 a = {0}, b = {0}, c = {0}, d = {0};
     int64_t i = 0;
     for (; i + 64 <= k; i += 64) {
-      prefetch(wr + i + kPrefetch);
-      a += widen_int8(wr + i) * loadv(x + i);
-      b += widen_int8(wr + i + 16) * loadv(x + i + 16);
-      c += widen_int8(wr + i + 32) * loadv(x + i + 32);
-      d += widen_int8(wr + i + 48) * loadv(x + i + 48);
+      prefetch(wr + i + kPrefetch / sizeof(W));
+      if (sizeof(W) > 1) prefetch(wr + i + kPrefetch / sizeof(W) + 32);
+      a += widen(wr + i) * loadv(x + i);
+      b += widen(wr + i + 16) * loadv(x + i + 16);
+      c += widen(wr + i + 32) * loadv(x + i + 32);
+      d += widen(wr + i + 48) * loadv(x + i + 48);
     }
-    for (; i < k; i += 16) a += widen_int8(wr + i) * loadv(x + i);
+    for (; i < k; i += 16) a += widen(wr + i) * loadv(x + i);
     part[t] = (a + b) + (c + d);
   }
 }
 
 // The same for R rows of x at once (row stride k): each widened weight vector serves every row.
-template <int R>
-void int8_rows(const float* x, const int8_t* w, int64_t k, v16 (*part)[16]) {
+template <int R, typename W>
+void widened_rows(const float* x, const W* w, int64_t k, v16 (*part)[16]) {
   for (int t = 0; t < 16; ++t) {
-    const int8_t* wr = w + t * k;
+    const W* wr = w + t * k;
     v16 a[R] = {}, b[R] = {};
     int64_t i = 0;
     for (; i + 32 <= k; i += 32) {
-      prefetch(wr + i + kPrefetch);
-      const v16 w0 = widen_int8(wr + i), w1 = widen_int8(wr + i + 16);
+      prefetch(wr + i + kPrefetch / sizeof(W));
+      const v16 w0 = widen(wr + i), w1 = widen(wr + i + 16);
       for (int r = 0; r < R; ++r) {
         a[r] += w0 * loadv(x + r * k + i);
         b[r] += w1 * loadv(x + r * k + i + 16);
       }
     }
     for (; i < k; i += 16) {
-      const v16 w0 = widen_int8(wr + i);
+      const v16 w0 = widen(wr + i);
       for (int r = 0; r < R; ++r) a[r] += w0 * loadv(x + r * k + i);
     }
     for (int r = 0; r < R; ++r) part[r][t] = a[r] + b[r];
@@ -164,22 +194,25 @@ void for_blocks(int64_t m, int64_t n, Block block) {
   });
 }
 
-// The 16-channel partial sums of `rows` rows (1 to 4) from row r, with the kernel for each count.
-template <typename T, typename W, typename One, typename Many>
-void row_group(const T* x, const W* w, int64_t k, int64_t rows, One one, v16 (*part)[16]) {
+// The 16-channel partial sums of `rows` rows (1 to 4) from x, with the kernel for each count.
+template <typename T, typename W, typename Kernels>
+void row_group(const T* x, const W* w, int64_t k, int64_t rows, v16 (*part)[16]) {
   switch (rows) {
-    case 1: one(x, w, k, part[0]); break;
-    case 2: Many::template run<2>(x, w, k, part); break;
-    case 3: Many::template run<3>(x, w, k, part); break;
-    default: Many::template run<4>(x, w, k, part); break;
+    case 1: Kernels::one(x, w, k, part[0]); break;
+    case 2: Kernels::template many<2>(x, w, k, part); break;
+    case 3: Kernels::template many<3>(x, w, k, part); break;
+    default: Kernels::template many<4>(x, w, k, part); break;
   }
 }
 
-struct Int8Rows {
-  template <int R> static void run(const float* x, const int8_t* w, int64_t k, v16 (*part)[16]) { int8_rows<R>(x, w, k, part); }
+template <typename W>
+struct Widened {
+  static void one(const float* x, const W* w, int64_t k, v16* part) { widened_block(x, w, k, part); }
+  template <int R> static void many(const float* x, const W* w, int64_t k, v16 (*part)[16]) { widened_rows<R>(x, w, k, part); }
 };
-struct Bf16Rows {
-  template <int R> static void run(const uint16_t* x, const uint16_t* w, int64_t k, v16 (*part)[16]) { bf16_rows<R>(x, w, k, part); }
+struct Bf16 {
+  static void one(const uint16_t* x, const uint16_t* w, int64_t k, v16* part) { bf16_block(x, w, k, part); }
+  template <int R> static void many(const uint16_t* x, const uint16_t* w, int64_t k, v16 (*part)[16]) { bf16_rows<R>(x, w, k, part); }
 };
 
 void check_shapes(const at::Tensor& x, const at::Tensor& w, int64_t k_multiple, const char* name) {
@@ -208,7 +241,7 @@ at::Tensor int8_gemv(const at::Tensor& x, const at::Tensor& w, const at::Tensor&
   void* yp = y.data_ptr();
   for_blocks(m, n, [&](int64_t r0, int64_t rows, int64_t n0) {
     v16 part[4][16];
-    row_group<float, int8_t, decltype(&int8_block), Int8Rows>(xb.data() + r0 * k, wp + n0 * k, k, rows, int8_block, part);
+    row_group<float, int8_t, Widened<int8_t>>(xb.data() + r0 * k, wp + n0 * k, k, rows, part);
     for (int64_t i = 0; i < rows; ++i) {
       const int64_t r = r0 + i;
       v16 sums = transpose_sum(part[i]);
@@ -232,13 +265,38 @@ at::Tensor bf16_gemv(const at::Tensor& x, const at::Tensor& w) {
   uint16_t* yp = static_cast<uint16_t*>(y.data_ptr());
   for_blocks(m, n, [&](int64_t r0, int64_t rows, int64_t n0) {
     v16 part[4][16];
-    row_group<uint16_t, uint16_t, decltype(&bf16_block), Bf16Rows>(xp + r0 * k, wp + n0 * k, k, rows, bf16_block, part);
+    row_group<uint16_t, uint16_t, Bf16>(xp + r0 * k, wp + n0 * k, k, rows, part);
     for (int64_t i = 0; i < rows; ++i) {
       v16 sums = transpose_sum(part[i]);
       for (int t = 0; t < 16; ++t) yp[(r0 + i) * n + n0 + t] = float_to_bf16(sums[t]);
     }
   });
   return y;
+}
+
+at::Tensor f16_gemv(const at::Tensor& x, const at::Tensor& w) {
+  check_shapes(x, w, 16, "f16_gemv");
+  TORCH_CHECK(x.scalar_type() == at::kHalf && w.scalar_type() == at::kHalf, "f16_gemv: float16 x and w");
+  const int64_t m = x.size(0), k = x.size(1), n = w.size(0);
+  const uint16_t* xh = static_cast<const uint16_t*>(x.const_data_ptr());
+  std::vector<float> xf(m * k);
+  for (int64_t i = 0; i < m * k; ++i) xf[i] = half_to_float(xh[i]);
+  at::Tensor y = at::empty({m, n}, x.options());
+  const Half* wp = static_cast<const Half*>(w.const_data_ptr());
+  uint16_t* yp = static_cast<uint16_t*>(y.data_ptr());
+  for_blocks(m, n, [&](int64_t r0, int64_t rows, int64_t n0) {
+    v16 part[4][16];
+    row_group<float, Half, Widened<Half>>(xf.data() + r0 * k, wp + n0 * k, k, rows, part);
+    for (int64_t i = 0; i < rows; ++i) {
+      v16 sums = transpose_sum(part[i]);
+      for (int t = 0; t < 16; ++t) yp[(r0 + i) * n + n0 + t] = float_to_half(sums[t]);
+    }
+  });
+  return y;
+}
+
+at::Tensor f16_gemv_meta(const at::Tensor& x, const at::Tensor& w) {
+  return at::empty({x.size(0), w.size(0)}, x.options());
 }
 
 at::Tensor int8_gemv_meta(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale) {
@@ -254,14 +312,17 @@ at::Tensor bf16_gemv_meta(const at::Tensor& x, const at::Tensor& w) {
 TORCH_LIBRARY(kvserve_cpu, m) {
   m.def("int8_gemv(Tensor x, Tensor w, Tensor scale) -> Tensor");
   m.def("bf16_gemv(Tensor x, Tensor w) -> Tensor");
+  m.def("f16_gemv(Tensor x, Tensor w) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(kvserve_cpu, CPU, m) {
   m.impl("int8_gemv", int8_gemv);
   m.impl("bf16_gemv", bf16_gemv);
+  m.impl("f16_gemv", f16_gemv);
 }
 
 TORCH_LIBRARY_IMPL(kvserve_cpu, Meta, m) {
   m.impl("int8_gemv", int8_gemv_meta);
   m.impl("bf16_gemv", bf16_gemv_meta);
+  m.impl("f16_gemv", f16_gemv_meta);
 }
