@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from kvserve.model import cpu
-from kvserve.model.quant import GEMV_ROWS, QuantLinear
+from kvserve.model.quant import GEMV_INT4_ROWS, GEMV_ROWS, QuantLinear
 
 
 def test_the_ops_build_here():
@@ -12,9 +12,14 @@ def test_the_ops_build_here():
     assert cpu.available()
 
 
-def _ulps_bf16(got: torch.Tensor, want: torch.Tensor, scale: torch.Tensor) -> float:
-    """Largest |got - want| in units of a bfloat16 step at `scale` (per element)."""
-    step = torch.exp2(torch.floor(torch.log2(scale.abs().clamp(min=1e-30))) - 7)
+def _ulps_bf16(got: torch.Tensor, want: torch.Tensor, scale: torch.Tensor | None = None) -> float:
+    """Largest |got - want| in units of a bfloat16 step at `scale` (per element; by default the
+    larger of |got| and |want|, the step both roundings could take, floored at 2^-10 of the largest
+    |want|: float32 sums of either order err that much where a row's products cancel)."""
+    if scale is None:
+        big = torch.maximum(got.double().abs(), want.double().abs())
+        scale = big + 2**-10 * want.double().abs().max()
+    step = torch.exp2(torch.floor(torch.log2(scale.double().abs().clamp(min=1e-30))) - 7)
     return ((got.double() - want.double()).abs() / step.double()).max().item()
 
 
@@ -34,7 +39,25 @@ def test_int8_gemv_rounds_as_torchs_int8_kernel(rows, n, k, dtype):
     assert torch.equal(got.to(torch.bfloat16).float(), got.float())          # rounded to bfloat16
     exact = (x.to(torch.bfloat16).double() @ w.double().T) * scale.double()
     assert _ulps_bf16(got, exact, exact) <= 1.0
-    assert _ulps_bf16(got, want, exact) <= 1.0
+    assert _ulps_bf16(got, want) <= 1.0
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 5])
+@pytest.mark.parametrize("n,k", [(64, 32), (192, 96), (128, 1536)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int4_gemv_gives_torchs_int4_kernel_results(rows, n, k, dtype):
+    """On the packed layout of _convert_weight_to_int4pack_for_cpu: torch's int4 kernel's results
+    (bfloat16 x, float32 sums, bfloat16 out) to within one bfloat16 step, and the exact product of
+    the stored weight to within one step too."""
+    g = torch.Generator().manual_seed(rows * 10 + n + k)
+    q = QuantLinear(torch.randn(n, k, generator=g), None, "int4")
+    x = torch.randn(rows, k, generator=g).to(dtype)
+    got = torch.ops.kvserve_cpu.int4_gemv(x, q.packed, q.scales_zeros)
+    want = torch.ops.aten._weight_int4pack_mm_for_cpu(x.to(torch.bfloat16), q.packed, 32, q.scales_zeros)
+    exact = x.to(torch.bfloat16).double() @ q.dequantize().double().T
+    assert got.dtype == dtype and got.shape == (rows, n)
+    assert _ulps_bf16(got, want) <= 1.0
+    assert _ulps_bf16(got, exact, exact.abs() + 1e-3 * exact.abs().max()) <= 1.0
 
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 7, 8])
@@ -81,20 +104,20 @@ def test_bad_shapes_get_a_clear_error(call, message):
         call()
 
 
-@pytest.mark.parametrize("fmt", ["int8", "bfloat16", "float16"])
+@pytest.mark.parametrize("fmt", ["int8", "int4", "bfloat16", "float16"])
 def test_layers_use_the_gemv_for_few_rows_and_match_torchs_path(fmt):
-    """A CPU int8 / bfloat16 / float16 QuantLinear serves few-row steps with the op; with it switched off
-    (torch's kernels) the same rows give the same values to within one bfloat16 step."""
+    """A CPU int8 / int4 / bfloat16 / float16 QuantLinear serves few-row steps with the op; with it
+    switched off (torch's kernels) the same rows give the same values to within one bfloat16 step."""
     g = torch.Generator().manual_seed(3)
-    w, b = torch.randn(80, 96, generator=g), torch.randn(80, generator=g)
+    w, b = torch.randn(128, 96, generator=g), torch.randn(128, generator=g)
     q = QuantLinear(w, b, fmt)
     assert q.gemv
     dtype = torch.bfloat16 if fmt == "bfloat16" else torch.float32
-    for rows in (1, 3, GEMV_ROWS.get(fmt, 16)):
+    for rows in sorted({1, 2, {"int8": 16, "int4": GEMV_INT4_ROWS}.get(fmt) or GEMV_ROWS[fmt]}):
         x = torch.randn(rows, 96, generator=g).to(dtype)
         with torch.profiler.profile() as prof:
             fast = q(x)
-        name = {"int8": "int8", "bfloat16": "bf16", "float16": "f16"}[fmt]
+        name = {"int8": "int8", "int4": "int4", "bfloat16": "bf16", "float16": "f16"}[fmt]
         assert any(e.key == f"kvserve_cpu::{name}_gemv" for e in prof.key_averages())
         q.gemv = False
         ref = q(x)
@@ -127,19 +150,23 @@ def _scores(llm, ids: list[list[int]]) -> torch.Tensor:
     return torch.tensor([d[t].logprob for r, i in zip(res, ids) for d, t in zip(r.prompt_logprobs[1:], i[1:])])
 
 
-@pytest.mark.parametrize("options,bound", [({"weights": "int8", "dtype": "float32"}, 0.1), ({"dtype": "bfloat16"}, 0.06)])
+@pytest.mark.parametrize("options,bound", [({"weights": "int8", "dtype": "float32"}, 0.1),
+                                           ({"weights": "int4", "dtype": "float32"}, 0.15),
+                                           ({"dtype": "bfloat16"}, 0.06)])
 def test_an_engine_on_the_gemv_is_as_close_to_float32_as_on_torchs_kernels(llm, options, bound):
-    """An int8-weight and a bfloat16 engine score the float32 engine's greedy continuations in steps
-    of 4 tokens (so every linear runs on the GEMV): as close to float32's log-probs with the C++ GEMV
+    """int8-weight, int4-weight and bfloat16 engines score the float32 engine's greedy continuations
+    in steps of 4 tokens (2 for int4, so every linear runs on the GEMV): as close to float32's log-probs with the C++ GEMV
     (the default on a CPU) as with torch's kernels, and close in absolute terms."""
     from kvserve import LLM, SamplingParams
     from kvserve.model.quant import quant_layers
     outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True), use_tqdm=False)
     ids = [list(o.prompt_token_ids) + list(o.outputs[0].token_ids) for o in outs]
     want = _scores(llm, ids)
-    eng = LLM(kv_cache_memory="32MiB", max_model_len=256, max_num_batched_tokens=4, max_num_seqs=1, **options)
+    chunk = GEMV_INT4_ROWS if options.get("weights") == "int4" else 4
+    eng = LLM(kv_cache_memory="32MiB", max_model_len=256, max_num_batched_tokens=chunk, max_num_seqs=1,
+              bf16_weight_copy="off", **options)
     layers = quant_layers(eng.engine.runner.model)
-    assert layers and all(q.gemv for q in layers if q.fmt in ("int8", "bfloat16"))
+    assert layers and all(q.gemv for q in layers)
     fast = (_scores(eng, ids) - want).abs().mean().item()
     for q in layers:
         q.gemv = False

@@ -7,7 +7,9 @@ Activations keep the model dtype; each format runs on the fastest kernel torch h
   (model/cpu/, 1.5-2.5x `_weight_int8pack_mm`, with its roundings: bfloat16 activations), else
   `_weight_int8pack_mm` where the C++ op cannot be built; for more rows the weight is widened to the activation dtype
   inside the matmul (`F.linear(x, q) * scale`), which is also the CUDA path.
-- int4 on CPU: `_weight_int4pack_mm_for_cpu` (bfloat16 activations) for up to INT4_WIDE_ROWS rows; a
+- int4 on CPU: up to GEMV_INT4_ROWS rows kvserve's C++ GEMV on the same packed layout (1.6x, the
+  same bfloat16 results), else `_weight_int4pack_mm_for_cpu` (bfloat16 activations) for up to
+  INT4_WIDE_ROWS rows; a
   step of more rows (a prefill chunk) unpacks the weight once and runs a bfloat16 matmul where the
   CPU has bfloat16 units (the weight rounded to bfloat16 too: 2.3x the float32 matmul at 512 rows),
   a float32 one where it has not; elsewhere the groups are unpacked to the activation dtype
@@ -45,6 +47,7 @@ COPY_ROWS = 12           # with a bfloat16 copy: more rows than this read it (th
                          # with the rows, a bfloat16 GEMM's is flat to 32 rows: they cross at 12-16 here)
 # 16-bit weights on CPU: rows up to this use the C++ GEMV (it and oneDNN's GEMM cross at 8-16 rows)
 GEMV_ROWS = {"bfloat16": 8, "float16": 8}
+GEMV_INT4_ROWS = 2       # int4 on CPU: rows up to this use the C++ GEMV (its float sums are compute-bound past 2)
 HALF_WIDE_ROWS = 16      # 16-bit weights on a CPU without 16-bit units: more rows widen to float32
 TIED_WIDE_ROWS = 1       # ... or more than this when a float32 copy exists anyway (tied embedding)
 # Linears whose weight other code reads directly (MLA's absorbed kv_b_proj): they stay in float.
@@ -177,6 +180,8 @@ class QuantLinear(nn.Module):
     def _int4(self, x: torch.Tensor) -> torch.Tensor:
         if not hasattr(self, "packed"):
             return F.linear(x, self.dequantize(x.dtype))
+        if x.shape[0] <= GEMV_INT4_ROWS and self.gemv and x.dtype in (torch.float32, torch.bfloat16):
+            return torch.ops.kvserve_cpu.int4_gemv(x.contiguous(), self.packed, self.scales_zeros)
         xb = x.to(torch.bfloat16)
         if self.bf16_t is not None and x.shape[0] > COPY_ROWS:
             return torch.mm(xb, self.bf16_t).to(x.dtype)
@@ -246,7 +251,7 @@ def _(packed: torch.Tensor, scales_zeros: torch.Tensor) -> torch.Tensor:
 
 def cpu_gemv(device: torch.device, fmt: str) -> bool:
     """True when the C++ GEMV ops serve `fmt` layers on `device` (built here on first need)."""
-    if device.type != "cpu" or fmt not in ("int8", "bfloat16", "float16"):
+    if device.type != "cpu" or fmt not in ("int8", "int4", "bfloat16", "float16"):
         return False
     from kvserve.model import cpu
     return cpu.available()

@@ -180,6 +180,64 @@ void bf16_rows(const uint16_t* x, const uint16_t* w, int64_t k, v16 (*part)[16])
   }
 }
 
+// ---- int4: torch's CPU int4 layout (_convert_weight_to_int4pack_for_cpu): per block of 64 output
+// channels, per input channel, 32 bytes: channel c's code in byte c's low nibble, channel 32 + c's in
+// its high nibble; w = (code - 8) * scale + zero, one (scale, zero) pair per channel and group of 32
+// input channels ([K/32, N, 2] bfloat16). Per group, sum(w x) = scale * (sum(code x) - 8 sum(x)) +
+// zero * sum(x): the codes' dot products run over plain integers widened to float.
+constexpr int64_t kInt4Block = 64;
+constexpr int64_t kInt4Group = 32;
+
+inline void int4_codes(const uint8_t* p, v16* w) {  // 32 bytes -> the 64 channels' codes as floats
+#ifdef __AVX512F__
+  const __m512i mask = _mm512_set1_epi32(15);
+  for (int j = 0; j < 2; ++j) {  // bytes 16j..16j+15: channels 16j.. (low nibbles), 32+16j.. (high)
+    const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16 * j)));
+    w[j] = (v16)_mm512_cvtepi32_ps(_mm512_and_si512(bytes, mask));
+    w[2 + j] = (v16)_mm512_cvtepi32_ps(_mm512_srli_epi32(bytes, 4));
+  }
+#else
+  for (int j = 0; j < 2; ++j)
+    for (int c = 0; c < 16; ++c) {
+      w[j][c] = static_cast<float>(p[16 * j + c] & 15);
+      w[2 + j][c] = static_cast<float>(p[16 * j + c] >> 4);
+    }
+#endif
+}
+
+// out[r][j] (16 channels each) for R rows of x over one block of 64 channels: w is the block's
+// [K, 32] bytes, sz its first (scale, zero) pair in group 0, xsum the rows' per-group sums of x.
+template <int R>
+void int4_rows(const float* x, const float* xsum, const uint8_t* w, const uint32_t* sz, int64_t k, int64_t n,
+               v16 (*out)[4]) {
+  const int64_t groups = k / kInt4Group;
+  v16 res[R][4] = {};
+  for (int64_t g = 0; g < groups; ++g) {
+    v16 acc[R][4] = {};
+    const uint8_t* wg = w + g * kInt4Group * 32;
+    for (int64_t kk = 0; kk < kInt4Group; ++kk) {
+      if (kk % 2 == 0) prefetch(wg + kk * 32 + kPrefetch);
+      v16 codes[4];
+      int4_codes(wg + kk * 32, codes);
+      for (int r = 0; r < R; ++r) {
+        const float xv = x[r * k + g * kInt4Group + kk];
+        for (int j = 0; j < 4; ++j) acc[r][j] += codes[j] * xv;
+      }
+    }
+    for (int j = 0; j < 4; ++j) {
+      u32x16 pair;
+      std::memcpy(&pair, sz + g * n + 16 * j, 64);
+      const v16 scale = (v16)(pair << 16), zero = (v16)(pair & 0xFFFF0000u);
+      for (int r = 0; r < R; ++r) {
+        const float sum = xsum[r * groups + g];
+        res[r][j] += scale * (acc[r][j] - 8.0f * sum) + zero * sum;
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < 4; ++j) out[r][j] = res[r][j];
+}
+
 // Calls block(r, rows, n0) for every block of 16 output channels starting at n0 (the last block
 // overlaps its neighbour when N % 16 != 0) and every group of up to 4 rows from r; blocks are
 // split over torch's threads.
@@ -299,6 +357,54 @@ at::Tensor f16_gemv_meta(const at::Tensor& x, const at::Tensor& w) {
   return at::empty({x.size(0), w.size(0)}, x.options());
 }
 
+at::Tensor int4_gemv(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales_zeros) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && packed.dim() == 2 && packed.is_contiguous() &&
+                  scales_zeros.is_contiguous(), "int4_gemv: contiguous x [M, K] and packed [N, K/2] expected");
+  const int64_t m = x.size(0), k = x.size(1), n = packed.size(0);
+  TORCH_CHECK(packed.size(1) * 2 == k && packed.scalar_type() == at::kByte, "int4_gemv: packed uint8 [N, K/2] expected");
+  TORCH_CHECK(k % kInt4Group == 0 && n % kInt4Block == 0, "int4_gemv: K must be a multiple of 32 and N of 64");
+  TORCH_CHECK(scales_zeros.scalar_type() == at::kBFloat16 && scales_zeros.numel() == k / kInt4Group * n * 2,
+              "int4_gemv: bfloat16 scales_zeros [K/32, N, 2] expected");
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, "int4_gemv: float32 or bfloat16 x");
+  TORCH_CHECK(m <= 64, "int4_gemv: at most 64 rows expected");
+  const bool f32 = x.scalar_type() == at::kFloat;
+  const int64_t groups = k / kInt4Group;
+  std::vector<float> xb(m * k), xsum(m * groups, 0.0f);  // x rounded to bfloat16; its group sums
+  for (int64_t i = 0; i < m * k; ++i) {
+    xb[i] = f32 ? bf16_to_float(float_to_bf16(x.const_data_ptr<float>()[i]))
+                : bf16_to_float(static_cast<const uint16_t*>(x.const_data_ptr())[i]);
+    xsum[i / kInt4Group] += xb[i];
+  }
+  at::Tensor y = at::empty({m, n}, x.options());
+  const uint8_t* wp = packed.const_data_ptr<uint8_t>();
+  const uint32_t* sz = static_cast<const uint32_t*>(scales_zeros.const_data_ptr());
+  void* yp = y.data_ptr();
+  at::parallel_for(0, n / kInt4Block, 1, [&](int64_t b0, int64_t b1) {
+    for (int64_t blk = b0; blk < b1; ++blk) {
+      const int64_t n0 = blk * kInt4Block;
+      for (int64_t r0 = 0; r0 < m; r0 += 2) {
+        const int64_t rows = std::min<int64_t>(2, m - r0);
+        v16 out[2][4];
+        if (rows == 2) int4_rows<2>(xb.data() + r0 * k, xsum.data() + r0 * groups, wp + n0 * k / 2, sz + n0, k, n, out);
+        else int4_rows<1>(xb.data() + r0 * k, xsum.data() + r0 * groups, wp + n0 * k / 2, sz + n0, k, n, out);
+        for (int64_t i = 0; i < rows; ++i)
+          for (int j = 0; j < 4; ++j)
+            for (int t = 0; t < 16; ++t) {
+              const int64_t at = (r0 + i) * n + n0 + 16 * j + t;
+              const uint16_t v = float_to_bf16(out[i][j][t]);
+              if (f32) static_cast<float*>(yp)[at] = bf16_to_float(v);
+              else static_cast<uint16_t*>(yp)[at] = v;
+            }
+      }
+    }
+  });
+  return y;
+}
+
+at::Tensor int4_gemv_meta(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales_zeros) {
+  return at::empty({x.size(0), packed.size(0)}, x.options());
+}
+
 at::Tensor int8_gemv_meta(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale) {
   return at::empty({x.size(0), w.size(0)}, x.options());
 }
@@ -313,16 +419,19 @@ TORCH_LIBRARY(kvserve_cpu, m) {
   m.def("int8_gemv(Tensor x, Tensor w, Tensor scale) -> Tensor");
   m.def("bf16_gemv(Tensor x, Tensor w) -> Tensor");
   m.def("f16_gemv(Tensor x, Tensor w) -> Tensor");
+  m.def("int4_gemv(Tensor x, Tensor packed, Tensor scales_zeros) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(kvserve_cpu, CPU, m) {
   m.impl("int8_gemv", int8_gemv);
   m.impl("bf16_gemv", bf16_gemv);
   m.impl("f16_gemv", f16_gemv);
+  m.impl("int4_gemv", int4_gemv);
 }
 
 TORCH_LIBRARY_IMPL(kvserve_cpu, Meta, m) {
   m.impl("int8_gemv", int8_gemv_meta);
   m.impl("bf16_gemv", bf16_gemv_meta);
   m.impl("f16_gemv", f16_gemv_meta);
+  m.impl("int4_gemv", int4_gemv_meta);
 }
