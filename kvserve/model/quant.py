@@ -5,15 +5,14 @@ minimum per group of GROUP_SIZE input channels (the layout of GGUF's Q4_1 / Q4_K
 Activations keep the model dtype; each format runs on the fastest kernel torch has for it:
 - int8 on CPU: up to `small_rows` rows, where reading 1 byte per weight wins, kvserve's C++ GEMV
   (model/cpu/, 1.5-2.5x `_weight_int8pack_mm`, with its roundings: bfloat16 activations), else
-  `_weight_int8pack_mm` where the C++ op cannot be built; for more rows the weight is widened to the activation dtype
-  inside the matmul (`F.linear(x, q) * scale`), which is also the CUDA path.
-- int4 on CPU: up to GEMV_INT4_ROWS rows kvserve's C++ GEMV on the same packed layout (1.6x, the
+  `_weight_int8pack_mm` where the C++ op cannot be built; for more rows the weight is widened to
+  the activation dtype inside the matmul (`F.linear(x, q) * scale`), which is also the CUDA path.
+- int4 on CPU: up to GEMV_INT4_ROWS rows kvserve's C++ GEMV on the same packed layout (1.3x, the
   same bfloat16 results), else `_weight_int4pack_mm_for_cpu` (bfloat16 activations) for up to
-  INT4_WIDE_ROWS rows; a
-  step of more rows (a prefill chunk) unpacks the weight once and runs a bfloat16 matmul where the
-  CPU has bfloat16 units (the weight rounded to bfloat16 too: 2.3x the float32 matmul at 512 rows),
-  a float32 one where it has not; elsewhere the groups are unpacked to the activation dtype
-  inside the matmul.
+  INT4_WIDE_ROWS rows; a step of more rows (a prefill chunk) unpacks the weight once and runs a
+  bfloat16 matmul where the CPU has bfloat16 units (the weight rounded to bfloat16 too: 2.3x the
+  float32 matmul at 512 rows), a float32 one where it has not; elsewhere the groups are unpacked
+  to the activation dtype inside the matmul.
 - bfloat16 / float16 weights on CPU (a float16 LM head): up to GEMV_ROWS rows, kvserve's C++ GEMV
   (about 2x oneDNN's one-row 16-bit GEMM here), else F.linear.
 - 16-bit float weights on a CPU without native 16-bit arithmetic (no AVX512-BF16/AMX): a step of more
