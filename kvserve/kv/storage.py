@@ -60,7 +60,8 @@ class KVStorage:
                 entries.append(entry)
             self.slots.append(tensors)
             self.parts.append(entries)
-        self._init_residual(residual_rows if self.format.has_residual else 0, device)
+        self._has_residual = self.format.has_residual   # read per layer per step: computed once
+        self._init_residual(residual_rows if self._has_residual else 0, device)
         self._native: list[bool | None] = [None] * len(self.slots)
 
     # ---- residual rows (KIVI: still-filling blocks in full precision) -------------------------
@@ -79,7 +80,7 @@ class KVStorage:
     @property
     def has_residual(self) -> bool:
         """True when still-filling blocks are kept in residual rows."""
-        return self.format.has_residual
+        return self._has_residual
 
     @property
     def residual_nbytes(self) -> int:
