@@ -196,6 +196,7 @@ class Measured:
     wall: float
     others: float | None       # cores busy with processes other than this script and the server
     server_cores: float | None  # mean cores the server process used
+    client_cores: float | None = None  # mean cores this script's clients used
     exit_code: int | None = None
     note: str = ""              # what the server said it picked, for the report
 
@@ -234,13 +235,14 @@ def measure(name: str, server: ServerProcess, command: str, prompts: list[list[i
         raise RuntimeError(f"{name}: a warm-up request failed: {failed[0].error}\n{server.tail()}")
     jobs = [Job("completions", p, args.max_tokens, False) for p in prompts]
     print(f"{name}: {len(jobs)} requests, {args.clients} clients, {args.max_tokens} tokens each ...", flush=True)
-    cpu0, mon = process_cpu_seconds(server.proc.pid), OtherLoad()
+    cpu0, mon, own0 = process_cpu_seconds(server.proc.pid), OtherLoad(), os.times()
     results, wall, _ = asyncio.run(run_load(server.url, jobs, model, args.clients, math.inf,
                                             args.request_timeout, {}))
-    busy, cpu1 = mon.stop(), process_cpu_seconds(server.proc.pid)
+    busy, cpu1, own1 = mon.stop(), process_cpu_seconds(server.proc.pid), os.times()
     server_cores = None if cpu0 is None or cpu1 is None else (cpu1 - cpu0) / wall
     others = None if busy is None or server_cores is None else max(0.0, busy - server_cores)
-    m = Measured(name, command, results, wall, others, server_cores)
+    client = (own1.user + own1.system - own0.user - own0.system) / wall
+    m = Measured(name, command, results, wall, others, server_cores, client)
     print(f"{name}: {m.tok_s:.1f} output tok/s, wall {wall:.1f} s, {len(m.errors)} errors", flush=True)
     return m
 
@@ -269,7 +271,8 @@ def report(runs: list[Measured], args, facts: dict, load_before: str, load_after
         ["total wall (s)", *(fmt(m.wall, digits=1) for m in runs)],
         ["TTFT p50 / p99 (s)", *(f"{fmt(m.ttft(50))} / {fmt(m.ttft(99))}" for m in runs)],
         ["ITL p50 / p99 (ms)", *(f"{fmt(m.itl(50), 1e3, 0)} / {fmt(m.itl(99), 1e3, 0)}" for m in runs)],
-        ["server's mean CPU cores; others' cores", *(f"{fmt(m.server_cores)}; {fmt(m.others)}" for m in runs)],
+        ["mean CPU cores: server; clients; others", *(f"{fmt(m.server_cores)}; {fmt(m.client_cores)}; {fmt(m.others)}"
+                                                      for m in runs)],
         ["exit status after SIGTERM", *("—" if m.exit_code is None else str(m.exit_code) for m in runs)],
     ]
     ours = next((m for m in runs if m.name == "kvserve"), None)
@@ -287,7 +290,8 @@ def report(runs: list[Measured], args, facts: dict, load_before: str, load_after
         f"{args.max_tokens} output tokens each (greedy, temperature 0, `ignore_eos`), streamed with "
         "`stream_options.include_usage`. The servers run one after the other, each after a warm-up "
         f"({args.clients} concurrent requests of other prose, 16-64 prompt tokens, 4 output tokens). TTFT and ITL are measured by the client (ITL = gap between text chunks); "
-        "output tokens are the servers' usage counts. Others' cores: CPU other processes kept busy "
+        "output tokens are the servers' usage counts. CPU cores: the server process's; the clients' (this "
+        "script, on the same machine); others': CPU other processes kept busy "
         "during the timed run (/proc/stat minus this script and the server); above ~0.2 the machine "
         "was shared and that column is slowed.",
         "",

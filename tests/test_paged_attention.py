@@ -162,13 +162,14 @@ def test_default_engine_decodes_in_place_and_equals_recompute(llm, llm_nocache, 
         runner.set_backends(kernel_backends)
 
 
-def _kernel_case(lengths, starts, block_size, kv_heads, q_heads, d, dtype, seed):
+def _kernel_case(lengths, starts, block_size, kv_heads, q_heads, d, dtype, seed, q_dtype=None):
     from kvserve.attention import cpu
     k, v, tables = _pool_and_tables(lengths, block_size, kv_heads, d, dtype, seed=seed)
     width = max(len(t) for t in tables)
     table = torch.stack([torch.cat([t, torch.full((width - len(t),), -1)]) for t in tables])
     # q as a slice of a wider tensor: rows and heads strided, as the model's fused projections give
-    wide = torch.randn(len(lengths), q_heads, d + 8, generator=torch.Generator().manual_seed(seed + 1)).to(dtype)
+    wide = torch.randn(len(lengths), q_heads, d + 8, generator=torch.Generator().manual_seed(seed + 1))
+    wide = wide.to(q_dtype or dtype)
     q = wide[..., :d]
     got = cpu.paged_decode(q, k, v, table, torch.tensor(starts), torch.tensor(lengths), 0.2)
     return got, _oracle(q, k, v, tables, starts, lengths, block_size, 0.2)
@@ -182,6 +183,27 @@ def test_cpu_kernel_equals_attention_formula(d, kv_heads, q_heads):
         pytest.fail("the CPU decode kernel did not build (a C++ compiler is part of the install)")
     lengths = [1, 15, 16, 17, 33, 97, 300]
     got, want = _kernel_case(lengths, [0] * len(lengths), 16, kv_heads, q_heads, d, torch.float32, seed=d)
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got.double(), want, atol=2e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("d", [64, 48])
+def test_cpu_kernel_many_rows_read_all_heads_per_item(d):
+    """40 rows: each work item then takes all K/V heads of its row (with up to 5 threads); every
+    other row has a window starting mid-block."""
+    lengths = [(37 * i) % 300 + 1 for i in range(40)]
+    starts = [max(0, n - 45) if i % 2 else 0 for i, n in enumerate(lengths)]
+    got, want = _kernel_case(lengths, starts, 16, 3, 9, d, torch.float32, seed=7)
+    torch.testing.assert_close(got.double(), want, atol=2e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("rows", [4, 40])
+@pytest.mark.parametrize("d", [64, 40])
+def test_cpu_kernel_float32_queries_over_bfloat16_pools(rows, d):
+    """bfloat16 pools under float32 queries: float32 arithmetic on the stored bf16 values, so the
+    output equals the formula over those values to float32 rounding (no bf16 output rounding)."""
+    lengths = [(53 * i) % 260 + 5 for i in range(rows)]
+    got, want = _kernel_case(lengths, [0] * rows, 16, 3, 9, d, torch.bfloat16, seed=9, q_dtype=torch.float32)
     assert got.dtype == torch.float32
     torch.testing.assert_close(got.double(), want, atol=2e-6, rtol=1e-5)
 

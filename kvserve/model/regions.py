@@ -28,9 +28,11 @@ from kvserve.model.quant import QuantLinear
 
 log = logging.getLogger("kvserve")
 
-# Token counts a warm-up runs: one token (the one-token stack graph), then two and 64 (the regions'
-# dynamic graphs, and past the int8 kernel's row limit, model/quant.py SMALL_ROWS).
-WARMUP_TOKENS = (1, 2, 64)
+# Token counts a warm-up runs: one token (the one-token stack graph), then one count in each row
+# range where model/quant.py picks another kernel (GEMVs up to 2 or 8 rows, the int4 kernel up to
+# COPY_ROWS, the int8 kernel up to SMALL_ROWS, the widened weights past them): each range is a graph
+# of its own, compiled here instead of in the first busy step that reaches it (1.8 s).
+WARMUP_TOKENS = (1, 2, 8, 64)
 # Graphs kept per region across every engine of the process (torch's default is 8).
 RECOMPILE_LIMIT = 64
 EAGER_ENV = "KVSERVE_ENFORCE_EAGER"

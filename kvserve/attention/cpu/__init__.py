@@ -24,6 +24,8 @@ log = logging.getLogger("kvserve")
 SOURCE = Path(__file__).with_name("paged_decode.cpp")
 FLAGS = ("-std=c++17",)
 DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+# (query dtype, pool dtype) -> the kernel's dtype code
+CODES = {(torch.float32, torch.float32): 0, (torch.bfloat16, torch.bfloat16): 1, (torch.float32, torch.bfloat16): 2}
 
 _state: dict = {}
 
@@ -52,11 +54,17 @@ def supports(pool: torch.Tensor) -> bool:
     return pool.device.type == "cpu" and pool.dtype in DTYPES and pool.is_contiguous()
 
 
+def reads(q_dtype: torch.dtype, pool_dtype: torch.dtype) -> bool:
+    """True when the kernel takes queries of q_dtype over pools of pool_dtype (float32 or bfloat16
+    queries over pools of their own dtype; float32 queries over bfloat16 pools)."""
+    return (q_dtype, pool_dtype) in CODES
+
+
 def paged_decode(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, table: torch.Tensor,
                  starts: torch.Tensor, ends: torch.Tensor, scale: float, out: torch.Tensor | None = None) -> torch.Tensor:
     """Row i of q [B, Hq, D] attends over positions [starts[i], ends[i]) of its block table row
-    table[i] (long) in the pools [num_blocks, block_size, Hkv, D]; -> [B, Hq, Dv] (into `out` when
-    given, which must be contiguous)."""
+    table[i] (long) in the pools [num_blocks, block_size, Hkv, D]; -> [B, Hq, Dv] in q's dtype (into
+    `out` when given, which must be contiguous). Pools are q's dtype, or bfloat16 under float32 q."""
     fn = kernel()
     b, hq, d = q.shape
     _, bs, hkv, dv = v_pool.shape
@@ -69,7 +77,7 @@ def paged_decode(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, ta
             raise ValueError("block tables and ranges must be long tensors with unit last stride")
     rc = fn(q.data_ptr(), k_pool.data_ptr(), v_pool.data_ptr(), table.data_ptr(), starts.data_ptr(),
             ends.data_ptr(), out.data_ptr(), b, table.shape[1], hq, hkv, d, dv, bs, q.stride(0), q.stride(1),
-            table.stride(0), scale, DTYPES[q.dtype], torch.get_num_threads())
+            table.stride(0), scale, CODES.get((q.dtype, k_pool.dtype), -1), torch.get_num_threads())
     if rc:
-        raise ValueError(f"CPU decode attention kernel: unsupported dtype {q.dtype}")
+        raise ValueError(f"CPU decode attention kernel: unsupported dtypes (queries {q.dtype}, pools {k_pool.dtype})")
     return out

@@ -1,8 +1,9 @@
 // Decode attention over paged K/V on the CPU: one query token per row, its K/V read from the pools
-// by block id in place (no gathered copy). Work items are (row, K/V head) pairs; each item scores
-// its head's G query heads against the visible keys (one pass over K), takes the softmax, and sums
-// the values (one pass over V). Float32 arithmetic; pools, queries and output are float32 or
-// bfloat16 (dtype 0 / 1). Built at run time by kvserve/attention/cpu/__init__.py.
+// by block id in place (no gathered copy). Work items are (row, K/V heads) pairs; each item scores
+// its heads' G query heads each against the visible keys (one pass over K), takes the softmax, and sums
+// the values (one pass over V). Float32 arithmetic; queries and output float32 over float32 pools
+// (dtype 0), bfloat16 over bfloat16 pools (1), or float32 over bfloat16 pools (2: half the bytes
+// read). Built at run time by kvserve/attention/cpu/__init__.py.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -52,15 +53,56 @@ inline void softmax_rows(float* score, int64_t g_n, int64_t len, int64_t stride,
   }
 }
 
+// exp_nonpositive on 16 lanes, the same polynomial (x <= 0, so truncating x * log2(e) - 0.5 rounds
+// to nearest: conversions, unlike the 1.5 * 2^23 trick, survive -fassociative-math).
+inline v16 exp_nonpositive(v16 x) {
+  const v16 lo = v16{} - 87.0f;
+  x = x < lo ? lo : x;
+  const i32x16 ni = __builtin_convertvector(x * 1.44269504f - 0.5f, i32x16);
+  const v16 n = __builtin_convertvector(ni, v16);
+  const v16 r = x - n * 0.693145752f - n * 1.42860677e-6f;
+  const v16 p = 1.0f + r * (1.0f + r * (0.5f + r * (0.166666672f + r * (0.0416666456f +
+                r * (0.00833336543f + r * 0.00138883968f)))));
+  const i32x16 e = (ni + 127) << 23;
+  v16 scale;
+  std::memcpy(&scale, &e, 64);
+  return p * scale;
+}
+
+// softmax_rows for rows padded to a multiple of 16, 16 scores at a time.
+inline void softmax_rows_vec(float* score, int64_t g_n, int64_t len, int64_t stride, float* total) {
+  const i32x16 lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+  const v16 none = v16{} - INFINITY, zero = v16{};
+  for (int64_t g = 0; g < g_n; ++g) {
+    float* sg = score + g * stride;
+    v16 m = none;
+    for (int64_t b = 0; b < stride; b += 16) {
+      const v16 x = lane < static_cast<int32_t>(len - b) ? loadv(sg + b) : none;
+      m = m > x ? m : x;
+    }
+    float peak = m[0];
+    for (int i = 1; i < 16; ++i) peak = std::max(peak, m[i]);
+    v16 sum = zero;
+    for (int64_t b = 0; b < stride; b += 16) {
+      const v16 e = lane < static_cast<int32_t>(len - b) ? exp_nonpositive(loadv(sg + b) - peak) : zero;
+      std::memcpy(sg + b, &e, 64);
+      sum += e;
+    }
+    float t = 0.0f;
+    for (int i = 0; i < 16; ++i) t += sum[i];
+    total[g] = t;
+  }
+}
+
 struct Shape {
   int64_t width, hq, hkv, d, dv, block_size;
   int64_t q_row, q_head, table_row;  // strides in elements
   float scale;
 };
 
-template <typename T>
-void attend_item(const T* q, const T* k_pool, const T* v_pool, const int64_t* table, int64_t start,
-                 int64_t end, int64_t head, const Shape& s, T* out, std::vector<float>& buf) {
+template <typename TQ, typename TK>
+void attend_item(const TQ* q, const TK* k_pool, const TK* v_pool, const int64_t* table, int64_t start,
+                 int64_t end, int64_t head, const Shape& s, TQ* out, std::vector<float>& buf) {
   const int64_t g_n = s.hq / s.hkv, d = s.d, dv = s.dv, bs = s.block_size, len = end - start;
   buf.resize(g_n * (d + dv + len));
   float* qf = buf.data();              // [G, D]
@@ -71,7 +113,7 @@ void attend_item(const T* q, const T* k_pool, const T* v_pool, const int64_t* ta
   const int64_t k_tok = s.hkv * d, v_tok = s.hkv * dv;
   for (int64_t p = start; p < end;) {  // pass 1: scores, block by block
     const int64_t block = table[p / bs], off = p % bs, n = std::min(bs - off, end - p);
-    const T* k = k_pool + ((block * bs + off) * s.hkv + head) * d;
+    const TK* k = k_pool + ((block * bs + off) * s.hkv + head) * d;
     for (int64_t t = 0; t < n; ++t, k += k_tok)
       for (int64_t g = 0; g < g_n; ++g) {
         const float* qg = qf + g * d;
@@ -86,7 +128,7 @@ void attend_item(const T* q, const T* k_pool, const T* v_pool, const int64_t* ta
   std::fill(acc, acc + g_n * dv, 0.0f);
   for (int64_t p = start; p < end;) {  // pass 2: weighted values
     const int64_t block = table[p / bs], off = p % bs, n = std::min(bs - off, end - p);
-    const T* v = v_pool + ((block * bs + off) * s.hkv + head) * dv;
+    const TK* v = v_pool + ((block * bs + off) * s.hkv + head) * dv;
     for (int64_t t = 0; t < n; ++t, v += v_tok)
       for (int64_t g = 0; g < g_n; ++g) {
         const float w = score[g * len + (p - start) + t];
@@ -99,92 +141,126 @@ void attend_item(const T* q, const T* k_pool, const T* v_pool, const int64_t* ta
     for (int64_t i = 0; i < dv; ++i) store(out, (head * g_n + g) * dv + i, acc[g * dv + i] / total[g]);
 }
 
+// Asks for the cache lines of 16 rows of `span` elements each (a tile's K or V) ahead of use.
+template <int LOCALITY, typename TK>
+inline void prefetch_rows(const TK* pool, const int64_t* rows, int64_t span) {
+  const int64_t bytes = span * static_cast<int64_t>(sizeof(TK));
+  for (int t = 0; t < 16; ++t) {
+    const char* p = reinterpret_cast<const char*>(pool + rows[t]);
+    for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(p + b, 0, LOCALITY);
+  }
+}
+
 // ---- head sizes that are a multiple of 16: 16-float vectors (GCC vector extensions), tiles of
-// 16 tokens whose K/V rows are found once; a tile's 16 dot products are reduced together.
-template <typename T, int DK>
-void attend_item_vec(const T* q, const T* k_pool, const T* v_pool, const int64_t* table, int64_t start,
-                     int64_t end, int64_t head, const Shape& s, T* out, std::vector<float>& buf) {
+// 16 tokens whose K/V rows are found once; a tile's 16 dot products are reduced together. An item
+// covers `per` adjacent K/V heads of one row, so a tile reads each token's rows of those heads
+// together (one contiguous stretch of the block when per = Hkv).
+template <typename TQ, typename TK, int DK>
+void attend_heads_vec(const TQ* q, const TK* k_pool, const TK* v_pool, const int64_t* table, int64_t start,
+                      int64_t end, int64_t h0, int64_t per, const Shape& s, TQ* out, std::vector<float>& buf) {
   constexpr int J = DK / 16;
-  const int64_t g_n = s.hq / s.hkv, bs = s.block_size, len = end - start, padded = (len + 15) / 16 * 16;
-  buf.resize(g_n * (2 * DK + padded) + 16);
-  float* qf = buf.data();              // [G, DK]
-  float* acc = qf + g_n * DK;          // [G, DK]
-  float* score = acc + g_n * DK;       // [G, padded]
-  for (int64_t g = 0; g < g_n; ++g)
-    for (int64_t i = 0; i < DK; ++i) qf[g * DK + i] = load(q, (head * g_n + g) * s.q_head + i) * s.scale;
-  std::fill(acc, acc + g_n * DK, 0.0f);
-  int64_t rows[16];
-  for (int64_t base = 0; base < len; base += 16) {  // pass 1: scores, 16 tokens at a time
-    const int n = static_cast<int>(std::min<int64_t>(16, len - base));
-    for (int t = 0; t < 16; ++t) {
+  const int64_t g_n = s.hq / s.hkv, n_q = per * g_n, bs = s.block_size, len = end - start;
+  const int64_t padded = (len + 15) / 16 * 16;
+  buf.resize(n_q * (2 * DK + padded + 1) + 16);
+  float* qf = buf.data();              // [per * G, DK]: query heads of K/V heads h0 .. h0 + per
+  float* acc = qf + n_q * DK;          // [per * G, DK]
+  float* score = acc + n_q * DK;       // [per * G, padded]
+  float* total = score + n_q * padded; // [per * G]
+  for (int64_t a = 0; a < n_q; ++a)
+    for (int64_t i = 0; i < DK; ++i) qf[a * DK + i] = load(q, (h0 * g_n + a) * s.q_head + i) * s.scale;
+  std::fill(acc, acc + n_q * DK, 0.0f);
+  int64_t rows[16], next[16];
+  const auto locate = [&](int64_t base, int64_t* r) {  // element offsets of a tile's 16 rows (last repeated)
+    const int64_t n = std::min<int64_t>(16, len - base);
+    for (int64_t t = 0; t < 16; ++t) {
       const int64_t p = start + base + std::min(t, n - 1);
-      rows[t] = ((table[p / bs] * bs + p % bs) * s.hkv + head) * DK;
+      r[t] = ((table[p / bs] * bs + p % bs) * s.hkv + h0) * DK;
     }
-    for (int64_t g = 0; g < g_n; ++g) {
+  };
+  const int64_t span = per * DK;  // elements of a token's rows that the item reads
+  if (len > 0) locate(0, next);
+  for (int64_t base = 0; base < len; base += 16) {  // pass 1: scores, 16 tokens at a time
+    std::memcpy(rows, next, sizeof rows);
+    if (base + 16 < len) {  // the next tile's keys are fetched while this one is scored
+      locate(base + 16, next);
+      prefetch_rows<3>(k_pool, next, span);
+      prefetch_rows<2>(v_pool, next, span);
+    }
+    for (int64_t a = 0; a < n_q; ++a) {
+      const int64_t off = (a / g_n) * DK;
       v16 qv[J], part[16];
-      for (int j = 0; j < J; ++j) qv[j] = loadv(qf + g * DK + 16 * j);
+      for (int j = 0; j < J; ++j) qv[j] = loadv(qf + a * DK + 16 * j);
       for (int t = 0; t < 16; ++t) {
-        const T* k = k_pool + rows[t];
-        v16 a = qv[0] * loadv(k);
-        for (int j = 1; j < J; ++j) a += qv[j] * loadv(k + 16 * j);
-        part[t] = a;
+        const TK* k = k_pool + rows[t] + off;
+        v16 x = qv[0] * loadv(k);
+        for (int j = 1; j < J; ++j) x += qv[j] * loadv(k + 16 * j);
+        part[t] = x;
       }
       v16 sums = transpose_sum(part);
-      std::memcpy(score + g * padded + base, &sums, 64);
+      std::memcpy(score + a * padded + base, &sums, 64);
     }
   }
-  std::vector<float> total(g_n);
-  softmax_rows(score, g_n, len, padded, total.data());
+  softmax_rows_vec(score, n_q, len, padded, total);
+  if (len > 0) locate(0, next);
   for (int64_t base = 0; base < len; base += 16) {  // pass 2: weighted values, 16 tokens at a time
     const int n = static_cast<int>(std::min<int64_t>(16, len - base));
-    for (int t = 0; t < n; ++t) {
-      const int64_t p = start + base + t;
-      rows[t] = ((table[p / bs] * bs + p % bs) * s.hkv + head) * DK;
+    std::memcpy(rows, next, sizeof rows);
+    if (base + 16 < len) {
+      locate(base + 16, next);
+      prefetch_rows<3>(v_pool, next, span);
     }
-    for (int64_t g = 0; g < g_n; ++g) {
-      v16 a[J];
-      for (int j = 0; j < J; ++j) a[j] = loadv(acc + g * DK + 16 * j);
-      const float* w = score + g * padded + base;
+    for (int64_t a = 0; a < n_q; ++a) {
+      const int64_t off = (a / g_n) * DK;
+      v16 x[J];
+      for (int j = 0; j < J; ++j) x[j] = loadv(acc + a * DK + 16 * j);
+      const float* w = score + a * padded + base;
       for (int t = 0; t < n; ++t) {
-        const T* v = v_pool + rows[t];
-        for (int j = 0; j < J; ++j) a[j] += w[t] * loadv(v + 16 * j);
+        const TK* v = v_pool + rows[t] + off;
+        for (int j = 0; j < J; ++j) x[j] += w[t] * loadv(v + 16 * j);
       }
-      for (int j = 0; j < J; ++j) std::memcpy(acc + g * DK + 16 * j, &a[j], 64);
+      for (int j = 0; j < J; ++j) std::memcpy(acc + a * DK + 16 * j, &x[j], 64);
     }
   }
-  for (int64_t g = 0; g < g_n; ++g)
-    for (int64_t i = 0; i < DK; ++i) store(out, (head * g_n + g) * DK + i, acc[g * DK + i] / total[g]);
+  for (int64_t a = 0; a < n_q; ++a)
+    for (int64_t i = 0; i < DK; ++i) store(out, (h0 * g_n + a) * DK + i, acc[a * DK + i] / total[a]);
 }
 
-// The vector path for the usual head sizes (K and V of one size), the scalar path else.
-template <typename T>
-void attend(const T* q, const T* k, const T* v, const int64_t* table, int64_t start, int64_t end, int64_t head,
-            const Shape& s, T* out, std::vector<float>& buf) {
+// The vector path for the usual head sizes (K and V of one size), the scalar path (head by head) else.
+template <typename TQ, typename TK>
+void attend(const TQ* q, const TK* k, const TK* v, const int64_t* table, int64_t start, int64_t end, int64_t h0,
+            int64_t per, const Shape& s, TQ* out, std::vector<float>& buf) {
   const int64_t d = s.d == s.dv ? s.d : 0;
   switch (d) {
-    case 32: return attend_item_vec<T, 32>(q, k, v, table, start, end, head, s, out, buf);
-    case 64: return attend_item_vec<T, 64>(q, k, v, table, start, end, head, s, out, buf);
-    case 80: return attend_item_vec<T, 80>(q, k, v, table, start, end, head, s, out, buf);
-    case 96: return attend_item_vec<T, 96>(q, k, v, table, start, end, head, s, out, buf);
-    case 128: return attend_item_vec<T, 128>(q, k, v, table, start, end, head, s, out, buf);
-    case 256: return attend_item_vec<T, 256>(q, k, v, table, start, end, head, s, out, buf);
-    default: return attend_item<T>(q, k, v, table, start, end, head, s, out, buf);
+    case 32: return attend_heads_vec<TQ, TK, 32>(q, k, v, table, start, end, h0, per, s, out, buf);
+    case 64: return attend_heads_vec<TQ, TK, 64>(q, k, v, table, start, end, h0, per, s, out, buf);
+    case 80: return attend_heads_vec<TQ, TK, 80>(q, k, v, table, start, end, h0, per, s, out, buf);
+    case 96: return attend_heads_vec<TQ, TK, 96>(q, k, v, table, start, end, h0, per, s, out, buf);
+    case 128: return attend_heads_vec<TQ, TK, 128>(q, k, v, table, start, end, h0, per, s, out, buf);
+    case 256: return attend_heads_vec<TQ, TK, 256>(q, k, v, table, start, end, h0, per, s, out, buf);
+    default:
+      for (int64_t h = h0; h < h0 + per; ++h) attend_item<TQ, TK>(q, k, v, table, start, end, h, s, out, buf);
   }
 }
 
-template <typename T>
+// K/V heads per work item: all of a row's when there are rows enough to keep every thread busy
+// (each token's K/V of the row is then read in one stretch), else one.
+int64_t heads_per_item(int64_t rows, int64_t hkv, int threads) {
+  return rows >= 8 * threads ? hkv : 1;
+}
+
+template <typename TQ, typename TK>
 void run(const void* q, const void* k_pool, const void* v_pool, const int64_t* table, const int64_t* starts,
          const int64_t* ends, void* out, int64_t rows, const Shape& s, int threads) {
-  const int64_t items = rows * s.hkv;
+  const int64_t per = heads_per_item(rows, s.hkv, threads), groups = s.hkv / per, items = rows * groups;
 #pragma omp parallel num_threads(threads)
   {
     std::vector<float> buf;
 #pragma omp for schedule(dynamic, 1)
     for (int64_t item = 0; item < items; ++item) {
-      const int64_t r = item / s.hkv, head = item % s.hkv;
-      attend<T>(static_cast<const T*>(q) + r * s.q_row, static_cast<const T*>(k_pool),
-                static_cast<const T*>(v_pool), table + r * s.table_row, starts[r], ends[r], head, s,
-                static_cast<T*>(out) + r * s.hq * s.dv, buf);
+      const int64_t r = item / groups, h0 = (item % groups) * per;
+      attend<TQ, TK>(static_cast<const TQ*>(q) + r * s.q_row, static_cast<const TK*>(k_pool),
+                     static_cast<const TK*>(v_pool), table + r * s.table_row, starts[r], ends[r], h0, per, s,
+                     static_cast<TQ*>(out) + r * s.hq * s.dv, buf);
     }
   }
 }
@@ -198,9 +274,11 @@ extern "C" int kvserve_paged_decode(const void* q, const void* k_pool, const voi
                                     float scale, int dtype, int threads) {
   const Shape s{width, hq, hkv, d, dv, block_size, q_row, q_head, table_row, scale};
   if (dtype == 0) {
-    run<float>(q, k_pool, v_pool, table, starts, ends, out, rows, s, threads);
+    run<float, float>(q, k_pool, v_pool, table, starts, ends, out, rows, s, threads);
   } else if (dtype == 1) {
-    run<uint16_t>(q, k_pool, v_pool, table, starts, ends, out, rows, s, threads);
+    run<uint16_t, uint16_t>(q, k_pool, v_pool, table, starts, ends, out, rows, s, threads);
+  } else if (dtype == 2) {
+    run<float, uint16_t>(q, k_pool, v_pool, table, starts, ends, out, rows, s, threads);
   } else {
     return 1;
   }
