@@ -376,8 +376,8 @@ def main(argv: list[str] | None = None) -> int:
             server = ServerProcess(args.server_args.split())
             command = "kvserve serve " + args.server_args
             picked = [ln.split("kvserve: ", 1)[1] for ln in Path(server.log.name).read_text().splitlines()
-                      if ln.startswith("INFO kvserve: weights:")]
-            note = picked[0] if picked else ""
+                      if ln.startswith(("INFO kvserve: weights:", "INFO kvserve: KV cache:"))]
+            note = "; ".join(picked)
         else:
             ctx = args.clients * (args.max_prompt + args.max_tokens + args.ctx_slack)
             server = LlamaServerProcess(binary, gguf, args.clients, ctx, args.threads)

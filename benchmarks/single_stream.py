@@ -145,7 +145,10 @@ def main() -> int:
     load = OtherLoad()
     for name in names:
         run, llm = kvserve_runner(CONFIGS[name], prefill_ids, args.output_len)
+        kv = llm.engine.kv_format.description
+        kv = str(llm.engine.dtype).removeprefix("torch.") if kv == "auto" else kv
         picked = (f"{llm.engine.weight_format} weights, {str(llm.engine.dtype).removeprefix('torch.')} activations, "
+                  f"{kv} KV, "
                   + ("compiled" if llm.engine.compiled else "eager"))
         best = (0.0, 0.0)
         for _ in range(args.repeats):

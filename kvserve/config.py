@@ -22,6 +22,12 @@ INT4_NATIVE_GGUF = {"Q4_0", "Q4_1", "Q4_K"}
 AUTO_INT4_REASON = ("weights=auto on CPU: the GGUF keeps its linear weights in 4-bit groups of 32 ({types}), so "
                     "int4 keeps them (LM head in float16; passes the gate KL < 2e-3, top-1 >= 97% vs float32: "
                     "docs/WEIGHTS.md); dtype='float32' gives the float32 oracle")
+# kv_cache_dtype=auto under float32 activations that dtype=auto picked on a CPU: K/V stored in
+# bfloat16 (float32's exponent range, so no overflow), read and widened in place by the decode kernel.
+AUTO_KV_REASON = ("kv_cache_dtype=auto under float32 activations on CPU: bfloat16 pools, half the bytes of float32 "
+                  "(mean KL {kl}, top-1 99.6% vs float32 K/V: docs/QUANTIZATION.md); kv_cache_dtype='float32' or "
+                  "dtype='float32' keeps float32")
+AUTO_KV_KL = "3.9e-05"   # `kvserve eval kv-quant --formats auto,bfloat16` (BENCHMARKS.md "KV cache quantization")
 _UNITS = {"": 1, "b": 1, "kb": 1000, "mb": 1000**2, "gb": 1000**3, "tb": 1000**4,
           "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}
 
@@ -87,8 +93,9 @@ class EngineConfig:
     """Engine settings; `validate()` checks each field and names the bad one."""
 
     model: str | None = opt(None, "GGUF file or HF model directory (default: bundled SmolLM2-135M-Instruct)")
-    dtype: str = opt("auto", "activations and KV: auto (float32 on CPU, bfloat16 on CUDA), float32, bfloat16, "
-                     "float16", choices=["auto", *DTYPE_NAMES])
+    dtype: str = opt("auto", "activations (and KV unless --kv-cache-dtype): auto (float32 on CPU with bfloat16 K/V, "
+                     "bfloat16 on CUDA), float32 (all float32: the oracle), bfloat16, float16",
+                     choices=["auto", *DTYPE_NAMES])
     weights: str = opt("auto", "linear weights: auto (follows --dtype if given; else on CPU int4 for a GGUF of 4-bit "
                        "blocks, float32 otherwise; bfloat16 on CUDA), float32, bfloat16, float16, int8 (per "
                        "channel), int4 (groups of 32)", choices=["auto", *WEIGHT_FORMATS])
@@ -119,8 +126,9 @@ class EngineConfig:
                               "(float32 weights with float32 activations, the oracle, always run eagerly; "
                               "KVSERVE_ENFORCE_EAGER=1 sets this for every engine of a process)")
     # KV cache storage format (kvserve/kv/formats.py; docs/QUANTIZATION.md)
-    kv_cache_dtype: str = opt("auto", "auto, float16, bfloat16, float32, fp8_e4m3, fp8_e5m2, int8, kivi4, kivi2 "
-                              "(kivi picks --block-size 32 unless told)", group="KV cache format")
+    kv_cache_dtype: str = opt("auto", "auto (the activations' dtype; bfloat16 under the float32 activations "
+                              "--dtype auto picks on CPU), float16, bfloat16, float32, fp8_e4m3, fp8_e5m2, int8, "
+                              "kivi4, kivi2 (kivi picks --block-size 32 unless told)", group="KV cache format")
     kv_cache_dtype_k: str | None = opt(None, "keys in another format than --kv-cache-dtype", group="KV cache format")
     kv_cache_dtype_v: str | None = opt(None, "values in another format than --kv-cache-dtype", group="KV cache format")
     kv_cache_dtype_skip_layers: tuple[int, ...] | list[int] | str = opt(
@@ -298,6 +306,15 @@ class EngineConfig:
         if weight_format == "float32" and self.torch_dtype() == torch.float32:
             return False, "float32 weights and activations (the oracle) run eagerly"
         return True, "compiled regions (enforce_eager=True turns them off)"
+
+    def kv_dtype(self, model_dtype: torch.dtype, device: torch.device) -> tuple[str, str]:
+        """(the KV format kv_cache_dtype='auto' stands for here, why): bfloat16 pools under float32
+        activations that dtype='auto' picked on a CPU (AUTO_KV_REASON), else what was asked."""
+        if self.kv_cache_dtype != "auto" or self.kv_cache_dtype_k or self.kv_cache_dtype_v:
+            return self.kv_cache_dtype, f"kv_cache_dtype={self.kv_cache_dtype}"
+        if self.dtype == "auto" and device.type == "cpu" and model_dtype == torch.float32:
+            return "bfloat16", AUTO_KV_REASON.format(kl=AUTO_KV_KL)
+        return "auto", "kv_cache_dtype=auto: the activations' dtype"
 
     def weight_format(self, gguf_types: set[str] | None = None) -> tuple[str, str]:
         """(format of the linear weights, why it was picked); `gguf_types`: the block types of the

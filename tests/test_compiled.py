@@ -134,28 +134,30 @@ def test_batch_one_decode_runs_the_one_token_graph(graphs_and_compiled, eager_in
     assert out.outputs[0].token_ids[:8] == want[:8]
 
 
-def test_one_token_paged_attention_matches_the_paged_reference():
+@pytest.mark.parametrize("pool_dtype", [torch.float32, torch.bfloat16])
+def test_one_token_paged_attention_matches_the_paged_reference(pool_dtype):
     """paged_decode_one (traced into the one-token graph) writes the new K/V at its slot and
-    attends like paged_decode over the same blocks, grouped query heads included."""
+    attends like paged_decode over the same blocks, grouped query heads included; bfloat16 pools
+    under float32 queries store the new K/V rounded and attend in float32."""
     from kvserve.attention.metadata import DecodeChunks
     from kvserve.attention.paged import paged_decode, paged_decode_one
     torch.manual_seed(0)
     nb, bs, hkv, hq, d = 8, 4, 2, 6, 16
-    k_pool, v_pool = torch.randn(nb, bs, hkv, d), torch.randn(nb, bs, hkv, d)
+    k_pool, v_pool = torch.randn(nb, bs, hkv, d).to(pool_dtype), torch.randn(nb, bs, hkv, d).to(pool_dtype)
     q, k, v = torch.randn(1, hq, d), torch.randn(1, hkv, d), torch.randn(1, hkv, d)
     blocks = torch.tensor([5, 2, 7])                  # 10 tokens: the new one at position 9 (block 7, row 1)
     bias = torch.zeros(3 * bs)
     bias[10:] = float("-inf")
     slot = torch.tensor([7 * bs + 1])
     ref_k, ref_v = k_pool.clone(), v_pool.clone()
-    ref_k[7, 1], ref_v[7, 1] = k[0], v[0]
+    ref_k[7, 1], ref_v[7, 1] = k[0].to(pool_dtype), v[0].to(pool_dtype)
     want = paged_decode(q, ref_k, ref_v, DecodeChunks(blocks, torch.tensor([0]), bias.view(1, 1, 1, -1), 1, True), 0.25)
     got = paged_decode_one(q, k, v, k_pool, v_pool, slot, blocks, bias, 0.25)
     assert torch.equal(k_pool, ref_k) and torch.equal(v_pool, ref_v)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     # by hand for head 4 (K/V head 1): softmax over the 10 visible positions
-    keys = ref_k[blocks].view(-1, hkv, d)[:10, 1]
-    vals = ref_v[blocks].view(-1, hkv, d)[:10, 1]
+    keys = ref_k[blocks].view(-1, hkv, d)[:10, 1].float()
+    vals = ref_v[blocks].view(-1, hkv, d)[:10, 1].float()
     torch.testing.assert_close(got[0, 4], torch.softmax(keys @ q[0, 4] * 0.25, 0) @ vals, rtol=1e-5, atol=1e-5)
 
 

@@ -130,6 +130,19 @@ def test_format_names_and_errors():
         LLM(kv_cache_dtype="kivi2", kv_cache_memory="16MiB", max_model_len=64, block_size=16, dtype="float32")
 
 
+def test_auto_kv_dtype_is_bfloat16_only_under_float32_activations_dtype_auto_picked_on_cpu():
+    from kvserve.config import EngineConfig
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert EngineConfig().kv_dtype(torch.float32, cpu)[0] == "bfloat16"           # the default on CPU
+    assert "half the bytes" in EngineConfig().kv_dtype(torch.float32, cpu)[1]
+    assert EngineConfig(dtype="float32").kv_dtype(torch.float32, cpu)[0] == "auto"  # the oracle stays float32
+    assert EngineConfig(kv_cache_dtype="float32").kv_dtype(torch.float32, cpu)[0] == "float32"
+    assert EngineConfig(kv_cache_dtype="int8").kv_dtype(torch.float32, cpu)[0] == "int8"
+    assert EngineConfig().kv_dtype(torch.bfloat16, cuda)[0] == "auto"
+    assert EngineConfig(dtype="bfloat16").kv_dtype(torch.bfloat16, cpu)[0] == "auto"
+    assert EngineConfig(kv_cache_dtype_k="int8").kv_dtype(torch.float32, cpu)[0] == "auto"  # V stays float32
+
+
 # ---- the pool: bytes the tensors hold, sizing per format ----------------------------------------------
 
 

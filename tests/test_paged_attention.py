@@ -298,3 +298,45 @@ def test_bfloat16_in_place_decode_tracks_float32(llm):
     assert max(errors["fast"]) < 0.3
     mean = {k: sum(v) / len(v) for k, v in errors.items()}
     assert mean["fast"] <= 2 * mean["slow"] + 0.02, mean
+
+
+def test_float32_engine_reads_bfloat16_pools_in_place(llm, monkeypatch):
+    """kv_cache_dtype=bfloat16 under float32 activations (what dtype=auto picks on a CPU): the pools
+    hold bfloat16, the C++ kernel reads them in place with float32 queries, and the torch path and
+    the codec's gather give the same tokens and logprobs (to a few bfloat16 roundings: the paths'
+    float32 sums differ in the last bits, which can move a later layer's K/V to the next bfloat16
+    value); against float32 K/V (the oracle) only bfloat16's rounding of K/V shows."""
+    from kvserve import LLM, SamplingParams
+    from kvserve.attention import GatheredBackend, PagedBackend, cpu
+    # no prefix caching: a prompt read back from bfloat16 blocks is not the prompt prefilled from
+    # float32 K/V, and each run below must prefill alike
+    bf = LLM(dtype="float32", kv_cache_dtype="bfloat16", kv_cache_memory="64MiB", max_model_len=512,
+             enable_prefix_caching=False)
+    eng = bf.engine
+    assert {p.dtype for layer in range(len(eng.model.model.layers)) for p in eng.storage.native_kv(layer)} \
+        == {torch.bfloat16}
+    assert set(eng.runner.backend_names(detail=True)) == {"PagedBackend (CPU kernel)"}
+    prompts = [*PROMPTS, "Once upon a time, in a small village,"]
+    params = SamplingParams(temperature=0, max_tokens=10, logprobs=0, ignore_eos=True)
+    in_kernel = _count_calls(monkeypatch, cpu, "paged_decode")
+    fast = bf.generate(prompts, params, use_tqdm=False)
+    assert in_kernel[0] >= 9 * len(eng.model.model.layers)
+    kernel_backends = eng.runner.backends
+    try:
+        for make in (lambda g: PagedBackend(eng.storage, g), lambda g: GatheredBackend(eng.storage, g)):
+            eng.runner.set_backends([make(g) for g in eng.kv.groups])
+            for a, b in zip(bf.generate(prompts, params, use_tqdm=False), fast):
+                ta, la = _chosen_logprobs(a)
+                tb, lb = _chosen_logprobs(b)
+                assert ta == tb
+                assert max(abs(x - y) for x, y in zip(la, lb)) < 0.01
+    finally:
+        eng.runner.set_backends(kernel_backends)
+    diffs = []
+    for a, b in zip(fast, llm.generate(prompts, params, use_tqdm=False)):
+        ta, la = _chosen_logprobs(a)
+        tb, lb = _chosen_logprobs(b)
+        same = next((i for i, (x, y) in enumerate(zip(ta, tb)) if x != y), len(ta))
+        assert same >= 6, (ta, tb)
+        diffs += [abs(x - y) for x, y in zip(la[:same], lb[:same])]
+    assert 0 < max(diffs) < 0.05

@@ -198,7 +198,7 @@ class PagedBackend(GatheredBackend):
         d = meta.num_decodes
         if d:
             k_pool, v_pool = self.storage.native_kv(layer)
-            if self.kernel and q.dtype == k_pool.dtype:
+            if self.kernel and cpu_kernel.reads(q.dtype, k_pool.dtype):
                 cpu_kernel.paged_decode(q[:d], k_pool, v_pool, *md.decode_range, scale, out=out[:d])
             else:
                 out[:d] = paged_decode(q[:d], k_pool, v_pool, self._chunks(md), scale)

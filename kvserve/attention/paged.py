@@ -51,6 +51,7 @@ def paged_decode(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, ch
     k_out, v_out = chunks.workspace if chunks.workspace is not None else (None, None)
     keys = torch.index_select(k_pool, 0, chunks.blocks, out=k_out).view(num, span, hkv, d).transpose(1, 2)
     values = torch.index_select(v_pool, 0, chunks.blocks, out=v_out).view(num, span, hkv, d).transpose(1, 2)
+    keys, values = keys.to(q.dtype), values.to(q.dtype)   # bfloat16 pools under float32 queries
     qp = q if chunks.one_per_row else q.index_select(0, chunks.row)
     out, lse = attention_lse(qp.view(num, hkv, hq // hkv, d), keys, values, chunks.bias, scale)
     if chunks.one_per_row:
@@ -71,10 +72,11 @@ def paged_decode_one(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_pool: 
     visible, -inf not), each K/V head's query heads as its query rows; q [1, Hq, D] -> [1, Hq, Dv]."""
     nb, bs, hkv, d = k_pool.shape
     dv = v_pool.shape[-1]
-    k_pool.view(nb * bs, hkv, d).index_put_((slot,), k)
-    v_pool.view(nb * bs, hkv, dv).index_put_((slot,), v)
-    keys = k_pool.index_select(0, blocks).view(-1, hkv, d).permute(1, 2, 0)      # [Hkv, D, L]
-    values = v_pool.index_select(0, blocks).view(-1, hkv, dv).transpose(0, 1)    # [Hkv, L, Dv]
+    k_pool.view(nb * bs, hkv, d).index_put_((slot,), k.to(k_pool.dtype))
+    v_pool.view(nb * bs, hkv, dv).index_put_((slot,), v.to(v_pool.dtype))
+    # pools may be bfloat16 under float32 queries: widened as they are read
+    keys = k_pool.index_select(0, blocks).to(q.dtype).view(-1, hkv, d).permute(1, 2, 0)      # [Hkv, D, L]
+    values = v_pool.index_select(0, blocks).to(q.dtype).view(-1, hkv, dv).transpose(0, 1)    # [Hkv, L, Dv]
     hq = q.shape[1]
     scores = torch.matmul(q.view(hkv, hq // hkv, d), keys) * scale + bias
     weights = torch.softmax(scores.float(), dim=-1).to(values.dtype)

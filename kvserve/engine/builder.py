@@ -92,7 +92,7 @@ def load_model(config: EngineConfig, device: torch.device, dtype: torch.dtype) -
     model = _build_model(model_config, weights, device, dtype, weight_format if quantized else None)
     _bf16_copies(config, model, device)
     seconds = time.perf_counter() - t0
-    log.info("weights: %s, activations and KV %s (%s); %.1f MiB of weights", weight_format,
+    log.info("weights: %s, activations %s (%s); %.1f MiB of weights", weight_format,
              str(dtype).removeprefix("torch."), why, weight_bytes(model) / 2**20)
     max_model_len = _max_model_len(config, model_config)
     extend_positions(model, max_model_len)
@@ -212,9 +212,14 @@ class CachePlanner:
         if cfg.kv_cache_head_precision and cfg.kv_cache_mode != "none":
             from kvserve.engine.kv_calibration import choose_high_precision_heads
             high = choose_high_precision_heads(engine, self.groups, cfg)
-        return build_kv_format(self.groups, self.loaded.dtype, self.block_size, cfg.kv_cache_dtype,
-                               cfg.kv_cache_dtype_k, cfg.kv_cache_dtype_v, cfg.kv_cache_dtype_skip_layers,
-                               cfg.kv_cache_rotation, high, cfg.kv_cache_head_precision_dtype)
+        kv_dtype, why = cfg.kv_dtype(self.loaded.dtype, self.device)
+        fmt = build_kv_format(self.groups, self.loaded.dtype, self.block_size, kv_dtype,
+                              cfg.kv_cache_dtype_k, cfg.kv_cache_dtype_v, cfg.kv_cache_dtype_skip_layers,
+                              cfg.kv_cache_rotation, high, cfg.kv_cache_head_precision_dtype)
+        if cfg.kv_cache_mode != "none":
+            name = str(self.loaded.dtype).removeprefix("torch.") if fmt.description == "auto" else fmt.description
+            log.info("KV cache: %s (%s)", name, why)
+        return fmt
 
     def plan_pool(self) -> PoolPlan:
         """Blocks that fit the memory budget (and KIVI residual rows); refuses a pool too small for one sequence."""

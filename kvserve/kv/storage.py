@@ -20,6 +20,10 @@ from kvserve.kv.spec import KVGroup
 log = logging.getLogger("kvserve")
 
 
+# (model dtype, pool dtype) pairs whose pools attention reads in place, widening as it loads
+WIDENED = {(torch.float32, torch.bfloat16)}
+
+
 @dataclass
 class _ResidualPlan:
     """How one write splits for KIVI entries (see KVStorage._residual_plan)."""
@@ -202,14 +206,18 @@ class KVStorage:
 
     def native_kv(self, layer: int) -> list[torch.Tensor] | None:
         """[K pool, V pool], each [num_blocks, block_size, kv_heads, head_dim], when the layer keeps K
-        and V as plain model-dtype floats (attention can then read blocks in place); else None."""
+        and V as plain floats (attention can then read blocks in place): in the model dtype, or in
+        bfloat16 under a float32 model (WIDENED; readers cast or widen as they load). Else None."""
         j = self.layer_slot[layer]
         if self._native[j] is None:
             entries = self.parts[j]
             self._native[j] = len(entries) == 2 and all(
                 len(e) == 1 and e[0][1] is None and isinstance(e[0][0].codec, NativeCodec)
-                and e[0][0].codec.store == self.dtype and not e[0][0].codec.residual for e in entries)
+                and self._in_place(e[0][0].codec.store) and not e[0][0].codec.residual for e in entries)
         return [entry[0][2][0] for entry in self.parts[j]] if self._native[j] else None
+
+    def _in_place(self, store: torch.dtype) -> bool:
+        return store == self.dtype or (self.dtype, store) in WIDENED
 
     def rotation(self, layer: int) -> torch.Tensor | None:
         """The orthonormal matrix applied to q, k, v of this layer (None: no rotation)."""

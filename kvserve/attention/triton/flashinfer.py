@@ -26,7 +26,8 @@ def flashinfer_backend(storage: KVStorage, group: KVGroup):
         return None
     kv = storage.native_kv(group.layers[0])
     ok = all(storage.native_kv(layer) is not None and storage.rotation(layer) is None for layer in group.layers)
-    if not ok or kv[0].device.type != "cuda" or kv[0].dtype not in (torch.bfloat16, torch.float16):
+    if (not ok or kv[0].device.type != "cuda" or kv[0].dtype not in (torch.bfloat16, torch.float16)
+            or kv[0].dtype != storage.dtype):
         return None
     return FlashInferBackend(storage, group)
 
