@@ -376,7 +376,7 @@ def main(argv: list[str] | None = None) -> int:
             server = ServerProcess(args.server_args.split())
             command = "kvserve serve " + args.server_args
             picked = [ln.split("kvserve: ", 1)[1] for ln in Path(server.log.name).read_text().splitlines()
-                      if ln.startswith(("INFO kvserve: weights:", "INFO kvserve: KV cache:"))]
+                      if ln.startswith(("INFO kvserve: weights:", "INFO kvserve: KV format:"))]
             note = "; ".join(picked)
         else:
             ctx = args.clients * (args.max_prompt + args.max_tokens + args.ctx_slack)

@@ -125,6 +125,11 @@ class RequestStream:
         self._owner._streams.pop(self.request_id, None)
 
 
+def _put_all(pairs: list[tuple[RequestStream, RequestOutput | BaseException]]) -> None:
+    for stream, item in pairs:
+        stream._put(item)
+
+
 def _is_final(item) -> bool:
     return isinstance(item, BaseException) or item.finished
 
@@ -339,12 +344,14 @@ class AsyncEngine:
                 log.exception("aborting request %s failed", rid)
 
     def _dispatch(self, outputs: list[RequestOutput], now: float, notify: bool = True) -> None:
+        items = []
         for out in outputs:
             self._record_token_times(out, now)
             if notify:
-                self._deliver(out.request_id, out if out.error is None else RequestFailedError(out.error))
+                items.append((out.request_id, out if out.error is None else RequestFailedError(out.error)))
             if out.finished:
                 self._report_finished(out, self._token_times.pop(out.request_id, None))
+        self._deliver_all(items)
 
     def _record_token_times(self, out: RequestOutput, now: float) -> None:
         """Inter-token gaps per completion, as seen by the engine thread (O(new tokens))."""
@@ -368,14 +375,15 @@ class AsyncEngine:
         except Exception:
             log.exception("on_finished callback failed")
 
-    def _deliver(self, request_id: str, item: RequestOutput | BaseException) -> None:
-        stream = self._streams.get(request_id)
-        if stream is not None and self._loop is not None and not self._loop.is_closed():
+    def _deliver_all(self, items: list[tuple[str, RequestOutput | BaseException]]) -> None:
+        """Hand a step's outputs to their streams with one wake-up of the event loop (a wake-up per
+        output would have the loop take the GIL from the engine thread once per request)."""
+        pairs = [(stream, item) for rid, item in items if (stream := self._streams.get(rid)) is not None]
+        if pairs and self._loop is not None and not self._loop.is_closed():
             try:
-                self._loop.call_soon_threadsafe(stream._put, item)
+                self._loop.call_soon_threadsafe(_put_all, pairs)
             except RuntimeError:  # the loop closed meanwhile
                 pass
 
     def _fail_all(self, exc: BaseException) -> None:
-        for rid in list(self._streams):
-            self._deliver(rid, exc)
+        self._deliver_all([(rid, exc) for rid in list(self._streams)])

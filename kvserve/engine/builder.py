@@ -218,7 +218,7 @@ class CachePlanner:
                               cfg.kv_cache_rotation, high, cfg.kv_cache_head_precision_dtype)
         if cfg.kv_cache_mode != "none":
             name = str(self.loaded.dtype).removeprefix("torch.") if fmt.description == "auto" else fmt.description
-            log.info("KV cache: %s (%s)", name, why)
+            log.info("KV format: %s (%s)", name, why)
         return fmt
 
     def plan_pool(self) -> PoolPlan:
