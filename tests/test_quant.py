@@ -225,7 +225,12 @@ def test_int8_cached_decode_equals_recompute(llm_int8):
     (recomputed,), _ = run_forced(plain, forced, [])
     f = fidelity(recomputed, cached, torch.tensor(ids[6:22]))
     assert max(f["kl"]) < 2e-3
-    assert (cached - recomputed).abs().max() < 0.5   # bfloat16 logits: an ulp is 1/16 at 12, so a few ulps
+    # bfloat16 logits (an ulp is 1/16 at 12), and every int8 layer rounds its input to bfloat16: the
+    # two paths' float32 attention sums differ in the last bits (cache kernel vs full attention),
+    # which flips some of those roundings. Mean: ~1 ulp; worst logit: a few ulps (0.39 and 0.58
+    # with two decode kernels of equal float64 error, 1.4e-7 mean).
+    diff = (cached - recomputed).abs()
+    assert diff.mean() < 0.15 and diff.max() < 1.0
 
 
 def test_weights_option_reaches_the_engine_from_the_cli():
