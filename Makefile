@@ -33,7 +33,11 @@ run: $(STAMP)
 test: $(STAMP)
 	$(BIN)/pytest -q -x --durations=15
 
+# llama-cpp-python (the benchmarks' peer) compiled from its sdist with this CPU's vector extensions
+# except AMX, before the bench extra asks for it (benchmarks/llama_build.py; llama.cpp's tools are
+# built into ~/.cache/kvserve/llama-server/ by the benchmarks that need them).
 bench: $(STAMP)
+	nice -n 19 $(BIN)/python benchmarks/llama_build.py --python
 	$(PIP) install -q $(CONSTRAINTS) -e '.[bench]'
 	$(BIN)/python benchmarks/throughput.py
 

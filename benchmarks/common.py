@@ -165,3 +165,37 @@ class OtherLoad:
         if wall <= 0:
             return None
         return max(0.0, ((end[1] - self._start[1]) - (end[2] - self._start[2])) / wall)
+
+
+def llama_cpp_python_peer() -> dict[str, str]:
+    """The llama-cpp-python peer: version, the cmake options it was built with and its
+    `system_info` line (asked in a child process, so this one loads no ggml threads)."""
+    import subprocess
+
+    from llama_build import python_build_args
+    code = ("import llama_cpp; print(llama_cpp.__version__); "
+            "print(llama_cpp.llama_print_system_info().decode(errors='replace').strip())")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    if out.returncode:
+        return {"llama-cpp-python": "not importable: " + (out.stderr.strip().splitlines() or ["?"])[-1]}
+    version, _, info = out.stdout.strip().partition("\n")
+    return {"llama-cpp-python": version,
+            "build options": python_build_args() or "not recorded (not built by `benchmarks/llama_build.py --python`)",
+            "system_info": info.strip()}
+
+
+def llama_server_peer(binary: Path | str, log_text: str) -> dict[str, str]:
+    """The llama-server peer: its binary, build options (when llama_build.py built it) and the
+    `system_info` line of its log."""
+    from llama_build import build_dir, build_options
+    ours = Path(binary).resolve().is_relative_to(build_dir().resolve())
+    info = next((ln.split("system_info:", 1)[1].strip() for ln in log_text.splitlines() if "system_info:" in ln),
+                "not in its log")
+    return {"llama-server": str(binary),
+            "build options": " ".join(build_options()) if ours else "unknown (a binary built elsewhere)",
+            "system_info": info}
+
+
+def peer_lines(peer: dict[str, str]) -> str:
+    """A peer's facts as markdown bullets, for a report and the console alike."""
+    return "\n".join(f"- {k}: `{v}`" for k, v in peer.items())

@@ -3,7 +3,7 @@
     python benchmarks/serve_peers.py                      # 32 clients, 32 prompts, 128 tokens each
     python benchmarks/serve_peers.py --quick --no-write   # smoke run: 4 clients, 4 prompts, 16 tokens
     python benchmarks/serve_peers.py --llama-server /path/to/llama-server   # an existing binary
-    python benchmarks/serve_peers.py --build-only         # just build llama-server into the cache
+    python benchmarks/serve_peers.py --build-only         # just build llama.cpp's tools into the cache
 
 The workload: N concurrent streaming clients, prompts of 64-512 tokens cut (seeded) from prose
 with the bundled model's tokenizer, sent as the same text to both servers' /v1/completions,
@@ -12,9 +12,10 @@ which both servers accept). Client-side timings: TTFT is the time to the first c
 ITL the gap between successive text chunks. Output tokens are counted from the server's usage,
 checked against the number asked for.
 
-llama-server is built, when missing, from the llama.cpp tree vendored in the llama-cpp-python
-sdist into ~/.cache/kvserve/llama-server/ (cmake, Release, this CPU's vector extensions except
-AMX; 10+ minutes on two cores). The servers run one after the other, each alone on the machine.
+llama-server is built, when missing, by benchmarks/llama_build.py from the llama.cpp tree vendored
+in the llama-cpp-python sdist into ~/.cache/kvserve/llama-server/ (cmake, Release, this CPU's
+vector extensions except AMX; 10+ minutes on two cores); the report gives its build options and
+the `system_info` line of its log. The servers run one after the other, each alone on the machine.
 """
 
 from __future__ import annotations
@@ -23,11 +24,9 @@ import argparse
 import asyncio
 import math
 import os
-import shutil
 import socket
 import subprocess
 import sys
-import tarfile
 import tempfile
 import time
 from dataclasses import dataclass
@@ -41,102 +40,22 @@ from common import (  # noqa: E402
     OtherLoad,
     command_line,
     fmt,
+    llama_server_peer,
     load_average,
     machine_facts,
     make_prompts,
     md_table,
+    peer_lines,
     percentile,
     replace_section,
 )
+from llama_build import CACHE_DIR, build_tool  # noqa: E402
 from serve_load import Job, Result, ServerProcess, run_load  # noqa: E402
 
-LLAMA_CPP_PYTHON_VERSION = "0.3.36"
-CACHE_DIR = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "kvserve" / "llama-server"
 
-
-def _run(cmd: list[str], cwd: Path | None = None, nice: bool = False, log: Path | None = None) -> None:
-    """Run a build step; with `log`, all its output goes there and only progress lines are shown."""
-    if nice:
-        cmd = ["nice", "-n", "19", *cmd]
-    print("+ " + " ".join(cmd), flush=True)
-    if log is None:
-        subprocess.run(cmd, cwd=cwd, check=True)
-        return
-    with open(log, "a") as f, subprocess.Popen(cmd, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                                text=True, errors="replace") as proc:
-        for line in proc.stdout:
-            f.write(line)
-            if line.startswith("[") or " error" in line.lower():
-                print("  " + line.rstrip(), flush=True)
-    if proc.returncode:
-        tail = log.read_text().splitlines()[-40:]
-        raise RuntimeError(f"{cmd[0]} failed ({proc.returncode}); the end of {log}:\n" + "\n".join(tail))
-
-
-# ggml's instruction-set switches, by the /proc/cpuinfo flag that each needs.
-GGML_CPU_FLAGS = {"GGML_AVX": "avx", "GGML_AVX2": "avx2", "GGML_FMA": "fma", "GGML_F16C": "f16c",
-                  "GGML_BMI2": "bmi2", "GGML_AVX512": "avx512f", "GGML_AVX512_VBMI": "avx512vbmi",
-                  "GGML_AVX512_VNNI": "avx512_vnni", "GGML_AVX512_BF16": "avx512_bf16", "GGML_AVX_VNNI": "avx_vnni"}
-
-
-def cpu_options() -> list[str]:
-    """Every vector extension this CPU lists, except AMX: some VMs list AMX without enabling its
-    tile state, and a GGML_NATIVE build then dies with an illegal instruction on its first batch."""
-    try:
-        flags = set(next(line for line in Path("/proc/cpuinfo").read_text().splitlines()
-                         if line.startswith("flags")).split(":", 1)[1].split())
-    except (OSError, StopIteration):
-        return ["-DGGML_NATIVE=ON"]
-    return ["-DGGML_NATIVE=OFF"] + [f"-D{opt}={'ON' if flag in flags else 'OFF'}" for opt, flag in GGML_CPU_FLAGS.items()]
-
-
-def build_llama_server(cache: Path = CACHE_DIR, jobs: int = 2, nice: bool = True) -> Path:
-    """The llama-server binary in `cache`, built from llama-cpp-python's sdist when missing."""
-    binary = cache / "bin" / "llama-server"
-    if binary.exists():
-        return binary
-    if shutil.which("cmake") is None:
-        raise RuntimeError("building llama-server needs cmake (e.g. `apt-get install -y cmake`)")
-    cache.mkdir(parents=True, exist_ok=True)
-    sdists = sorted(cache.glob(f"llama_cpp_python-{LLAMA_CPP_PYTHON_VERSION}.tar.gz"))
-    if not sdists:
-        print(f"[1/4] downloading the llama-cpp-python {LLAMA_CPP_PYTHON_VERSION} sdist", flush=True)
-        # --no-binary for this package only: with :all:, pip would build its build backend's own
-        # dependencies from source too, one after another.
-        _run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", "llama-cpp-python",
-              f"llama-cpp-python=={LLAMA_CPP_PYTHON_VERSION}", "-d", str(cache)])
-        sdists = sorted(cache.glob("llama_cpp_python-*.tar.gz"))
-        if not sdists:
-            raise RuntimeError(f"pip download left no llama_cpp_python sdist in {cache}")
-    src_root = cache / f"llama_cpp_python-{LLAMA_CPP_PYTHON_VERSION}"
-    if not src_root.exists():
-        print(f"[2/4] extracting {sdists[-1].name}", flush=True)
-        with tarfile.open(sdists[-1]) as tar:
-            tar.extractall(cache, filter="data")
-    tree = src_root / "vendor" / "llama.cpp"
-    if not (tree / "CMakeLists.txt").exists():
-        raise RuntimeError(f"no llama.cpp tree in {tree}")
-    build = tree / "build"
-    options = ["-DLLAMA_CURL=OFF", "-DLLAMA_OPENSSL=OFF", "-DCMAKE_BUILD_TYPE=Release", *cpu_options()]
-    cmake_text = (tree / "CMakeLists.txt").read_text()
-    options += [f"-D{opt}=OFF" for opt in ("LLAMA_BUILD_TESTS", "LLAMA_BUILD_EXAMPLES") if opt in cmake_text]
-    print("[3/4] configuring llama.cpp with cmake", flush=True)
-    log = cache / "build.log"
-    print(f"  (full output in {log})", flush=True)
-    _run(["cmake", "-B", str(build), *options], cwd=tree, nice=nice, log=log)
-    print(f"[4/4] building llama-server with {jobs} jobs (10+ minutes on two cores)", flush=True)
-    _run(["cmake", "--build", str(build), "--target", "llama-server", "-j", str(jobs)], cwd=tree, nice=nice, log=log)
-    built = build / "bin" / "llama-server"
-    if not built.exists():
-        raise RuntimeError(f"the build finished without {built}")
-    # The binary links the ggml/llama shared libraries next to it (RPATH into the build tree):
-    # point at the build rather than copying, so those stay found.
-    binary.parent.mkdir(parents=True, exist_ok=True)
-    if binary.is_symlink():  # left from a build tree that is gone
-        binary.unlink()
-    binary.symlink_to(built)
-    print(f"built {binary} -> {built}", flush=True)
-    return binary
+def build_llama_server() -> Path:
+    """The llama-server binary, built with llama.cpp's other tools when missing (llama_build.py)."""
+    return build_tool("llama-server")
 
 
 SECTION = "Serving against llama-server"
@@ -199,6 +118,7 @@ class Measured:
     client_cores: float | None = None  # mean cores this script's clients used
     exit_code: int | None = None
     note: str = ""              # what the server said it picked, for the report
+    peer: dict | None = None    # llama-server's build options and system_info line
 
     @property
     def ok(self) -> list[Result]:
@@ -296,6 +216,7 @@ def report(runs: list[Measured], args, facts: dict, load_before: str, load_after
         "was shared and that column is slowed.",
         "",
         *(f"- {m.name}: `{m.command}`" + (f" ({m.note})" if m.note else "") for m in runs),
+        *(f"\nThe peer's build:\n\n{peer_lines(m.peer)}" for m in runs if m.peer),
         "",
         md_table(header, rows),
     ]
@@ -387,6 +308,8 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             code = server.stop()
         m.exit_code, m.note = code, note
+        if name == "llama-server":
+            m.peer = llama_server_peer(binary, Path(server.log.name).read_text(errors="replace"))
         runs.append(m)
     load_after = load_average()
 

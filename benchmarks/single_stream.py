@@ -20,7 +20,16 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import OtherLoad, command_line, machine_facts, make_prompts, md_table, replace_section  # noqa: E402
+from common import (  # noqa: E402
+    OtherLoad,
+    command_line,
+    llama_cpp_python_peer,
+    machine_facts,
+    make_prompts,
+    md_table,
+    peer_lines,
+    replace_section,
+)
 
 from kvserve import LLM, SamplingParams  # noqa: E402
 from kvserve.model.loader import resolve_model_path  # noqa: E402
@@ -39,6 +48,12 @@ CONFIGS = {  # name -> LLM options
 def kvserve_runner(options: dict, prefill_ids: list[int], output_len: int):
     """A function running one decode and one prefill measurement with a loaded engine."""
     llm = LLM(kv_cache_memory="256MiB", max_model_len=2048, enable_prefix_caching=False, **options)
+    return engine_runner(llm, prefill_ids, output_len), llm
+
+
+def engine_runner(llm: LLM, prefill_ids: list[int], output_len: int):
+    """A function running one decode and one prefill measurement with `llm` (warmed up here); the
+    prefix cache is emptied before each prefill, so a repeat computes the whole prompt again."""
     decode = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
     one = SamplingParams(temperature=0, max_tokens=1)
     llm.generate(CHAT_PROMPT, SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)  # warm-up
@@ -47,10 +62,11 @@ def kvserve_runner(options: dict, prefill_ids: list[int], output_len: int):
         out = llm.generate(CHAT_PROMPT, decode, use_tqdm=False)[0]
         m = out.metrics
         dec = (len(out.outputs[0].token_ids) - 1) / (m.last_token_time - m.first_token_time)
+        llm.reset_prefix_cache()
         t0 = time.perf_counter()
         llm.generate({"prompt_token_ids": prefill_ids}, one, use_tqdm=False)
         return dec, len(prefill_ids) / (time.perf_counter() - t0)
-    return run, llm
+    return run
 
 
 def llamacpp_best(gguf: str, prefill_ids: list[int], output_len: int, threads: int | None,
@@ -70,7 +86,7 @@ def llamacpp_best(gguf: str, prefill_ids: list[int], output_len: int, threads: i
 def llamacpp_job(job: dict) -> tuple[float, float]:
     """The child's side of llamacpp_best: load the GGUF, run the decode and prefill measurements."""
     from llama_cpp import Llama
-    llm = Llama(model_path=job["gguf"], n_ctx=2048, n_threads=job["threads"], verbose=False)
+    llm = Llama(model_path=job["gguf"], n_ctx=job.get("n_ctx", 2048), n_threads=job["threads"], verbose=False)
     bias = {llm.token_eos(): -1e9}
     best = (0.0, 0.0)
     for _ in range(job["repeats"]):
@@ -183,6 +199,7 @@ def main() -> int:
                  "aten op under torch.profiler, the rest is Python and framework overhead):", "",
                  md_table(["configuration", "batch", "ms per step", "in torch ops", "rest (host)"], prof_rows)]
     facts = machine_facts()
+    body += ["", "The peer, llama-cpp-python:", "", peer_lines(llama_cpp_python_peer())]
     body += ["", "Machine: " + "; ".join(f"{k} {v}" for k, v in facts.items())
              + (f"; other processes kept {other:.2f} cores busy" if other is not None else "")]
     text = "\n".join(body)
