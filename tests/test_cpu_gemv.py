@@ -1,5 +1,10 @@
 """The C++ few-row GEMVs (kvserve/model/cpu/gemv.cpp) against torch's kernels and a float64 oracle."""
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -78,10 +83,99 @@ def test_16_bit_gemvs_against_the_float64_product(rows, n, k, dtype):
     assert ((got.double() - exact).abs() / step).max() <= 1.0
 
 
+def _q8g_operands(rows: int, n: int, k: int, group: int, mins: bool, dtype: torch.dtype, seed: int):
+    """x, codes, scales, mins as the GGUF decoders give them: signed int8 codes (Q8_0's range) without
+    mins, unsigned 5-bit codes (Q5_1 / Q5_K) with them."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, k, generator=g).to(dtype)
+    codes = (torch.randint(0, 32, (n, k), generator=g) if mins else torch.randint(-128, 128, (n, k), generator=g))
+    scales = torch.rand(n, k // group, generator=g) * 0.02 + 1e-3
+    m = -16 * scales * (torch.rand(n, k // group, generator=g) + 0.5) if mins else None
+    return x, codes.to(torch.int8), scales, m
+
+
+def _q8g_float64(x, codes, scales, mins, group) -> torch.Tensor:
+    """The q8g product in float64: per group, scale * sum(x code) + min * sum(x)."""
+    n, k = codes.shape
+    xg = x.double().view(x.shape[0], 1, k // group, group)
+    dots = (xg * codes.double().view(1, n, k // group, group)).sum(-1)
+    y = (dots * scales.double()).sum(-1)
+    if mins is not None:
+        y += (xg.sum(-1) * mins.double()).sum(-1)
+    return y
+
+
+def _check_q8g(rows: int, group: int) -> None:
+    """q8g_gemv against float64 math, for both dtypes of x, with and without mins, two widths (K with
+    fewer groups than a one-row pass unrolls, N % 16 != 0): float32 results within 1e-5 of the result's
+    largest value, bfloat16 results within one bfloat16 step (the one rounding at the end)."""
+    assert cpu.available()
+    for n, k in [(40, 96), (33, 640)]:
+        for dtype in (torch.float32, torch.bfloat16):
+            for mins in (False, True):
+                x, codes, scales, m = _q8g_operands(rows, n, k, group, mins, dtype, rows * 100 + n + group)
+                got = torch.ops.kvserve_cpu.q8g_gemv(x, codes, scales, m, group)
+                want = _q8g_float64(x, codes, scales, m, group)
+                case = f"{rows}x{k} -> {n}, group {group}, {dtype}, mins {mins}"
+                assert got.dtype == dtype and got.shape == (rows, n), case
+                if dtype == torch.float32:
+                    assert (got.double() - want).abs().max() <= 1e-5 * want.abs().max(), case
+                else:
+                    assert _ulps_bf16(got, want) <= 1.0, case
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 16, 17, 64])
+@pytest.mark.parametrize("group", [16, 32])
+def test_q8g_gemv_against_float64(rows, group):
+    """Every row count the row groups split differently (one-row pass, partial tiles, the 64 limit)."""
+    _check_q8g(rows, group)
+
+
+def test_q8g_gemv_in_a_compiled_graph_gives_eager_results():
+    """torch.compile(fullgraph=True) traces the op through its Meta kernel and calls it: same values."""
+    x, codes, scales, mins = _q8g_operands(3, 48, 128, 32, True, torch.float32, 7)
+    scales16 = torch.rand(48, 128 // 16)
+
+    def f(x):
+        return torch.ops.kvserve_cpu.q8g_gemv(x, codes, scales, mins, 32) + \
+            torch.ops.kvserve_cpu.q8g_gemv(x, codes, scales16, None, 16)
+
+    torch._dynamo.reset()
+    compiled = torch.compile(f, fullgraph=True)
+    assert torch.equal(compiled(x), f(x))
+
+
+def test_the_portable_vector_path_gives_the_same_results(tmp_path):
+    """Built without AVX-512 (-mno-avx512f: GCC's vector extensions on narrower registers, no zmm
+    instruction in the library), in a fresh process: q8g_gemv passes the same float64 checks."""
+    tests = Path(__file__).parent
+    env = {**os.environ, "KVSERVE_CPU_KERNEL_FLAGS": "-mno-avx512f",
+           "PYTHONPATH": os.pathsep.join([str(tests), os.environ.get("PYTHONPATH", "")])}
+    script = ("from kvserve.model import cpu; import test_cpu_gemv as t; assert cpu.available(); "
+              "[t._check_q8g(r, g) for r in (1, 2, 5, 16) for g in (16, 32)]; print(cpu.library())")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-2000:]
+    library = done.stdout.strip().splitlines()[-1]
+    assert library != str(cpu.library())
+    asm = subprocess.run(["objdump", "-d", library], capture_output=True, text=True, check=True).stdout
+    assert "ymm" in asm and "zmm" not in asm
+
+
 def test_zero_rows_give_an_empty_result():
     w = torch.zeros(32, 64, dtype=torch.int8)
     assert torch.ops.kvserve_cpu.int8_gemv(torch.randn(0, 64), w, torch.ones(32, dtype=torch.bfloat16)).shape == (0, 32)
     assert torch.ops.kvserve_cpu.bf16_gemv(torch.randn(0, 64).bfloat16(), w.bfloat16()).shape == (0, 32)
+    for x in (torch.randn(0, 64), torch.randn(0, 64).bfloat16()):
+        y = torch.ops.kvserve_cpu.q8g_gemv(x, w, torch.ones(32, 2), torch.ones(32, 2), 32)
+        assert y.shape == (0, 32) and y.dtype == x.dtype
+
+
+def _q8g(x=None, codes=None, scales=None, mins=None, group=32, k=64):
+    """q8g_gemv on valid operands of width k (32 channels) but for the one given."""
+    x = torch.randn(1, k) if x is None else x
+    codes = torch.zeros(32, k, dtype=torch.int8) if codes is None else codes
+    scales = torch.ones(32, k // 32) if scales is None else scales
+    return torch.ops.kvserve_cpu.q8g_gemv(x, codes, scales, mins, group)
 
 
 @pytest.mark.parametrize("call,message", [
@@ -97,6 +191,12 @@ def test_zero_rows_give_an_empty_result():
      "at most 64 rows"),
     (lambda: torch.ops.kvserve_cpu.bf16_gemv(torch.randn(2, 64).bfloat16()[:, ::2], torch.zeros(32, 32).bfloat16()),
      "contiguous"),
+    (lambda: _q8g(group=64), "group must be 16 or 32, got 64"),
+    (lambda: _q8g(k=48), "K must be a multiple of 32"),
+    (lambda: _q8g(codes=torch.zeros(32, 64)), "int8 codes expected, got Float"),
+    (lambda: _q8g(x=torch.randn(1, 64).half()), "float32 or bfloat16 x expected, got Half"),
+    (lambda: _q8g(scales=torch.ones(2, 32)), r"float32 scales \[N, K/group\] = \[32, 2\] expected, got Float \[2, 32\]"),
+    (lambda: _q8g(mins=torch.ones(32, 2).bfloat16()), r"float32 mins \[N, K/group\] = \[32, 2\] expected, got BFloat16"),
 ])
 def test_bad_shapes_get_a_clear_error(call, message):
     """The ops check their inputs (QuantLinear only calls them with shapes they take)."""

@@ -2,9 +2,11 @@
 
 `torch.ops.kvserve_cpu.int8_gemv` and `bf16_gemv` read int8 / bfloat16 weights at close to the
 machine's memory bandwidth for one to a few rows (a decode step), where torch's own CPU paths
-(`_weight_int8pack_mm`, oneDNN's bfloat16 GEMM) read about half as fast. The source compiles
+(`_weight_int8pack_mm`, oneDNN's bfloat16 GEMM) read about half as fast; `q8g_gemv` multiplies by
+int8 codes with a float32 scale (and min) per group of 16 or 32 inputs, a GGUF block's own codes. The source compiles
 against torch's headers with the system compiler (kvserve/native.py: cached, keyed by source,
-flags and CPU) and loads with `torch.ops.load_library`, so compiled graphs call the ops through
+flags and CPU; $KVSERVE_CPU_KERNEL_FLAGS adds compiler flags, e.g. `-mno-avx512f` for the portable
+vector path) and loads with `torch.ops.load_library`, so compiled graphs call the ops through
 the dispatcher. `available()` is False where the build fails (logged once); QuantLinear then keeps
 torch's kernels.
 """
@@ -12,6 +14,7 @@ torch's kernels.
 from __future__ import annotations
 
 import logging
+import os
 from pathlib import Path
 
 import torch
@@ -21,6 +24,7 @@ from kvserve import native
 log = logging.getLogger("kvserve")
 
 SOURCE = Path(__file__).with_name("gemv.cpp")
+FLAGS_ENV = "KVSERVE_CPU_KERNEL_FLAGS"   # extra compiler flags, after -march=native
 MAX_ROWS = 64     # the ops' own limit; callers pick smaller thresholds where they win
 
 _state: dict = {}
@@ -31,16 +35,22 @@ def _flags() -> tuple[list[str], list[str]]:
     abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
     flags = ["-std=c++17", f"-D_GLIBCXX_USE_CXX11_ABI={abi}", "-w", f"-DKVSERVE_TORCH={torch.__version__}"]
     flags += [f"-I{p}" for p in include_paths()]
+    flags += os.environ.get(FLAGS_ENV, "").split()
     libs = [f"-L{p}" for p in library_paths()] + ["-lc10", "-ltorch_cpu"]
     return flags, libs
+
+
+def library() -> Path:
+    """The ops' shared library for this CPU and flags (built on the first call; raises BuildError)."""
+    flags, libs = _flags()
+    return native.build(SOURCE, flags, libs)
 
 
 def available() -> bool:
     """True once the ops are loaded (built on the first call; False, logged once, where they cannot be)."""
     if "ok" not in _state:
         try:
-            flags, libs = _flags()
-            torch.ops.load_library(str(native.build(SOURCE, flags, libs)))
+            torch.ops.load_library(str(library()))
             _state["ok"] = True
         except (OSError, RuntimeError) as exc:
             log.warning("CPU GEMV kernels unavailable (%s); one-row int8/bfloat16 layers use torch's kernels", exc)

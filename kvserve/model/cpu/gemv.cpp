@@ -5,10 +5,18 @@
 //     (_weight_int8pack_mm) rounds: x and the scale in bfloat16, sums in float32, the result
 //     rounded to bfloat16.
 //   bf16_gemv(x [M, K] bfloat16, w [N, K] bfloat16) -> [M, N] bfloat16, sums in float32.
+//   q8g_gemv(x [M, K] float32|bfloat16, codes [N, K] int8, scales [N, K/group] float32,
+//            mins [N, K/group] float32 or None, group 16|32) -> [M, N] in x's dtype:
+//     y[m, n] = sum over groups g of scales[n, g] * sum_{k in g} x[m, k] codes[n, k]
+//               + mins[n, g] * sum_{k in g} x[m, k]
+//     (a GGUF block's codes as the format stores them: Q8_0, Q5_0, Q6_K signed, Q5_1 / Q5_K
+//     unsigned with mins), x as given, float32 sums, a bfloat16 result rounded once.
 // Sixteen output channels at a time: each channel's dot product runs along K with four
 // accumulators, the 16 partial vectors are reduced together (a transpose), weights are prefetched
 // a few KiB ahead (one core alone does not keep enough loads in flight to fill the memory bus).
 // Output channel blocks are split over torch's threads (at::parallel_for, torch's OpenMP runtime).
+// Vectors are GCC vector extensions (one AVX-512 register, or two AVX2 ones); AVX-512 intrinsics
+// appear only under #ifdef __AVX512F__ beside a portable path (tests build that with -mno-avx512f).
 // Built at run time by kvserve/model/cpu/__init__.py against torch's headers.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -18,6 +26,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <optional>
 #include <vector>
 #if defined(__SSE__)
 #include <immintrin.h>
@@ -238,39 +247,138 @@ void int4_rows(const float* x, const float* xsum, const uint8_t* w, const uint32
     for (int j = 0; j < 4; ++j) out[r][j] = res[r][j];
 }
 
+// ---- q8g: int8 codes [N, K] with a float32 scale, and optionally a min, per output channel and
+// group of G (16 or 32) inputs: w = code * scale + min. A channel's scales (and mins) are its
+// `groups` consecutive floats, read along with its codes. One row: each group's dot product with
+// the codes is scaled once, and the mins meet the row's group sums of x; several rows: each 16
+// codes are dequantized once (code * scale + min, as floats) and serve every row.
+#ifdef __AVX512F__
+constexpr int kQ8gTile = 8;  // rows per pass over a block: 2 x 8 accumulators in 32 registers
+#else
+constexpr int kQ8gTile = 4;  // 16 registers
+#endif
+
+struct Q8gBlock {     // one block of 16 output channels and the rows of x it meets
+  const float* x;     // the rows, stride k
+  const float* xsum;  // their sums per group (stride k / G), where there are mins
+  const int8_t* w;    // the block's codes [16, k]
+  const float* s;     // its scales [16, k / G]
+  const float* mn;    // its mins [16, k / G], or null
+  int64_t k;
+};
+
+template <int G>
+inline v16 group_dot(const int8_t* w, const float* x) {  // G codes times G inputs, 16 lanes of partial sums
+  v16 a = widen(w) * loadv(x);
+  for (int c = 16; c < G; c += 16) a += widen(w + c) * loadv(x + c);
+  return a;
+}
+
+inline v16 mins_dot(const float* mn, const float* xsum, int64_t groups) {  // sum of mn * xsum, in lanes
+  v16 a = {0};
+  int64_t g = 0;
+  for (; g + 16 <= groups; g += 16) a += loadv(mn + g) * loadv(xsum + g);
+  float tail = 0.0f;
+  for (; g < groups; ++g) tail += mn[g] * xsum[g];
+  a[0] += tail;
+  return a;
+}
+
+// As widened_block for one row of q8g codes: part[t] holds 16 partial sums of channel t.
+template <int G, bool Mins>
+void q8g_block(const Q8gBlock& b, v16* part) {
+  const int64_t k = b.k, groups = k / G;
+  for (int t = 0; t < 16; ++t) {
+    const int8_t* wr = b.w + t * k;
+    const float* sr = b.s + t * groups;
+    v16 acc[4] = {};
+    int64_t g = 0;
+    for (; g + 4 <= groups; g += 4) {
+      for (int p = 0; p < 4 * G; p += 64) prefetch(wr + g * G + p + kPrefetch);
+      for (int j = 0; j < 4; ++j) acc[j] += group_dot<G>(wr + (g + j) * G, b.x + (g + j) * G) * sr[g + j];
+    }
+    for (; g < groups; ++g) acc[0] += group_dot<G>(wr + g * G, b.x + g * G) * sr[g];
+    part[t] = (acc[0] + acc[1]) + (acc[2] + acc[3]);
+    if (Mins) part[t] += mins_dot(b.mn + t * groups, b.xsum, groups);
+  }
+}
+
+template <int G, bool Mins>
+inline v16 q8g_weights(const int8_t* w, const float* s, const float* mn, int64_t i) {  // 16 codes dequantized
+  const v16 c = widen(w + i);
+  if (Mins) return c * s[i / G] + mn[i / G];
+  return c * s[i / G];
+}
+
+// The same for R rows of x at once.
+template <int R, int G, bool Mins>
+void q8g_rows(const Q8gBlock& b, v16 (*part)[16]) {
+  const int64_t k = b.k, groups = k / G;
+  for (int t = 0; t < 16; ++t) {
+    const int8_t* wr = b.w + t * k;
+    const float* sr = b.s + t * groups;
+    const float* mr = Mins ? b.mn + t * groups : nullptr;
+    v16 a[R] = {}, c[R] = {};
+    int64_t i = 0;
+    for (; i + 32 <= k; i += 32) {
+      prefetch(wr + i + kPrefetch);
+      const v16 w0 = q8g_weights<G, Mins>(wr, sr, mr, i), w1 = q8g_weights<G, Mins>(wr, sr, mr, i + 16);
+      for (int r = 0; r < R; ++r) {
+        a[r] += w0 * loadv(b.x + r * k + i);
+        c[r] += w1 * loadv(b.x + r * k + i + 16);
+      }
+    }
+    for (; i < k; i += 16) {
+      const v16 w0 = q8g_weights<G, Mins>(wr, sr, mr, i);
+      for (int r = 0; r < R; ++r) a[r] += w0 * loadv(b.x + r * k + i);
+    }
+    for (int r = 0; r < R; ++r) part[r][t] = a[r] + c[r];
+  }
+}
+
 // Calls block(r, rows, n0) for every block of 16 output channels starting at n0 (the last block
-// overlaps its neighbour when N % 16 != 0) and every group of up to 4 rows from r; blocks are
+// overlaps its neighbour when N % 16 != 0) and every group of up to Tile rows from r; blocks are
 // split over torch's threads.
-template <typename Block>
+template <int Tile = 4, typename Block>
 void for_blocks(int64_t m, int64_t n, Block block) {
   const int64_t blocks = (n + 15) / 16;
   at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
     for (int64_t blk = b0; blk < b1; ++blk) {
       const int64_t n0 = blk * 16 <= n - 16 ? blk * 16 : n - 16;
-      for (int64_t r = 0; r < m; r += 4) block(r, std::min<int64_t>(4, m - r), n0);
+      for (int64_t r = 0; r < m; r += Tile) block(r, std::min<int64_t>(Tile, m - r), n0);
     }
   });
 }
 
-// The 16-channel partial sums of `rows` rows (1 to 4) from x, with the kernel for each count.
-template <typename T, typename W, typename Kernels>
-void row_group(const T* x, const W* w, int64_t k, int64_t rows, v16 (*part)[16]) {
-  switch (rows) {
-    case 1: Kernels::one(x, w, k, part[0]); break;
-    case 2: Kernels::template many<2>(x, w, k, part); break;
-    case 3: Kernels::template many<3>(x, w, k, part); break;
-    default: Kernels::template many<4>(x, w, k, part); break;
+// The 16-channel partial sums of `rows` rows (1 to Kernels::kTile) from x, with the kernel for each
+// count; args are the kernel's operands.
+template <typename Kernels, int R = 1, typename... Args>
+void row_group(int64_t rows, v16 (*part)[16], Args... args) {
+  if constexpr (R == 1) {
+    if (rows == 1) return Kernels::one(args..., part[0]);
+  } else if (rows == R || R == Kernels::kTile) {
+    return Kernels::template many<R>(args..., part);
   }
+  if constexpr (R < Kernels::kTile) row_group<Kernels, R + 1>(rows, part, args...);
 }
 
 template <typename W>
 struct Widened {
+  static constexpr int kTile = 4;
   static void one(const float* x, const W* w, int64_t k, v16* part) { widened_block(x, w, k, part); }
   template <int R> static void many(const float* x, const W* w, int64_t k, v16 (*part)[16]) { widened_rows<R>(x, w, k, part); }
 };
 struct Bf16 {
+  static constexpr int kTile = 4;
   static void one(const uint16_t* x, const uint16_t* w, int64_t k, v16* part) { bf16_block(x, w, k, part); }
   template <int R> static void many(const uint16_t* x, const uint16_t* w, int64_t k, v16 (*part)[16]) { bf16_rows<R>(x, w, k, part); }
+};
+
+template <int G, bool Mins>
+struct Q8g {
+  static constexpr int kTile = kQ8gTile;
+  static void one(const Q8gBlock& b, v16* part) { q8g_block<G, Mins>(b, part); }
+  template <int R> static void many(const Q8gBlock& b, v16 (*part)[16]) { q8g_rows<R, G, Mins>(b, part); }
 };
 
 void check_shapes(const at::Tensor& x, const at::Tensor& w, int64_t k_multiple, const char* name) {
@@ -281,6 +389,24 @@ void check_shapes(const at::Tensor& x, const at::Tensor& w, int64_t k_multiple, 
   TORCH_CHECK(x.size(0) <= 64, name, ": at most 64 rows expected");
 }
 
+// x [M, K] as float32 on a 64-byte boundary (whole-vector loads then never straddle cache lines):
+// bfloat16 and float16 widened, float32 rounded to bfloat16 first where round_bf16; aligned
+// float32 x that needs no rounding is used as it is.
+at::Tensor float_rows(const at::Tensor& x, bool round_bf16) {
+  const bool f32 = x.scalar_type() == at::kFloat;
+  if (f32 && !round_bf16 && reinterpret_cast<uintptr_t>(x.const_data_ptr()) % 64 == 0) return x;
+  at::Tensor out = at::empty(x.sizes(), x.options().dtype(at::kFloat));
+  float* o = out.data_ptr<float>();
+  const int64_t count = x.numel();
+  const float* xf = f32 ? x.const_data_ptr<float>() : nullptr;
+  const uint16_t* xh = f32 ? nullptr : static_cast<const uint16_t*>(x.const_data_ptr());
+  if (f32 && round_bf16) for (int64_t i = 0; i < count; ++i) o[i] = bf16_to_float(float_to_bf16(xf[i]));
+  else if (f32) std::memcpy(o, xf, count * sizeof(float));
+  else if (x.scalar_type() == at::kHalf) for (int64_t i = 0; i < count; ++i) o[i] = half_to_float(xh[i]);
+  else for (int64_t i = 0; i < count; ++i) o[i] = bf16_to_float(xh[i]);
+  return out;
+}
+
 at::Tensor int8_gemv(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale) {
   check_shapes(x, w, 16, "int8_gemv");
   TORCH_CHECK(w.scalar_type() == at::kChar && scale.scalar_type() == at::kBFloat16 && scale.is_contiguous() &&
@@ -288,18 +414,14 @@ at::Tensor int8_gemv(const at::Tensor& x, const at::Tensor& w, const at::Tensor&
   TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, "int8_gemv: float32 or bfloat16 x");
   const int64_t m = x.size(0), k = x.size(1), n = w.size(0);
   const bool f32 = x.scalar_type() == at::kFloat;
-  std::vector<float> xb(m * k);  // x rounded to bfloat16, as float32
-  for (int64_t i = 0; i < m * k; ++i) {
-    xb[i] = f32 ? bf16_to_float(float_to_bf16(x.const_data_ptr<float>()[i]))
-                : bf16_to_float(static_cast<const uint16_t*>(x.const_data_ptr())[i]);
-  }
+  const at::Tensor xb = float_rows(x, true);  // x rounded to bfloat16, as float32
   at::Tensor y = at::empty({m, n}, x.options());
   const int8_t* wp = w.const_data_ptr<int8_t>();
   const uint16_t* sp = static_cast<const uint16_t*>(scale.const_data_ptr());
   void* yp = y.data_ptr();
   for_blocks(m, n, [&](int64_t r0, int64_t rows, int64_t n0) {
     v16 part[4][16];
-    row_group<float, int8_t, Widened<int8_t>>(xb.data() + r0 * k, wp + n0 * k, k, rows, part);
+    row_group<Widened<int8_t>>(rows, part, xb.const_data_ptr<float>() + r0 * k, wp + n0 * k, k);
     for (int64_t i = 0; i < rows; ++i) {
       const int64_t r = r0 + i;
       v16 sums = transpose_sum(part[i]);
@@ -323,7 +445,7 @@ at::Tensor bf16_gemv(const at::Tensor& x, const at::Tensor& w) {
   uint16_t* yp = static_cast<uint16_t*>(y.data_ptr());
   for_blocks(m, n, [&](int64_t r0, int64_t rows, int64_t n0) {
     v16 part[4][16];
-    row_group<uint16_t, uint16_t, Bf16>(xp + r0 * k, wp + n0 * k, k, rows, part);
+    row_group<Bf16>(rows, part, xp + r0 * k, wp + n0 * k, k);
     for (int64_t i = 0; i < rows; ++i) {
       v16 sums = transpose_sum(part[i]);
       for (int t = 0; t < 16; ++t) yp[(r0 + i) * n + n0 + t] = float_to_bf16(sums[t]);
@@ -336,15 +458,13 @@ at::Tensor f16_gemv(const at::Tensor& x, const at::Tensor& w) {
   check_shapes(x, w, 16, "f16_gemv");
   TORCH_CHECK(x.scalar_type() == at::kHalf && w.scalar_type() == at::kHalf, "f16_gemv: float16 x and w");
   const int64_t m = x.size(0), k = x.size(1), n = w.size(0);
-  const uint16_t* xh = static_cast<const uint16_t*>(x.const_data_ptr());
-  std::vector<float> xf(m * k);
-  for (int64_t i = 0; i < m * k; ++i) xf[i] = half_to_float(xh[i]);
+  const at::Tensor xf = float_rows(x, false);
   at::Tensor y = at::empty({m, n}, x.options());
   const Half* wp = static_cast<const Half*>(w.const_data_ptr());
   uint16_t* yp = static_cast<uint16_t*>(y.data_ptr());
   for_blocks(m, n, [&](int64_t r0, int64_t rows, int64_t n0) {
     v16 part[4][16];
-    row_group<float, Half, Widened<Half>>(xf.data() + r0 * k, wp + n0 * k, k, rows, part);
+    row_group<Widened<Half>>(rows, part, xf.const_data_ptr<float>() + r0 * k, wp + n0 * k, k);
     for (int64_t i = 0; i < rows; ++i) {
       v16 sums = transpose_sum(part[i]);
       for (int t = 0; t < 16; ++t) yp[(r0 + i) * n + n0 + t] = float_to_half(sums[t]);
@@ -401,6 +521,65 @@ at::Tensor int4_gemv(const at::Tensor& x, const at::Tensor& packed, const at::Te
   return y;
 }
 
+// y [M, N] = the q8g product of x [M, K] (float32) with the codes w, scales s and mins mn (or null),
+// the rows' group sums of x first where there are mins.
+template <int G, bool Mins>
+void q8g_run(const float* x, const int8_t* w, const float* s, const float* mn, int64_t k, at::Tensor& y) {
+  const int64_t m = y.size(0), n = y.size(1), groups = k / G;
+  std::vector<float> xsum(Mins ? m * groups : 0, 0.0f);
+  for (int64_t i = 0; i < static_cast<int64_t>(xsum.size()) * G; ++i) xsum[i / G] += x[i];
+  const bool f32 = y.scalar_type() == at::kFloat;
+  void* yp = y.data_ptr();
+  for_blocks<Q8g<G, Mins>::kTile>(m, n, [&](int64_t r0, int64_t rows, int64_t n0) {
+    const Q8gBlock b{x + r0 * k, xsum.data() + r0 * groups, w + n0 * k, s + n0 * groups,
+                     Mins ? mn + n0 * groups : nullptr, k};
+    v16 part[Q8g<G, Mins>::kTile][16];
+    row_group<Q8g<G, Mins>>(rows, part, b);
+    for (int64_t i = 0; i < rows; ++i) {
+      const v16 sums = transpose_sum(part[i]);
+      const int64_t at = (r0 + i) * n + n0;
+      if (f32) std::memcpy(static_cast<float*>(yp) + at, &sums, 64);
+      else
+        for (int t = 0; t < 16; ++t) static_cast<uint16_t*>(yp)[at + t] = float_to_bf16(sums[t]);
+    }
+  });
+}
+
+void check_q8g_operand(const at::Tensor& t, const char* name, int64_t n, int64_t groups) {
+  TORCH_CHECK(t.scalar_type() == at::kFloat && t.dim() == 2 && t.size(0) == n && t.size(1) == groups &&
+                  t.is_contiguous(),
+              "q8g_gemv: contiguous float32 ", name, " [N, K/group] = [", n, ", ", groups, "] expected, got ",
+              t.scalar_type(), " ", t.sizes(), t.is_contiguous() ? "" : " (not contiguous)");
+}
+
+at::Tensor q8g_gemv(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
+                    const std::optional<at::Tensor>& mins, int64_t group) {
+  TORCH_CHECK(group == 16 || group == 32, "q8g_gemv: group must be 16 or 32, got ", group);
+  check_shapes(x, codes, group, "q8g_gemv");
+  TORCH_CHECK(codes.scalar_type() == at::kChar, "q8g_gemv: int8 codes expected, got ", codes.scalar_type());
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,
+              "q8g_gemv: float32 or bfloat16 x expected, got ", x.scalar_type());
+  const int64_t m = x.size(0), k = x.size(1), n = codes.size(0);
+  check_q8g_operand(scales, "scales", n, k / group);
+  if (mins) check_q8g_operand(*mins, "mins", n, k / group);
+  at::Tensor y = at::empty({m, n}, x.options());
+  if (m == 0) return y;
+  const at::Tensor xf = float_rows(x, false);
+  const float* xp = xf.const_data_ptr<float>();
+  const int8_t* wp = codes.const_data_ptr<int8_t>();
+  const float* sp = scales.const_data_ptr<float>();
+  const float* mp = mins ? mins->const_data_ptr<float>() : nullptr;
+  using Run = void (*)(const float*, const int8_t*, const float*, const float*, int64_t, at::Tensor&);
+  const Run runs[2][2] = {{q8g_run<16, false>, q8g_run<16, true>}, {q8g_run<32, false>, q8g_run<32, true>}};
+  runs[group == 32][mins.has_value()](xp, wp, sp, mp, k, y);
+  return y;
+}
+
+at::Tensor q8g_gemv_meta(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
+                         const std::optional<at::Tensor>& mins, int64_t group) {
+  return at::empty({x.size(0), codes.size(0)}, x.options());
+}
+
 at::Tensor int4_gemv_meta(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales_zeros) {
   return at::empty({x.size(0), packed.size(0)}, x.options());
 }
@@ -420,6 +599,7 @@ TORCH_LIBRARY(kvserve_cpu, m) {
   m.def("bf16_gemv(Tensor x, Tensor w) -> Tensor");
   m.def("f16_gemv(Tensor x, Tensor w) -> Tensor");
   m.def("int4_gemv(Tensor x, Tensor packed, Tensor scales_zeros) -> Tensor");
+  m.def("q8g_gemv(Tensor x, Tensor codes, Tensor scales, Tensor? mins, int group) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(kvserve_cpu, CPU, m) {
@@ -427,6 +607,7 @@ TORCH_LIBRARY_IMPL(kvserve_cpu, CPU, m) {
   m.impl("bf16_gemv", bf16_gemv);
   m.impl("f16_gemv", f16_gemv);
   m.impl("int4_gemv", int4_gemv);
+  m.impl("q8g_gemv", q8g_gemv);
 }
 
 TORCH_LIBRARY_IMPL(kvserve_cpu, Meta, m) {
@@ -434,4 +615,5 @@ TORCH_LIBRARY_IMPL(kvserve_cpu, Meta, m) {
   m.impl("bf16_gemv", bf16_gemv_meta);
   m.impl("f16_gemv", f16_gemv_meta);
   m.impl("int4_gemv", int4_gemv_meta);
+  m.impl("q8g_gemv", q8g_gemv_meta);
 }
