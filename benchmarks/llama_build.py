@@ -136,7 +136,8 @@ def configure(tree: Path, build: Path, log: Path, nice: bool) -> None:
     if (build / "CMakeCache.txt").exists():
         return
     options = [*build_options(), "-DCMAKE_BUILD_TYPE=Release", "-DLLAMA_BUILD_TESTS=OFF",
-               "-DLLAMA_BUILD_TOOLS=ON", "-DLLAMA_BUILD_EXAMPLES=ON", "-DLLAMA_BUILD_SERVER=ON"]
+               "-DLLAMA_BUILD_TOOLS=ON", "-DLLAMA_BUILD_EXAMPLES=ON", "-DLLAMA_BUILD_SERVER=ON",
+               "-DLLAMA_USE_PREBUILT_UI=OFF"]  # no web UI download: the benchmarks use the HTTP API
     if shutil.which("ninja"):
         options += ["-G", "Ninja"]
     print("configuring llama.cpp with cmake: " + " ".join(build_options()), flush=True)
@@ -146,11 +147,8 @@ def configure(tree: Path, build: Path, log: Path, nice: bool) -> None:
 def known_targets(build: Path) -> set[str]:
     """The targets the configured build offers (`cmake --build --target help`)."""
     out = subprocess.run(["cmake", "--build", str(build), "--target", "help"], capture_output=True, text=True)
-    names = set()
-    for line in out.stdout.splitlines():
-        word = line.strip().removeprefix("... ").split(":")[0].split()[0] if line.strip() else ""
-        names.add(word)
-    return names
+    lines = [line.strip().removeprefix("... ") for line in out.stdout.splitlines()]
+    return {line.split(":")[0].split()[0] for line in lines if line}
 
 
 def build_tools(tools: tuple[str, ...] = TOOLS, cache: Path = CACHE_DIR, jobs: int = 2,
@@ -165,7 +163,7 @@ def build_tools(tools: tuple[str, ...] = TOOLS, cache: Path = CACHE_DIR, jobs: i
     log = cache / f"build-{build_key()}.log"
     print(f"(full build output in {log})", flush=True)
     configure(tree, build, log, nice)
-    targets = known_targets(build)
+    targets = known_targets(build) or set(tools)  # no listing: try them all
     wanted = [t for t in tools if t in targets and t not in found]
     missing = [t for t in tools if t not in targets]
     if missing:
@@ -217,8 +215,18 @@ def build_python(jobs: int = 2, force: bool = False) -> None:
           "(several minutes on two cores)", flush=True)
     run_step([sys.executable, "-m", "pip", "install", "--no-deps", "--force-reinstall", "--no-cache-dir",
               str(sdist())], nice=True, env=env)
+    install_runtime_requirements()
     PYTHON_STAMP.write_text(args + "\n")
     print(f"recorded the build options in {PYTHON_STAMP}", flush=True)
+
+
+def install_runtime_requirements() -> None:
+    """llama-cpp-python's own requirements (not its extras'), which --no-deps left out; pip keeps
+    the ones already satisfied, so torch's numpy stays."""
+    from importlib.metadata import requires
+    reqs = [r for r in requires("llama-cpp-python") or [] if "extra ==" not in r]
+    if reqs:
+        run_step([sys.executable, "-m", "pip", "install", "-q", *reqs])
 
 
 def main(argv: list[str] | None = None) -> int:
