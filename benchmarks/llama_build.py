@@ -26,8 +26,9 @@ from pathlib import Path
 
 LLAMA_CPP_PYTHON_VERSION = "0.3.36"
 CACHE_DIR = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "kvserve" / "llama-server"
-# Tools built when the tree has them; llama-lookup and llama-speculative-simple are examples.
-TOOLS = ("llama-server", "llama-quantize", "llama-bench", "llama-lookup", "llama-speculative-simple")
+# Tools built when the tree has them, in this order (llama-quantize first: it has the fewest
+# sources of its own); llama-lookup and llama-speculative-simple are examples.
+TOOLS = ("llama-quantize", "llama-server", "llama-bench", "llama-lookup", "llama-speculative-simple")
 # Where `--python` records the CMAKE_ARGS llama-cpp-python was compiled with.
 PYTHON_STAMP = Path(sys.prefix) / "llama-cpp-python.cmake-args"
 
@@ -170,7 +171,9 @@ def build_tools(tools: tuple[str, ...] = TOOLS, cache: Path = CACHE_DIR, jobs: i
         print(f"not in this llama.cpp tree: {', '.join(missing)}", flush=True)
     if wanted:
         print(f"building {', '.join(wanted)} with {jobs} jobs (10+ minutes on two cores)", flush=True)
-        run_step(["cmake", "--build", str(build), "--target", *wanted, "-j", str(jobs)], nice=nice, log=log)
+    for target in wanted:  # one at a time, so the first is ready before the rest are built
+        run_step(["cmake", "--build", str(build), "--target", target, "-j", str(jobs)], nice=nice, log=log)
+        print(f"built {tool_path(target, cache)}", flush=True)
     built = {t: tool_path(t, cache) for t in tools if tool_path(t, cache).exists()}
     lost = [t for t in wanted if t not in built]
     if lost:
