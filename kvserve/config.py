@@ -8,20 +8,15 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from kvserve.model.quant import WEIGHT_FORMATS
+from kvserve.model.quant import GGUF_FORMAT, WEIGHT_FORMATS
 
 KV_CACHE_MODES = ("paged", "contiguous", "none")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DTYPE_NAMES = tuple(DTYPES)
 DEFAULT_BLOCK_SIZE = 16  # tokens per KV block unless given (KIVI formats: 32)
 CPU_DEFAULT_KV_CACHE_MEMORY = 1 << 30  # like vLLM's CPU backend: a fixed KV space unless told
-# GGUF block types whose 4-bit groups of 32 input channels the int4 format reproduces.
-INT4_NATIVE_GGUF = {"Q4_0", "Q4_1", "Q4_K"}
-# Measured with `kvserve eval weights` (BENCHMARKS.md "Weight formats"): the gate is mean KL < 2e-3
-# and top-1 >= 97% against float32, teacher-forced on held-out text.
-AUTO_INT4_REASON = ("weights=auto on CPU: the GGUF keeps its linear weights in 4-bit groups of 32 ({types}), so "
-                    "int4 keeps them (LM head in float16; passes the gate KL < 2e-3, top-1 >= 97% vs float32: "
-                    "docs/WEIGHTS.md); dtype='float32' gives the float32 oracle")
+AUTO_GGUF_REASON = ("weights=auto on CPU: every GGUF tensor keeps its own block format (Q8_0 / Q5_* / Q6_K as exact "
+                    "int8 groups, Q4_* as int4 groups: docs/WEIGHTS.md); dtype='float32' gives the float32 oracle")
 # kv_cache_dtype=auto under float32 activations that dtype=auto picked on a CPU: K/V stored in
 # bfloat16 (float32's exponent range, so no overflow), read and widened in place by the decode kernel.
 AUTO_KV_REASON = ("kv_cache_dtype=auto under float32 activations on CPU: bfloat16 pools, half the bytes of float32 "
@@ -96,9 +91,10 @@ class EngineConfig:
     dtype: str = opt("auto", "activations (and KV unless --kv-cache-dtype): auto (float32 on CPU with bfloat16 K/V, "
                      "bfloat16 on CUDA), float32 (all float32: the oracle), bfloat16, float16",
                      choices=["auto", *DTYPE_NAMES])
-    weights: str = opt("auto", "linear weights: auto (follows --dtype if given; else on CPU int4 for a GGUF of 4-bit "
-                       "blocks, float32 otherwise; bfloat16 on CUDA), float32, bfloat16, float16, int8 (per "
-                       "channel), int4 (groups of 32)", choices=["auto", *WEIGHT_FORMATS])
+    weights: str = opt("auto", "linear weights: auto (follows --dtype if given; else on CPU each GGUF tensor in its "
+                       "own block format, float32 for safetensors; bfloat16 on CUDA), gguf (each GGUF tensor in its "
+                       "own block format), float32, bfloat16, float16, int8 (per channel), int4 (groups of 32)",
+                       choices=["auto", GGUF_FORMAT, *WEIGHT_FORMATS])
     bf16_weight_copy: str = opt("auto", "keep a bfloat16 copy of int8/int4 weights for steps of more than 12 rows "
                                 "(batched decode, prefill): auto (on a CPU with bfloat16 units, when the copy "
                                 "takes at most a quarter of the available RAM), on, off",
@@ -169,8 +165,8 @@ class EngineConfig:
             raise ValueError(f"kv_cache_mode must be one of {KV_CACHE_MODES}, got {self.kv_cache_mode!r}")
         if self.dtype != "auto" and self.dtype not in DTYPES:
             raise ValueError(f"dtype must be 'auto' or one of {tuple(DTYPES)}, got {self.dtype!r}")
-        if self.weights != "auto" and self.weights not in WEIGHT_FORMATS:
-            raise ValueError(f"weights must be 'auto' or one of {WEIGHT_FORMATS}, got {self.weights!r}")
+        if self.weights not in ("auto", GGUF_FORMAT, *WEIGHT_FORMATS):
+            raise ValueError(f"weights must be 'auto', {GGUF_FORMAT!r} or one of {WEIGHT_FORMATS}, got {self.weights!r}")
         if self.bf16_weight_copy not in ("auto", "on", "off"):
             raise ValueError(f"bf16_weight_copy must be 'auto', 'on' or 'off', got {self.bf16_weight_copy!r}")
         if self.device not in ("auto", "cpu") and not self.device.startswith("cuda"):
@@ -316,15 +312,17 @@ class EngineConfig:
             return "bfloat16", AUTO_KV_REASON.format(kl=AUTO_KV_KL)
         return "auto", "kv_cache_dtype=auto: the activations' dtype"
 
-    def weight_format(self, gguf_types: set[str] | None = None) -> tuple[str, str]:
-        """(format of the linear weights, why it was picked); `gguf_types`: the block types of the
-        checkpoint's linear layers when it is a GGUF file."""
+    def weight_format(self, gguf: bool = False) -> tuple[str, str]:
+        """(format of the linear weights, why it was picked); `gguf`: the checkpoint is a GGUF file."""
+        if self.weights == GGUF_FORMAT and not gguf:
+            raise ValueError(f"weights={GGUF_FORMAT!r} keeps a GGUF file's own block formats, but the model is not "
+                             f"a .gguf file; use weights='auto' or one of {WEIGHT_FORMATS}")
         if self.weights != "auto":
             return self.weights, "weights=" + self.weights
         if self.dtype != "auto":
             return self.dtype, f"weights=auto follows dtype={self.dtype}"
         if self.torch_device().type == "cuda":
             return "bfloat16", "dtype=auto on CUDA: bfloat16"
-        if gguf_types and gguf_types <= INT4_NATIVE_GGUF:
-            return "int4", AUTO_INT4_REASON.format(types=", ".join(sorted(gguf_types)))
-        return "float32", "weights=auto on CPU: float32 (no 4-bit GGUF blocks to keep)"
+        if gguf:
+            return GGUF_FORMAT, AUTO_GGUF_REASON
+        return "float32", "weights=auto on CPU: float32 (a safetensors checkpoint has no blocks to keep)"

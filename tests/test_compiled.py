@@ -106,7 +106,7 @@ def test_batch_one_decode_runs_the_one_token_graph(graphs_and_compiled, eager_in
     regions_ = model.model.regions
     attn = model.model.layers[3].self_attn
     seen, graph_calls, head_rows = [], [], []
-    real_attend, real_graph, real_head = attn.attend, regions_.one_token_paged, model.lm_head.row_kernel
+    real_attend, real_graph, real_head = attn.attend, regions_.one_token_paged, model.lm_head.few_rows
 
     def attend(q, k, v, meta):
         seen.append(q.shape[0])
@@ -121,7 +121,7 @@ def test_batch_one_decode_runs_the_one_token_graph(graphs_and_compiled, eager_in
         return real_head(x, *args)
     monkeypatch.setattr(attn, "attend", attend)
     monkeypatch.setattr(regions_, "one_token_paged", graph)
-    monkeypatch.setattr(model.lm_head, "row_kernel", head)
+    monkeypatch.setattr(model.lm_head, "few_rows", head)   # the Q8_0 head's int8-group GEMV
     rows_before = model.kv_rows
     greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     out = compiled.generate(PROMPTS[2], greedy, use_tqdm=False)[0]

@@ -242,25 +242,27 @@ def test_weights_option_reaches_the_engine_from_the_cli():
         build_parser().parse_args(["generate", "hi", "--weights", "int3"])
 
 
-def test_auto_weights_follow_an_explicit_dtype_and_keep_4bit_gguf_blocks_on_cpu():
+def test_auto_weights_follow_an_explicit_dtype_and_keep_each_gguf_tensors_blocks_on_cpu():
     from kvserve.config import EngineConfig
-    assert EngineConfig(dtype="float32").weight_format({"Q4_1"})[0] == "float32"
+    assert EngineConfig(dtype="float32").weight_format(gguf=True)[0] == "float32"
     assert EngineConfig(dtype="bfloat16").weight_format()[0] == "bfloat16"
     cpu = EngineConfig(device="cpu")
-    assert cpu.weight_format({"Q4_1"})[0] == "int4"
-    assert cpu.weight_format({"Q4_K"})[0] == "int4"
-    assert cpu.weight_format({"Q4_K", "Q6_K"})[0] == "float32"   # a 6-bit block would lose bits
-    assert cpu.weight_format(None)[0] == "float32"                 # safetensors: float stays float
+    assert cpu.weight_format(gguf=True)[0] == "gguf"       # every tensor in its own block format
+    assert cpu.weight_format(gguf=False)[0] == "float32"   # safetensors: float stays float
+    assert EngineConfig(device="cpu", weights="int4").weight_format(gguf=True)[0] == "int4"
+    with pytest.raises(ValueError, match="not a .gguf file"):
+        EngineConfig(device="cpu", weights="gguf").weight_format(gguf=False)
     with pytest.raises(ValueError, match="weights must be"):
         EngineConfig(weights="int3").validate()
 
 
-def test_default_engine_keeps_the_bundled_gguf_in_int4_and_says_why(caplog):
+def test_default_engine_keeps_the_bundled_gguf_in_its_own_blocks_and_says_so(caplog):
     from kvserve import LLM, SamplingParams
     with caplog.at_level("INFO", logger="kvserve"):
         llm = LLM(kv_cache_memory="32MiB", max_model_len=512)
-    assert llm.engine.weight_format == "int4"
-    assert any("weights: int4" in r.message and "Q4_1" in r.message for r in caplog.records)
+    assert llm.engine.weight_format == "gguf"
+    assert any("weights: gguf" in r.message and "Q4_1 x 210" in r.message and "Q8_0 x 1" in r.message
+               for r in caplog.records)
     out = llm.generate("The capital of France is", SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
     assert out[0].outputs[0].text.strip()
 

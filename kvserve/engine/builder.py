@@ -29,11 +29,13 @@ from kvserve.kv.spec import group_layers
 from kvserve.kv.storage import KVStorage
 from kvserve.model.config import ModelConfig
 from kvserve.model.layers import fuse_projections
-from kvserve.model.loader import gguf_linear_types, load_weights, resolve_model_path
+from kvserve.model.loader import is_gguf, load_gguf_kept, load_weights, resolve_model_path
 from kvserve.model.quant import (
-    COPY_ROWS,
+    COPY_FORMATS,
+    GGUF_FORMAT,
     cast_unquantized,
     cpu_gemv,
+    keep_formats,
     quant_layers,
     quantize_model,
     slow_half,
@@ -62,6 +64,7 @@ class LoadedModel:
     max_model_len: int
     seconds: float
     compiled: bool        # dense regions run as torch.compile graphs (model/regions.py)
+    weight_digest: str = ""   # weights=gguf: what each tensor keeps (kept_digest), for the prefix-cache namespace
 
     @property
     def quantized(self) -> bool:
@@ -83,13 +86,20 @@ def load_model(config: EngineConfig, device: torch.device, dtype: torch.dtype) -
     if device.type == "cpu":
         keep_freed_memory()
     path = resolve_model_path(config.model)
-    auto = config.weights == "auto" and config.dtype == "auto"
-    weight_format, why = config.weight_format(gguf_linear_types(path) if auto else None)
-    quantized = DTYPES.get(weight_format) != dtype
-    # quantized weights are made from float32, not from an already rounded copy
-    model_config, weights = load_weights(path, torch.float32 if quantized else dtype)
+    weight_format, why = config.weight_format(is_gguf(path))
+    digest = ""
+    if weight_format == GGUF_FORMAT:
+        model_config, floats, kept = load_gguf_kept(path)
+        why, digest = f"{kept_summary(kept)}; {why}", kept_digest(kept)
+        model = _build_kept_model(model_config, floats, kept, device, dtype)
+        del floats, kept
+    else:
+        quantized = DTYPES.get(weight_format) != dtype
+        # quantized weights are made from float32, not from an already rounded copy
+        model_config, weights = load_weights(path, torch.float32 if quantized else dtype)
+        model = _build_model(model_config, weights, device, dtype, weight_format if quantized else None)
+        del weights
     tokenizer = load_tokenizer(path)
-    model = _build_model(model_config, weights, device, dtype, weight_format if quantized else None)
     _bf16_copies(config, model, device)
     seconds = time.perf_counter() - t0
     log.info("weights: %s, activations %s (%s); %.1f MiB of weights", weight_format,
@@ -98,7 +108,7 @@ def load_model(config: EngineConfig, device: torch.device, dtype: torch.dtype) -
     extend_positions(model, max_model_len)
     compiled = _compile(config, model, device, weight_format)
     return LoadedModel(path, model_config, tokenizer, model, weight_format, dtype, max_model_len, seconds,
-                       compiled)
+                       compiled, digest)
 
 
 def keep_freed_memory() -> bool:
@@ -118,8 +128,8 @@ def keep_freed_memory() -> bool:
 
 
 def _bf16_copies(config: EngineConfig, model: torch.nn.Module, device: torch.device) -> bool:
-    """Give the int8/int4 layers their bfloat16 copies when config.bf16_weight_copy says so."""
-    layers = [m for m in quant_layers(model) if m.fmt in ("int8", "int4")]
+    """Give the int8/int4/int8-group layers their bfloat16 copies when config.bf16_weight_copy says so."""
+    layers = [m for m in quant_layers(model) if m.fmt in COPY_FORMATS and m.copies]
     if not layers or config.bf16_weight_copy == "off":
         return False
     need = sum(2 * m.in_features * m.out_features for m in layers)
@@ -132,8 +142,8 @@ def _bf16_copies(config: EngineConfig, model: torch.nn.Module, device: torch.dev
             return False
     for m in layers:
         m.add_bf16_copy()
-    log.info("bfloat16 copy of the %s weights for steps of more than %d rows: %.0f MiB (bf16_weight_copy=%s)",
-             layers[0].fmt, COPY_ROWS, need / 2**20, config.bf16_weight_copy)
+    log.info("bfloat16 copy of the %s weights for steps of more than 12-16 rows: %.0f MiB (bf16_weight_copy=%s)",
+             "/".join(sorted({m.fmt for m in layers})), need / 2**20, config.bf16_weight_copy)
     return True
 
 
@@ -162,6 +172,42 @@ def _build_model(mc: ModelConfig, weights: dict[str, torch.Tensor], device: torc
     quantize_model(model, quant)
     cast_unquantized(model, dtype)
     return model
+
+
+def _build_kept_model(mc: ModelConfig, floats: dict[str, torch.Tensor], kept: dict, device: torch.device,
+                      dtype: torch.dtype) -> torch.nn.Module:
+    """The model with every GGUF weight in its kept layout: built on the meta device, so no float32
+    weight is ever allocated for a layer that keep_formats replaces."""
+    with torch.device("meta"):
+        model = build_model(mc)
+    _, unexpected = model.load_state_dict(floats, strict=False, assign=True)
+    keep_formats(model, kept)
+    missing = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
+    if missing or unexpected:
+        raise ValueError(f"checkpoint does not match the model: missing {missing[:5]}, unexpected {unexpected[:5]}")
+    model = model.to(device).eval()
+    cast_unquantized(model, dtype)
+    return model
+
+
+def kept_summary(kept: dict) -> str:
+    """'Q4_K x 162 (52.1 MiB), Q5_0 x 72 (...)': what the GGUF's weights keep, per block type, with
+    the reason for every type mapped to another layout."""
+    counts, sizes, notes = {}, {}, {}
+    for t in kept.values():
+        counts[t.gguf_type] = counts.get(t.gguf_type, 0) + 1
+        sizes[t.gguf_type] = sizes.get(t.gguf_type, 0) + t.nbytes
+        if t.note:
+            notes[t.gguf_type] = t.note
+    text = ", ".join(f"{k} x {counts[k]} ({sizes[k] / 2**20:.1f} MiB)" for k in sorted(counts, key=counts.get, reverse=True))
+    return text + "".join(f"; {note}" for note in notes.values())
+
+
+def kept_digest(kept: dict) -> str:
+    """A digest of what every tensor keeps (name, block type, layout), for the prefix-cache namespace."""
+    import hashlib
+    text = "|".join(f"{name}:{t.gguf_type}:{t.kind}" for name, t in sorted(kept.items()))
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
 def _max_model_len(config: EngineConfig, mc: ModelConfig) -> int:
@@ -311,7 +357,7 @@ class CachePlanner:
         mc, lm = self.loaded.config, self.loaded
         return namespace_hash(mc.name, mc.architecture, lm.dtype, self.config.block_size,
                               mc.num_layers, mc.num_kv_heads, mc.head_dim, self.format.description,
-                              *([f"weights={lm.weight_format}"] if lm.quantized else []),
+                              *([f"weights={lm.weight_format}{lm.weight_digest}"] if lm.quantized else []),
                               algo=self.config.prefix_caching_hash_algo)
 
     def build(self) -> tuple[KVCacheManager | None, KVStorage | None]:

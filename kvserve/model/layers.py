@@ -25,7 +25,7 @@ class RMSNorm(nn.Module):
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
     """Inverse frequencies [head_dim/2], with llama3-style scaling when configured."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64, device="cpu") / head_dim))
     kind = (scaling or {}).get("rope_type", (scaling or {}).get("type"))
     if kind == "llama3":
         inv_freq = _llama3_scale(inv_freq, scaling)
@@ -52,13 +52,15 @@ class RotaryEmbedding(nn.Module):
     def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: dict | None):
         super().__init__()
         inv_freq = rope_inv_freq(head_dim, theta, scaling)
-        self.inv_freq = inv_freq  # float32 on the CPU (not a buffer: model.to(dtype) must not round it)
+        # float32 on the CPU (not a buffer: model.to(dtype) must not round it), also when the model
+        # is built on the meta device (model/quant.py keep_formats)
+        self.inv_freq = inv_freq
         cos, sin = self._table(0, max_positions)
         self.register_buffer("cos", cos, persistent=False)
         self.register_buffer("sin", sin, persistent=False)
 
     def _table(self, start: int, end: int):
-        freqs = torch.outer(torch.arange(start, end, dtype=torch.float32), self.inv_freq)
+        freqs = torch.outer(torch.arange(start, end, dtype=torch.float32, device=self.inv_freq.device), self.inv_freq)
         emb = torch.cat([freqs, freqs], dim=-1)  # [end - start, head_dim]
         return emb.cos(), emb.sin()
 

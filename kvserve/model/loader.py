@@ -17,6 +17,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from kvserve.model.config import ModelConfig
+from kvserve.model.gguf_blocks import KeptTensor, decode
 from kvserve.model.names import model_display_name
 
 logger = logging.getLogger("kvserve")
@@ -27,7 +28,6 @@ ACCEPTED_INPUTS = "a .gguf file or a Hugging Face model directory with config.js
 CACHE_FORMAT_VERSION = "1"
 CACHE_WEIGHTS = "weights.safetensors"
 CACHE_CONFIG = "config.json"
-CACHE_TYPES = "gguf_linear_types.json"
 
 GGUF_PERMUTED_QK_ARCHS = {"llama"}  # llama.cpp permutes q/k rows for its RoPE layout; Gemma's are not
 GGUF_SUPPORTED_ARCHS = {"llama", "gemma3"}
@@ -242,6 +242,34 @@ def _atomic_write(target: Path, write) -> None:
 
 def load_gguf(path: str) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     """Read and dequantize a GGUF file into a float32 HF-named state dict (no cache)."""
+    reader, config = _open_gguf(path)
+    weights = {}
+    for tensor, hf_name in _gguf_tensors(reader, config):
+        array = _dequantize(tensor)
+        if config.architecture in GGUF_PERMUTED_QK_ARCHS:
+            array = _unpermute_qk(hf_name, array, config)
+        weights[hf_name] = _to_tensor(_norm_offset(hf_name, array, config))
+    return config, weights
+
+
+def load_gguf_kept(path: str) -> tuple[ModelConfig, dict[str, torch.Tensor], dict[str, KeptTensor]]:
+    """A GGUF's config, its 1-D tensors (norms, biases) in float32, and every 2-D weight in the
+    layout its block type keeps (model/gguf_blocks.py), read from the blocks: no float32 copy of a
+    quantized weight is made (nor cached)."""
+    reader, config = _open_gguf(resolve_model_path(path))
+    floats, kept = {}, {}
+    for tensor, hf_name in _gguf_tensors(reader, config):
+        if len(tensor.shape) != 2:
+            floats[hf_name] = _to_tensor(_norm_offset(hf_name, _dequantize(tensor), config))
+            continue
+        weight = decode(tensor)
+        if config.architecture in GGUF_PERMUTED_QK_ARCHS:
+            weight = weight.permute_rows(lambda a: _unpermute_qk(hf_name, a, config).contiguous())
+        kept[hf_name] = weight
+    return config, floats, kept
+
+
+def _open_gguf(path: str):
     import gguf
 
     reader = gguf.GGUFReader(path)
@@ -251,40 +279,23 @@ def load_gguf(path: str) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
             f"GGUF architecture {config.architecture!r} is not supported yet; "
             f"supported: {sorted(GGUF_SUPPORTED_ARCHS)}"
         )
-    weights = {}
+    return reader, config
+
+
+def _gguf_tensors(reader, config: ModelConfig):
+    """(tensor, HF name) of every GGUF tensor the model keeps."""
     for tensor in reader.tensors:
         hf_name = gguf_to_hf_name(tensor.name, config.architecture)
         if hf_name is None:
             logger.warning("GGUF tensor %s has no HF equivalent and is ignored", tensor.name)
             continue
-        array = _dequantize(tensor)
-        if config.architecture in GGUF_PERMUTED_QK_ARCHS:
-            array = _unpermute_qk(hf_name, array, config)
-        if config.architecture in GGUF_NORM_OFFSET_ARCHS and hf_name.endswith("norm.weight"):
-            array = array - np.float32(1.0)
-        weights[hf_name] = _to_tensor(array)
-    return config, weights
+        yield tensor, hf_name
 
 
-def gguf_linear_types(path: str, cache_root: str | Path | None = None) -> set[str] | None:
-    """Block types (Q4_1, Q6_K, F32, ...) of a GGUF's per-layer 2-D weights (kept next to the
-    weight cache: reading a GGUF's tensor table takes seconds); None for other checkpoints."""
-    if not is_gguf(path):
-        return None
-    record = cache_dir_for(path, cache_root) / CACHE_TYPES
-    try:
-        return set(json.loads(record.read_text()))
-    except (OSError, ValueError):
-        pass
-    import gguf
-    reader = gguf.GGUFReader(path)
-    types = {t.tensor_type.name for t in reader.tensors if t.name.startswith("blk.") and len(t.shape) == 2}
-    try:
-        record.parent.mkdir(parents=True, exist_ok=True)
-        _atomic_write(record, lambda tmp: Path(tmp).write_text(json.dumps(sorted(types))))
-    except OSError as exc:
-        logger.warning("could not write %s: %s", record, exc)
-    return types
+def _norm_offset(hf_name: str, array: np.ndarray, config: ModelConfig) -> np.ndarray:
+    if config.architecture in GGUF_NORM_OFFSET_ARCHS and hf_name.endswith("norm.weight"):
+        return array - np.float32(1.0)
+    return array
 
 
 def _to_tensor(array: np.ndarray) -> torch.Tensor:

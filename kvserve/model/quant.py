@@ -35,7 +35,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvserve.model.gguf_blocks import Int4Groups, Int8Groups, KeptTensor, affine, int4_groups
+
 WEIGHT_FORMATS = ("float32", "bfloat16", "float16", "int8", "int4")
+GGUF_FORMAT = "gguf"     # each GGUF tensor in the layout of its own block type (gguf_blocks.py)
+COPY_FORMATS = ("int8", "int4", "int8g")   # formats that take a bfloat16 copy (add_bf16_copy)
 FLOAT_FORMATS = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 GROUP_SIZE = 32
 CPU_INT4_ROWS = 64       # the CPU int4 kernel packs rows in tiles of 64
@@ -59,33 +63,66 @@ FLOAT_HEAD = ("lm_head",)
 HEAD_FORMAT = "float16"
 
 
-class QuantLinear(nn.Module):
-    """y = x W^T + b with W stored as `fmt` (see the module docstring)."""
+class KeptLinear(nn.Module):
+    """A linear layer whose weight stays in a storage format: y = x W^T + b. Subclasses (one per
+    format) pick their kernels at construction and run them in `_matmul` on [rows, in_features]."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, fmt: str,
+    fmt = ""
+    out_features = in_features = 0
+    copies = True    # takes the engine's bfloat16 copy (add_bf16_copy) where its format has one
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        out = self._matmul(x.reshape(-1, self.in_features))
+        if self.bias is not None:
+            out = out + self.bias.to(out.dtype)
+        return out.view(*shape[:-1], self.out_features)
+
+    def _matmul(self, x: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes this layer holds (weights, scales, kernel layouts, copies, bias)."""
+        return sum(t.numel() * t.element_size() for t in [*self.buffers(), *self.parameters()])
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, fmt={self.fmt}"
+
+
+def _bias(bias: torch.Tensor | None) -> nn.Parameter | None:
+    return None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
+
+
+class QuantLinear(KeptLinear):
+    """y = x W^T + b with W stored as `fmt` (see the module docstring); `weight` is a float tensor,
+    or for int4 the 4-bit groups themselves (`Int4Groups`, a GGUF's Q4_* blocks)."""
+
+    def __init__(self, weight: torch.Tensor | Int4Groups, bias: torch.Tensor | None, fmt: str,
                  tied: torch.Tensor | None = None):
         super().__init__()
         if fmt not in WEIGHT_FORMATS:
             raise ValueError(f"weight format must be one of {WEIGHT_FORMATS}, got {fmt!r}")
+        groups = weight if isinstance(weight, Int4Groups) else None
+        w = (groups.codes if groups is not None else weight).detach()
         self.fmt = fmt
-        self.out_features, self.in_features = weight.shape
+        self.out_features, self.in_features = w.shape
         self.small_rows = SMALL_ROWS
         # a float32 tensor holding the same weight that other code keeps anyway (the embedding a
         # tied LM head shares); a list, so it is neither a submodule nor counted in this layer's bytes
         self.tied = [tied] if tied is not None else []
         self.wide_rows = TIED_WIDE_ROWS if tied is not None else HALF_WIDE_ROWS
-        self.bf16_units = not slow_half(weight.device)   # read once: compiled graphs cannot ask the CPU
+        self.bf16_units = not slow_half(w.device)   # read once: compiled graphs cannot ask the CPU
         self.row_kernel = None   # add_row_kernel
-        self.gemv = cpu_gemv(weight.device, fmt)   # the C++ GEMV ops serve this layer's few-row steps
+        self.gemv = cpu_gemv(w.device, fmt)   # the C++ GEMV ops serve this layer's few-row steps
         self.register_buffer("bf16_t", None)   # add_bf16_copy
-        self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
-        w = weight.detach()
+        self.bias = _bias(bias)
         if fmt in FLOAT_FORMATS:
             self.register_buffer("weight", w.to(FLOAT_FORMATS[fmt]).contiguous())
         elif fmt == "int8":
             self._init_int8(w.float())
         else:
-            self._init_int4(w.float())
+            self._init_int4(groups if groups is not None else int4_groups(w))
 
     def _init_int8(self, w: torch.Tensor) -> None:
         scale = (w.abs().amax(dim=1) / 127).clamp(min=1e-12)                      # [N]
@@ -93,19 +130,13 @@ class QuantLinear(nn.Module):
         self.register_buffer("scale", scale)
         self.register_buffer("scale_bf16", scale.to(torch.bfloat16))
 
-    def _init_int4(self, w: torch.Tensor) -> None:
-        n, k = w.shape
-        if k % GROUP_SIZE:
-            raise ValueError(f"int4 weights need in_features divisible by {GROUP_SIZE} (got {k}); "
-                             "use weights='int8'")
-        groups = w.view(n, k // GROUP_SIZE, GROUP_SIZE)
-        low, high = groups.amin(-1), groups.amax(-1)                                # [N, K/G]
-        scale = ((high - low) / 15).clamp(min=1e-12)
-        q = torch.round((groups - low[..., None]) / scale[..., None]).clamp(0, 15).to(torch.uint8).view(n, k)
-        # w = (q - 8) * scale + zero with zero = min + 8 * scale: the CPU kernel's convention, [K/G, N, 2]
+    def _init_int4(self, groups: Int4Groups) -> None:
+        n = self.out_features
+        q, scale, low = groups.codes, groups.scales, groups.lows
+        # w = (q - 8) * scale + zero with zero = low + 8 * scale: the CPU kernel's convention, [K/G, N, 2]
         zeros = torch.stack([scale.t(), (low + 8 * scale).t()], dim=-1).contiguous()
         self.register_buffer("scales_zeros", zeros.to(torch.bfloat16))
-        if w.device.type == "cpu" and n % CPU_INT4_ROWS == 0:
+        if q.device.type == "cpu" and n % CPU_INT4_ROWS == 0:
             self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 1))
         else:
             self.register_buffer("nibbles", q[:, 0::2] | (q[:, 1::2] << 4))        # [N, K/2]
@@ -130,25 +161,14 @@ class QuantLinear(nn.Module):
         scale, zero = self.scales_zeros.float().permute(2, 1, 0)                    # [N, K/G] each
         return (groups * scale[..., None] + zero[..., None]).view(n, k).to(dtype)
 
-    @property
-    def nbytes(self) -> int:
-        """Bytes this layer holds (weights, scales, kernel layouts, copies, bias)."""
-        return sum(t.numel() * t.element_size() for t in [*self.buffers(), *self.parameters()])
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        shape = x.shape
-        x2 = x.reshape(-1, self.in_features)
-        if x2.shape[0] == 1 and self.row_kernel is not None:
-            out = self.row_kernel(x2.float(), self.row_q8, self.row_scale).to(x.dtype)
-        elif self.fmt in FLOAT_FORMATS:
-            out = self._float(x2)
-        elif self.fmt == "int8":
-            out = self._int8(x2)
-        else:
-            out = self._int4(x2)
-        if self.bias is not None:
-            out = out + self.bias.to(out.dtype)
-        return out.view(*shape[:-1], self.out_features)
+    def _matmul(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] == 1 and self.row_kernel is not None:
+            return self.row_kernel(x.float(), self.row_q8, self.row_scale).to(x.dtype)
+        if self.fmt in FLOAT_FORMATS:
+            return self._float(x)
+        if self.fmt == "int8":
+            return self._int8(x)
+        return self._int4(x)
 
     def _float(self, x: torch.Tensor) -> torch.Tensor:
         w = self.weight
@@ -195,7 +215,7 @@ class QuantLinear(nn.Module):
         """Keep W^T [K, N] in bfloat16 (the stored weight, rounded once) next to the int8/int4 layout:
         a step of more than COPY_ROWS rows (a batched decode, a prefill chunk) runs one bfloat16 GEMM
         on it, 1.5x faster steps at 32-64 rows on a CPU with bfloat16 units, at 2 bytes per weight."""
-        if self.fmt in ("int8", "int4") and self.bf16_t is None:
+        if self.fmt in COPY_FORMATS and self.bf16_t is None:
             self.bf16_t = self.dequantize(torch.float32).t().contiguous().to(torch.bfloat16)
 
     def add_row_kernel(self) -> None:
@@ -215,10 +235,6 @@ class QuantLinear(nn.Module):
         self.register_buffer("row_scale", scale.t().contiguous())                   # [K/G, N]
         self.row_kernel = torch.compile(_private_copy(_q8_row), dynamic=False, fullgraph=True)
         self.row_kernel(self.weight.new_zeros(1, self.in_features, dtype=torch.float32), self.row_q8, self.row_scale)
-
-    def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, fmt={self.fmt}"
-
 
 def _q8_row(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """x [1, K] times the group-wise int8 weight q [K/G, G, N] (scales [K/G, N]) -> [1, N] float32."""
@@ -266,6 +282,119 @@ def _native_half_cpu() -> bool:
     return bool(torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
 
 
+GEMV_DTYPES = (torch.float32, torch.bfloat16)   # activations the C++ GEMVs take
+WIDE_CHUNK = 1 << 22     # int8 groups widened this many weights at a time (a 262144-row head: 64 MiB, not 671)
+
+
+class Int8GroupLinear(KeptLinear):
+    """y = x W^T + b with W as int8 codes in groups along the input channels, a float32 scale per
+    group (and a float32 minimum where the GGUF type has one): GGUF's Q8_0 / Q5_0 / Q5_1 / Q5_K
+    (groups of 32) and Q6_K (16), held exactly (gguf_blocks.py).
+    - up to SMALL_ROWS rows on CPU: kvserve's C++ GEMV `q8g_gemv` (float32 sums), else the same
+      formula in torch;
+    - more rows: one bfloat16 GEMM on the bfloat16 copy when the engine keeps one (add_bf16_copy);
+      without one, the C++ GEMV SMALL_ROWS rows at a time, else (no C++ build, other devices) the
+      weight widened to float32 (the activations' dtype off the CPU) inside the matmul, WIDE_CHUNK
+      weights at a time.
+    `copies=False` (a tied LM head, whose copy would be the largest tensor of a small model): no
+    bfloat16 copy."""
+
+    fmt = "int8g"
+
+    def __init__(self, groups: Int8Groups, bias: torch.Tensor | None = None, copies: bool = True):
+        super().__init__()
+        self.copies = copies
+        self.out_features, self.in_features = groups.codes.shape
+        self.group = groups.group
+        self.register_buffer("codes", groups.codes.contiguous())
+        self.register_buffer("scales", groups.scales.float().contiguous())
+        self.register_buffer("mins", None if groups.mins is None else groups.mins.float().contiguous())
+        self.register_buffer("bf16_t", None)   # add_bf16_copy
+        self.bias = _bias(bias)
+        self.kernel = q8g_kernel(groups.codes.device)
+        self.few_rows = _q8g_gemv if self.kernel else _q8g_torch
+
+    def groups(self) -> Int8Groups:
+        return Int8Groups(self.codes, self.scales, self.mins, self.group)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The weight [out, in] (the reference for every kernel)."""
+        return self.groups().dequantize(dtype)
+
+    def _matmul(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] <= SMALL_ROWS and x.dtype in GEMV_DTYPES:
+            return self.few_rows(x.contiguous(), self.codes, self.scales, self.mins, self.group)
+        if self.bf16_t is not None:
+            return torch.mm(x.to(torch.bfloat16), self.bf16_t).to(x.dtype)
+        if self.kernel and x.dtype in GEMV_DTYPES:
+            return torch.cat([self.few_rows(part.contiguous(), self.codes, self.scales, self.mins, self.group)
+                              for part in x.split(SMALL_ROWS)])
+        wide = torch.float32 if x.device.type == "cpu" else x.dtype
+        return torch.cat([F.linear(x.to(wide), w) for w in self._widened(wide)], dim=-1).to(x.dtype)
+
+    def _widened(self, dtype: torch.dtype):
+        """The weight in row chunks of about WIDE_CHUNK values, each [rows, in] in `dtype`."""
+        step = max(1, WIDE_CHUNK // self.in_features)
+        for start in range(0, self.out_features, step):
+            rows = slice(start, start + step)
+            mins = None if self.mins is None else self.mins[rows]
+            yield affine(self.codes[rows], self.scales[rows], mins, self.group).to(dtype)
+
+    def add_bf16_copy(self) -> None:
+        """Keep W^T [K, N] in bfloat16 (widened a chunk at a time) for steps of more than SMALL_ROWS rows."""
+        if self.bf16_t is None and self.copies:
+            self.bf16_t = torch.cat([w.t() for w in self._widened(torch.bfloat16)], dim=1).contiguous()
+
+
+def _q8g_gemv(x, codes, scales, mins, group):
+    return torch.ops.kvserve_cpu.q8g_gemv(x, codes, scales, mins, group)
+
+
+def _q8g_torch(x, codes, scales, mins, group):
+    """q8g_gemv's formula in torch: y = sum_g scale * dot(x_g, code_g) + min * sum(x_g), float32 sums."""
+    m, k = x.shape
+    xg = x.float().view(m, k // group, group)
+    out = []
+    for start in range(0, codes.shape[0], max(1, WIDE_CHUNK // k)):
+        rows = slice(start, start + max(1, WIDE_CHUNK // k))
+        c = codes[rows].float().view(-1, k // group, group)
+        y = (torch.einsum("mgi,ngi->mng", xg, c) * scales[rows]).sum(-1)
+        if mins is not None:
+            y = y + xg.sum(-1) @ mins[rows].t()
+        out.append(y)
+    return torch.cat(out, dim=-1).to(x.dtype)
+
+
+def q8g_kernel(device: torch.device) -> bool:
+    """True when the C++ `q8g_gemv` serves int8-group layers on `device`."""
+    return cpu_gemv(device, "int8") and hasattr(torch.ops.kvserve_cpu, "q8g_gemv")
+
+
+class GroupEmbedding(nn.Module):
+    """An embedding table kept as int8 groups (a GGUF's quantized token_embd): a lookup widens
+    only the rows it reads, to `dtype`; a tied LM head reads the same codes."""
+
+    def __init__(self, groups: Int8Groups, dtype: torch.dtype = torch.float32):
+        super().__init__()
+        self.num_embeddings, self.embedding_dim = groups.codes.shape
+        self.group, self.dtype = groups.group, dtype
+        self.register_buffer("codes", groups.codes.contiguous())
+        self.register_buffer("scales", groups.scales.float().contiguous())
+        self.register_buffer("mins", None if groups.mins is None else groups.mins.float().contiguous())
+
+    def groups(self) -> Int8Groups:
+        return Int8Groups(self.codes, self.scales, self.mins, self.group)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        flat = ids.reshape(-1)
+        mins = None if self.mins is None else self.mins[flat]
+        rows = affine(self.codes[flat], self.scales[flat], mins, self.group)
+        return rows.to(self.dtype).view(*ids.shape, self.embedding_dim)
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, int8 groups of {self.group}"
+
+
 class FusedMember(nn.Module):
     """One linear of a quantized `Fused` group: its rows of the group's output (no weight of its own)."""
 
@@ -303,9 +432,80 @@ def _replace_members(module: nn.Module, group) -> None:
                 setattr(module, name, FusedMember(group, i))
 
 
-def quant_layers(model: nn.Module) -> list[QuantLinear]:
-    """Every QuantLinear of `model`, those of fused groups (not submodules) included."""
-    out = [m for m in model.modules() if isinstance(m, QuantLinear)]
+def keep_formats(model: nn.Module, kept: dict[str, KeptTensor]) -> None:
+    """Give `model` (built on the meta device, its float tensors loaded) a layer per GGUF weight in
+    `kept` (HF name -> its kept layout): the embedding, every linear and fused group, a tied LM
+    head on the embedding's own codes. A fused group whose members all keep int8 groups, or all
+    int4, or all one float dtype, runs as one layer (int8 groups at the finest member group);
+    other groups run member by member."""
+    names = {id(m): name for name, m in model.named_modules()}
+    for module in list(model.modules()):
+        for group in getattr(module, "fused", ()):
+            members = [kept[names[id(m)] + ".weight"] for m in group.linears]
+            fused = fuse_kept(members)
+            if fused is not None and (all(m.bias is None for m in group.linears)
+                                      or all(m.bias is not None for m in group.linears)):
+                bias = None if group.linears[0].bias is None else torch.cat([m.bias for m in group.linears])
+                group.quant = kept_layer(fused, bias)
+                _replace_members(module, group)
+            else:
+                layers = [kept_layer(t, m.bias) for t, m in zip(members, group.linears)]
+                for name, child in list(module.named_children()):
+                    if child in group.linears:
+                        setattr(module, name, layers[group.linears.index(child)])
+                group.linears = tuple(layers)
+    embed = model.model.embed_tokens
+    old = embed.weight
+    table = kept[names[id(embed)] + ".weight"].layout
+    if isinstance(table, torch.Tensor):
+        embed.weight = nn.Parameter(table, requires_grad=False)
+    else:
+        model.model.embed_tokens = GroupEmbedding(table.as_int8() if isinstance(table, Int4Groups) else table)
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if not isinstance(child, nn.Linear):
+                continue
+            if names[id(child)] + ".weight" in kept:
+                setattr(parent, name, kept_layer(kept[names[id(child)] + ".weight"], child.bias))
+            elif child.weight is old and isinstance(table, torch.Tensor):   # a tied LM head
+                child.weight = embed.weight
+            elif child.weight is old:
+                setattr(parent, name, Int8GroupLinear(model.model.embed_tokens.groups(), copies=False))
+
+
+def kept_layer(t: KeptTensor, bias: torch.Tensor | None) -> KeptLinear:
+    """The layer holding one kept GGUF weight."""
+    if t.kind == "int8g":
+        return Int8GroupLinear(t.layout, bias)
+    if t.kind == "int4":
+        return QuantLinear(t.layout, bias, "int4")
+    return QuantLinear(t.layout, bias, str(t.layout.dtype).removeprefix("torch."))
+
+
+def fuse_kept(members: list[KeptTensor]) -> KeptTensor | None:
+    """The members' rows in one layout (see keep_formats), or None when their layouts differ."""
+    kinds = {t.kind for t in members}
+    types = "+".join(dict.fromkeys(t.gguf_type for t in members))
+    layouts = [t.layout for t in members]
+    if kinds == {"int8g"}:
+        g = min(x.group for x in layouts)
+        parts = [x.regroup(g) for x in layouts]
+        mins = None
+        if any(p.mins is not None for p in parts):
+            mins = torch.cat([p.mins if p.mins is not None else torch.zeros_like(p.scales) for p in parts])
+        return KeptTensor(types, Int8Groups(torch.cat([p.codes for p in parts]),
+                                            torch.cat([p.scales for p in parts]), mins, g))
+    if kinds == {"int4"}:
+        return KeptTensor(types, Int4Groups(*(torch.cat([getattr(x, f) for x in layouts])
+                                              for f in ("codes", "scales", "lows"))))
+    if kinds == {"float"} and len({x.dtype for x in layouts}) == 1:
+        return KeptTensor(types, torch.cat(layouts))
+    return None
+
+
+def quant_layers(model: nn.Module) -> list[KeptLinear]:
+    """Every kept-format linear of `model`, those of fused groups (not submodules) included."""
+    out = [m for m in model.modules() if isinstance(m, KeptLinear)]
     for module in model.modules():
         out += [g.quant for g in getattr(module, "fused", ()) if g.quant is not None]
     return out
@@ -313,14 +513,17 @@ def quant_layers(model: nn.Module) -> list[QuantLinear]:
 
 def weight_bytes(model: nn.Module) -> int:
     """Bytes of every parameter and quantized weight layout (shared tensors counted once)."""
-    tensors = [*model.parameters(), *(b for m in quant_layers(model) for b in m.buffers())]
+    kept = [*quant_layers(model), *(m for m in model.modules() if isinstance(m, GroupEmbedding))]
+    tensors = [*model.parameters(), *(b for m in kept for b in m.buffers())]
     return sum({t.data_ptr(): t.numel() * t.element_size() for t in tensors}.values())
 
 
 def cast_unquantized(model: nn.Module, dtype: torch.dtype) -> None:
-    """Cast every floating parameter and buffer outside the QuantLinear layers to `dtype`."""
+    """Cast every floating parameter and buffer outside the kept-format layers to `dtype`."""
     for module in model.modules():
-        if isinstance(module, QuantLinear):
+        if isinstance(module, GroupEmbedding):
+            module.dtype = dtype
+        if isinstance(module, (KeptLinear, GroupEmbedding)):
             continue
         for name, p in module.named_parameters(recurse=False):
             if p.is_floating_point():

