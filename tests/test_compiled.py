@@ -152,7 +152,7 @@ def test_one_token_paged_attention_matches_the_paged_reference(pool_dtype):
     ref_k, ref_v = k_pool.clone(), v_pool.clone()
     ref_k[7, 1], ref_v[7, 1] = k[0].to(pool_dtype), v[0].to(pool_dtype)
     want = paged_decode(q, ref_k, ref_v, DecodeChunks(blocks, torch.tensor([0]), bias.view(1, 1, 1, -1), 1, True), 0.25)
-    got = paged_decode_one(q, k, v, k_pool, v_pool, slot, blocks, bias, 0.25)
+    got = paged_decode_one(q, k, v, k_pool, v_pool, slot, blocks, torch.tensor([0, 10]), 0.25)
     assert torch.equal(k_pool, ref_k) and torch.equal(v_pool, ref_v)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     # by hand for head 4 (K/V head 1): softmax over the 10 visible positions

@@ -66,18 +66,40 @@ def paged_decode(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, ch
 
 
 def paged_decode_one(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
-                     slot: torch.Tensor, blocks: torch.Tensor, bias: torch.Tensor, scale: float) -> torch.Tensor:
+                     slot: torch.Tensor, blocks: torch.Tensor, span: torch.Tensor, scale: float) -> torch.Tensor:
     """One decode token, traceable (the compiled one-token stack, model/regions.py): write its K/V
-    [1, Hkv, D] at `slot` [1], attend over `blocks` [n] of the pools (bias [n * block_size]: 0
-    visible, -inf not), each K/V head's query heads as its query rows; q [1, Hq, D] -> [1, Hq, Dv]."""
-    nb, bs, hkv, d = k_pool.shape
+    [1, Hkv, D] at `slot` [1], attend over `blocks` [n] of the pools, of whose n * block_size
+    positions [span[0], span[1]) are visible, each K/V head's query heads as its query rows;
+    q [1, Hq, D] -> [1, Hq, Dv]. n is an unbacked size in the graph (one_token_blocks)."""
+    bs, hkv, d = k_pool.shape[1:]
     dv = v_pool.shape[-1]
-    k_pool.view(nb * bs, hkv, d).index_put_((slot,), k.to(k_pool.dtype))
-    v_pool.view(nb * bs, hkv, dv).index_put_((slot,), v.to(v_pool.dtype))
+    torch._check(blocks.shape[0] >= 1)
+    write_one(k, v, k_pool, v_pool, slot)
     # pools may be bfloat16 under float32 queries: widened as they are read
     keys = k_pool.index_select(0, blocks).to(q.dtype).view(-1, hkv, d).permute(1, 2, 0)      # [Hkv, D, L]
     values = v_pool.index_select(0, blocks).to(q.dtype).view(-1, hkv, dv).transpose(0, 1)    # [Hkv, L, Dv]
+    pos = torch.arange(blocks.shape[0] * bs, device=q.device)
+    bias = torch.zeros((), device=q.device).masked_fill((pos < span[0]) | (pos >= span[1]), float("-inf"))
     hq = q.shape[1]
     scores = torch.matmul(q.view(hkv, hq // hkv, d), keys) * scale + bias
     weights = torch.softmax(scores.float(), dim=-1).to(values.dtype)
     return torch.matmul(weights, values).view(1, hq, dv)
+
+
+def write_one(k: torch.Tensor, v: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
+              slot: torch.Tensor) -> None:
+    """Store one token's K and V [1, Hkv, D] at `slot` [1] of the pools, in the pools' dtype."""
+    k_pool.view(-1, *k_pool.shape[2:]).index_put_((slot,), k.to(k_pool.dtype))
+    v_pool.view(-1, *v_pool.shape[2:]).index_put_((slot,), v.to(v_pool.dtype))
+
+
+def one_token_blocks(table: torch.Tensor, start: int, end: int, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """paged_decode_one's (blocks, span) for positions [start, end) of a block table row: the
+    blocks that hold them, their length marked unbacked, so that the one-token graph holds no
+    guard on it (a backed size there gets one: Inductor's CPU reductions switch to a cascade sum
+    past 4096 elements and guard on that, recompiling the graph as a stream crosses it)."""
+    b0 = start // block_size
+    blocks = table[b0:(end - 1) // block_size + 1].clone()   # its own storage: no offset to guard on
+    torch._dynamo.decorators.mark_unbacked(blocks, 0)
+    lo = b0 * block_size
+    return blocks, torch.tensor([start - lo, end - lo], device=table.device)

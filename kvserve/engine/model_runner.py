@@ -13,9 +13,10 @@ from kvserve.attention import (
     PagedBackend,
     PrefillSpan,
     StepBatch,
-    plan_chunks,
     select_backend,
 )
+from kvserve.attention import cpu as cpu_kernel
+from kvserve.attention.paged import one_token_blocks, paged_decode_one
 from kvserve.engine.input_batch import InputBatch
 from kvserve.engine.request import Request
 from kvserve.kv.eviction import KeepAll
@@ -56,7 +57,7 @@ class ModelRunner:
         self.backends: list = []
         self.layer_backend: dict[int, object] = {}
         self.layer_group: dict[int, int] = {}
-        self.native_pools = None   # ((K pool, V pool) per layer, group per layer): see one_token_plan
+        self.native_pools = None   # (decode op, (K pool, V pool) per layer, group per layer): see one_token_plan
         self._backends_said = ""   # the backends last logged
         if kv is not None:
             self.input_batch = InputBatch(len(kv.groups), max_num_seqs, -(-max_model_len // self.block_size) + 1,
@@ -87,9 +88,10 @@ class ModelRunner:
             self._warm_up_one_token()
 
     def _native_pools(self):
-        """Every layer's (K pool, V pool) and group when the model runs compiled and every group
-        keeps native K/V read by PagedBackend: a single decode token then runs as one graph that
-        writes and reads the pools itself (model/regions.py). None otherwise."""
+        """(The one-token attention, every layer's (K pool, V pool), the layer's group) when the model
+        runs compiled and every group keeps native K/V read by PagedBackend: a single decode token
+        then runs as one graph that writes and reads the pools itself (model/regions.py). None
+        otherwise."""
         layers = getattr(self.model.model, "layers", ())
         regions = getattr(self.model.model, "regions", None)
         if (not getattr(regions, "compiled", False) or not all(type(b) is PagedBackend for b in self.backends)
@@ -97,40 +99,38 @@ class ModelRunner:
                 or not all(hasattr(layer.self_attn, "scale") for layer in layers)):
             return None
         pools = tuple(tuple(self.storage.native_kv(i)) for i in range(len(layers)))
-        return pools, tuple(self.layer_group[i] for i in range(len(layers)))
+        # the C++ kernel where it reads every pool (an opaque op in the graph), else torch's ops
+        decode = cpu_kernel.paged_decode_one if all(b.kernel for b in self.backends) else paged_decode_one
+        return decode, pools, tuple(self.layer_group[i] for i in range(len(layers)))
 
     def one_token_plan(self, meta: AttentionMetadata) -> tuple | None:
-        """The one-token graph's inputs for a step of a single decode token (see _native_pools)."""
+        """The one-token graph's inputs for a step of a single decode token (see _native_pools):
+        per group, the visible blocks (of an unbacked length: one graph for every context length)
+        and the visible positions among them."""
         if self.native_pools is None or meta.num_decodes != 1 or meta.prefills or meta.score_hook is not None:
             return None
-        pools, groups = self.native_pools
-        blocks, biases = [], []
-        for md in meta.groups:   # one row: one chunk of all its blocks
-            chunks = md.chunks or plan_chunks(*md.decode_range, self.block_size, 1)
-            b, bias = chunks.blocks, chunks.bias.view(-1)
-            if b.numel() == 1:   # at least two blocks: one graph for every length (a size of 1 specializes)
-                b, bias = b.repeat(2), torch.cat([bias, torch.full_like(bias, float("-inf"))])
-            blocks.append(b)
-            biases.append(bias)
-        return pools, tuple(md.slot_mapping for md in meta.groups), tuple(blocks), tuple(biases), groups
+        decode, pools, groups = self.native_pools
+        views = [one_token_blocks(table[0], int(start), int(end), self.block_size)
+                 for table, start, end in (md.decode_range for md in meta.groups)]
+        return (decode, pools, tuple(md.slot_mapping for md in meta.groups), tuple(b for b, _ in views),
+                tuple(span for _, span in views), groups)
 
     @torch.inference_mode()
     def _warm_up_one_token(self) -> None:
         """Compile the one-token graph now (not on a request's first decode step): one fake decode
         at slot 0 of every pool, whose old contents are put back."""
-        pools, groups = self.native_pools
+        decode, pools, groups = self.native_pools
         flat = [p.view(-1, *p.shape[2:]) for kv in pools for p in kv]
         saved = [p[0].clone() for p in flat]
         rows = [layer.self_attn.kv_rows for layer in self.model.model.layers]
         groups_n = len(self.backends)
-        blocks = torch.zeros(2, dtype=torch.long, device=self.device)
-        bias = torch.zeros(2 * self.block_size, device=self.device)
-        bias[1:] = float("-inf")
+        slot = torch.zeros(1, dtype=torch.long, device=self.device)
+        blocks, span = one_token_blocks(slot, 0, 1, self.block_size)
         meta = AttentionMetadata(num_decodes=1)
-        meta.one_token = (pools, (blocks[:1],) * groups_n, (blocks,) * groups_n, (bias,) * groups_n, groups)
+        meta.one_token = (decode, pools, (slot,) * groups_n, (blocks,) * groups_n, (span,) * groups_n, groups)
         t0 = time.perf_counter()
         try:
-            self.model(torch.zeros(1, dtype=torch.long, device=self.device), blocks[:1], meta)
+            self.model(torch.zeros(1, dtype=torch.long, device=self.device), slot, meta)
             log.info("one-token decode graph over the paged KV pools compiled in %.1f s", time.perf_counter() - t0)
         finally:
             for p, old in zip(flat, saved):

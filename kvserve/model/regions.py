@@ -23,7 +23,6 @@ import torch
 from tqdm.auto import tqdm
 
 from kvserve.attention import OBSERVERS
-from kvserve.attention.paged import paged_decode_one
 from kvserve.model.quant import QuantLinear
 
 log = logging.getLogger("kvserve")
@@ -63,14 +62,15 @@ def _one_token_stack(layers, x, positions):
     return x
 
 
-def _one_token_paged_stack(layers, x, positions, pools, slots, blocks, biases, groups):
+def _one_token_paged_stack(layers, x, positions, decode, pools, slots, blocks, spans, groups):
     """The whole stack for one decode token over native paged K/V, the cache written and read in
-    the graph (attention/paged.py paged_decode_one): no Python between the layers."""
+    the graph by `decode` (attention/paged.py paged_decode_one, or the C++ kernel's, an opaque op):
+    no Python between the layers."""
     q, k, v = _first(layers[0], x, positions)
     last = len(layers) - 1
     for i, layer in enumerate(layers):
         g = groups[i]
-        o = paged_decode_one(q, k, v, *pools[i], slots[g], blocks[g], biases[g], layer.self_attn.scale)
+        o = decode(q, k, v, *pools[i], slots[g], blocks[g], spans[g], layer.self_attn.scale)
         if i == last:
             return _last(layer, x, o)
         x, (q, k, v) = _between(layer, layers[i + 1], x, o, positions)
@@ -126,10 +126,7 @@ class Regions:
     def _paged(self, layers, x, positions, plan):
         for layer in layers:
             vars(layer.self_attn)["kv_rows"] += 1   # an int in the module's dict (nn.Module.__setattr__ costs 8 us)
-        pools, slots, blocks, biases, groups = plan
-        for t in (*blocks, *biases):   # the context length varies: one graph for every length
-            torch._dynamo.maybe_mark_dynamic(t, 0)
-        return self.one_token_paged(layers, x, positions, pools, slots, blocks, biases, groups)
+        return self.one_token_paged(layers, x, positions, *plan)   # ModelRunner.one_token_plan
 
 
 EAGER = Regions(False)

@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 from kvserve import native
+from kvserve.attention.paged import write_one
 from kvserve.native import CACHE_ENV  # noqa: F401  (tests point it at a fresh folder)
 
 log = logging.getLogger("kvserve")
@@ -81,3 +82,23 @@ def paged_decode(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, ta
     if rc:
         raise ValueError(f"CPU decode attention kernel: unsupported dtypes (queries {q.dtype}, pools {k_pool.dtype})")
     return out
+
+
+@torch.library.custom_op("kvserve::paged_decode_blocks", mutates_args=())
+def paged_decode_blocks(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, blocks: torch.Tensor,
+                        span: torch.Tensor, scale: float) -> torch.Tensor:
+    """paged_decode of one row q [1, Hq, D] over positions [span[0], span[1]) of `blocks` [n], as
+    an op the one-token graph calls without looking inside (no shape in it depends on n)."""
+    return paged_decode(q, k_pool, v_pool, blocks[None], span[:1], span[1:], scale)
+
+
+@paged_decode_blocks.register_fake
+def _(q, k_pool, v_pool, blocks, span, scale):
+    return q.new_empty((*q.shape[:2], v_pool.shape[-1]))
+
+
+def paged_decode_one(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
+                     slot: torch.Tensor, blocks: torch.Tensor, span: torch.Tensor, scale: float) -> torch.Tensor:
+    """attention/paged.py paged_decode_one through the kernel: the write traced, the read in place."""
+    write_one(k, v, k_pool, v_pool, slot)
+    return paged_decode_blocks(q, k_pool, v_pool, blocks, span, scale)

@@ -1,0 +1,102 @@
+"""Decode speed has no cliff at long context: the one-token graph holds no shape that depends on the
+context length (attention/paged.py one_token_blocks), so a stream growing past every bound (one
+block to two, Inductor's 4096-element cascade-sum switch, a sliding window) neither recompiles nor
+leaves the graph, and decodes what full recompute and the eager engine decode."""
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+
+from kvserve import LLM, SamplingParams
+from kvserve.attention import cpu as cpu_kernel
+from kvserve.attention.paged import one_token_blocks, paged_decode_one
+from kvserve.model.regions import EAGER_ENV
+
+BS, HKV, HQ, D = 16, 2, 6, 32
+# context lengths whose visible blocks cross every size bound: one block, two, Inductor's 4096, past it
+LENGTHS = (1, 2, 17, 4096, 4097, 5000)
+DECODES = {"torch ops": paged_decode_one, "CPU kernel": cpu_kernel.paged_decode_one}
+
+
+def _graphs() -> int:
+    return counters["stats"]["unique_graphs"]
+
+
+def _by_hand(q, keys, values, scale):
+    """float64 attention of each query head over its K/V head's visible keys [L, Hkv, D]."""
+    g = HQ // HKV
+    out = torch.empty(HQ, D, dtype=torch.float64)
+    for h in range(HQ):
+        k, v = keys[:, h // g].double(), values[:, h // g].double()
+        out[h] = torch.softmax(k @ q[0, h].double() * scale, 0) @ v
+    return out
+
+
+@pytest.mark.parametrize("pool_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("decode", list(DECODES))
+def test_the_one_token_attention_compiles_once_for_every_length(decode, pool_dtype):
+    """One compiled graph of the one-token attention serves a growing context (and a sliding window's
+    span) without recompiling, and matches float64 attention over the visible positions."""
+    if decode == "CPU kernel" and cpu_kernel.kernel() is None:
+        pytest.fail("the CPU decode kernel did not build (see the log): this test needs a C++ compiler")
+    torch.manual_seed(0)
+    nb = max(LENGTHS) // BS + 2
+    k_pool = torch.randn(nb, BS, HKV, D).to(pool_dtype)
+    v_pool = torch.randn(nb, BS, HKV, D).to(pool_dtype)
+    table = torch.randperm(nb)
+    fn = torch.compile(DECODES[decode], dynamic=False, fullgraph=True)
+    before = _graphs()
+    spans = [(0, n) for n in LENGTHS] + [(4097 - 512, 4097)]   # the last: a 512-token window
+    with torch.inference_mode():
+        for start, end in spans:
+            q, k, v = torch.randn(1, HQ, D), torch.randn(1, HKV, D), torch.randn(1, HKV, D)
+            p = end - 1    # the new token's position
+            slot = (table[p // BS] * BS + p % BS).view(1)
+            blocks, span = one_token_blocks(table, start, end, BS)
+            got = fn(q, k, v, k_pool, v_pool, slot, blocks, span, 0.2)
+            assert torch.equal(k_pool.view(-1, HKV, D)[slot], k.to(pool_dtype))
+            pos = torch.arange(start, end)
+            rows = table[pos // BS] * BS + pos % BS
+            keys, values = k_pool.view(-1, HKV, D)[rows], v_pool.view(-1, HKV, D)[rows]
+            torch.testing.assert_close(got[0].double(), _by_hand(q, keys, values, 0.2), rtol=2e-5, atol=2e-5)
+    assert _graphs() - before == 1, "the one-token attention recompiled as the context grew"
+
+
+def _stream(llm, prompt_ids, n, monkeypatch):
+    """(greedy tokens of one stream, graphs compiled after its first decode step, calls of the
+    one-token graph: over the paged pools, or with attention as an opaque op)."""
+    regions = llm.engine.model.model.regions
+    name = "one_token_paged" if llm.engine.runner.native_pools is not None else "one_token"
+    real, calls = getattr(regions, name), []
+    monkeypatch.setattr(regions, name, lambda *a: calls.append(1) or real(*a))
+    engine = llm.engine
+    engine.add_request({"prompt_token_ids": prompt_ids}, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
+    outs, steps, first = [], 0, None
+    while engine.has_unfinished_requests():
+        outs += [o for o in engine.step() if o.finished]
+        steps += 1
+        if steps == 2:    # the prefill step, then the first decode step: every graph exists now
+            first = _graphs()
+    return outs[0].outputs[0].token_ids, _graphs() - first, len(calls)
+
+
+@pytest.mark.parametrize("kv", ["auto", "int8"])
+def test_a_stream_crosses_4096_tokens_without_recompiling(kv, monkeypatch):
+    """A lone stream decoding from 4,090 to 4,104 tokens (across Inductor's 4096 bound and block
+    boundaries) stays in one compiled graph per step, with no new graph, and makes the eager
+    engine's greedy tokens; bfloat16 pools (the CPU kernel in the paged graph) and int8 K/V (the
+    gathered path, attention as an opaque op of the one-token graph)."""
+    opts = dict(kv_cache_dtype=kv, kv_cache_memory="96MiB", max_model_len=4160, enable_prefix_caching=False)
+    eager = LLM(enforce_eager=True, **opts)
+    ids = eager.get_tokenizer().encode(" ".join(
+        f"Line {i}: the cache keeps every key and value it has seen so far." for i in range(400)))[:4090]
+    assert len(ids) == 4090
+    greedy = SamplingParams(temperature=0, max_tokens=14, ignore_eos=True)
+    want = eager.generate({"prompt_token_ids": ids}, greedy, use_tqdm=False)[0].outputs[0].token_ids
+    del eager
+    monkeypatch.setenv(EAGER_ENV, "0")
+    llm = LLM(compile_mode="blocking", **opts)
+    tokens, new_graphs, graph_calls = _stream(llm, ids, 14, monkeypatch)
+    assert new_graphs == 0, "a graph compiled while the stream grew"
+    assert graph_calls == 13                  # every decode step in the one-token graph (no eager fallback)
+    assert list(tokens) == list(want)
