@@ -157,7 +157,7 @@ def _close_to_float64(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor, rel: fl
 @pytest.mark.parametrize("kind", ["q8_0", "q5_1", "q6_k"])
 @pytest.mark.parametrize("rows", [1, 2, 16, 17, 64])
 def test_the_int8_group_linear_computes_x_w_t_at_every_row_count(kind, rows):
-    """On the C++ GEMV (1-16 rows; more: 16 at a time), the torch formula, the widened weight and
+    """On the C++ GEMV (1-16 rows; more: widened, or 16 at a time for a head), the torch formula,
     the bfloat16 copy, y = x W^T + b over the dequantized weight; float32 sums (bfloat16 for the copy)."""
     from kvserve.model.quant import Int8GroupLinear, _q8g_torch, q8g_kernel
     groups = _groups(kind)
@@ -167,7 +167,9 @@ def test_the_int8_group_linear_computes_x_w_t_at_every_row_count(kind, rows):
     layer = Int8GroupLinear(groups, bias)
     assert layer.kernel == q8g_kernel(torch.device("cpu"))
     _close_to_float64(layer(x) - bias, x, w, 1e-5)
-    layer.few_rows, layer.kernel = _q8g_torch, False          # no C++ build: torch's formula and widening
+    head = Int8GroupLinear(groups, bias, copies=False)        # 17+ rows: 16 at a time on the GEMV
+    _close_to_float64(head(x) - bias, x, w, 1e-5)
+    layer.few_rows = _q8g_torch                               # no C++ build: torch's formula and widening
     _close_to_float64(layer(x) - bias, x, w, 1e-5)
     layer.add_bf16_copy()
     got = layer(x) - bias

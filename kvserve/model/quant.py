@@ -292,12 +292,11 @@ class Int8GroupLinear(KeptLinear):
     (groups of 32) and Q6_K (16), held exactly (gguf_blocks.py).
     - up to SMALL_ROWS rows on CPU: kvserve's C++ GEMV `q8g_gemv` (float32 sums), else the same
       formula in torch;
-    - more rows: one bfloat16 GEMM on the bfloat16 copy when the engine keeps one (add_bf16_copy);
-      without one, the C++ GEMV SMALL_ROWS rows at a time, else (no C++ build, other devices) the
-      weight widened to float32 (the activations' dtype off the CPU) inside the matmul, WIDE_CHUNK
-      weights at a time.
+    - more rows: one bfloat16 GEMM on the bfloat16 copy when the engine keeps one (add_bf16_copy),
+      else the weight widened to float32 (the activations' dtype off the CPU) inside the matmul,
+      WIDE_CHUNK weights at a time.
     `copies=False` (a tied LM head, whose copy would be the largest tensor of a small model): no
-    bfloat16 copy."""
+    bfloat16 copy; its steps of more rows run the C++ GEMV SMALL_ROWS rows at a time."""
 
     fmt = "int8g"
 
@@ -313,6 +312,9 @@ class Int8GroupLinear(KeptLinear):
         self.bias = _bias(bias)
         self.kernel = q8g_kernel(groups.codes.device)
         self.few_rows = _q8g_gemv if self.kernel else _q8g_torch
+        # more rows without a copy: the head (run eagerly) stays on the GEMV, a layer of the compiled
+        # stack widens its weight (a fixed graph for any row count)
+        self.many_rows = self._gemv_chunks if self.kernel and not copies else self._widened_matmul
 
     def groups(self) -> Int8Groups:
         return Int8Groups(self.codes, self.scales, self.mins, self.group)
@@ -326,9 +328,16 @@ class Int8GroupLinear(KeptLinear):
             return self.few_rows(x.contiguous(), self.codes, self.scales, self.mins, self.group)
         if self.bf16_t is not None:
             return torch.mm(x.to(torch.bfloat16), self.bf16_t).to(x.dtype)
-        if self.kernel and x.dtype in GEMV_DTYPES:
-            return torch.cat([self.few_rows(part.contiguous(), self.codes, self.scales, self.mins, self.group)
-                              for part in x.split(SMALL_ROWS)])
+        return self.many_rows(x)
+
+    def _gemv_chunks(self, x: torch.Tensor) -> torch.Tensor:
+        """SMALL_ROWS rows at a time on the GEMV (eager callers only: the chunk count follows the rows)."""
+        if x.dtype not in GEMV_DTYPES:
+            return self._widened_matmul(x)
+        return torch.cat([self.few_rows(part.contiguous(), self.codes, self.scales, self.mins, self.group)
+                          for part in x.split(SMALL_ROWS)])
+
+    def _widened_matmul(self, x: torch.Tensor) -> torch.Tensor:
         wide = torch.float32 if x.device.type == "cpu" else x.dtype
         return torch.cat([F.linear(x.to(wide), w) for w in self._widened(wide)], dim=-1).to(x.dtype)
 

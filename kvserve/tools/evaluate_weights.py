@@ -6,9 +6,11 @@ float32 run: mean KL(float32 || format), top-1 agreement, perplexity of the true
 change, and the common prefix of greedy generations. The quality gate that `weights="auto"` must
 pass is GATE_KL and GATE_TOP1.
 
-A spec is a weight format (`float32`, `bfloat16`, `float16`, `int8`, `int4`), run over float32
-activations, or `A:W` for activation dtype A and weight format W (`bfloat16:bfloat16` is the whole
-model in bfloat16), or `auto` for the engine's default configuration.
+A spec is a weight format (`float32`, `bfloat16`, `float16`, `int8`, `int4`, or `gguf`: each GGUF
+tensor in its own block format, the CPU default for a GGUF file), run over float32 activations, or
+`A:W` for activation dtype A and weight format W (`bfloat16:bfloat16` is the whole model in
+bfloat16), or `auto` for the engine's default configuration. The reference is the float32
+dequantization of the same file (float32 weights and activations).
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from kvserve.tools.evaluate import (
     windows,
 )
 
-DEFAULT_SPECS = "bfloat16,int8,int4,bfloat16:bfloat16,auto"
+DEFAULT_SPECS = "gguf,bfloat16,int8,int4,bfloat16:bfloat16,auto"
 # The gate weights='auto' must pass. Top-1 agreement with float32 moves by a point between runs of a
 # few hundred tokens on a small model with many near-ties (int4 97.7% over 256 tokens, 98.0% over
 # 512; bfloat16 weights 97.3% -> 98.2%: BENCHMARKS.md "Weight formats"), so it is held at 97%;
@@ -66,13 +68,14 @@ class WeightResult:
 def spec_options(spec: str, dtype: str = "float32") -> dict:
     """'int8' -> {weights: int8, dtype: float32}; 'bfloat16:int8' -> activations bfloat16; 'auto' -> {}."""
     from kvserve.config import DTYPE_NAMES
-    from kvserve.model.quant import WEIGHT_FORMATS
+    from kvserve.model.quant import GGUF_FORMAT, WEIGHT_FORMATS
     if spec == "auto":
         return {}
     act, _, w = spec.rpartition(":")
     act = act or dtype
-    if act not in DTYPE_NAMES or w not in WEIGHT_FORMATS:
-        raise ValueError(f"bad weight spec {spec!r}: use a format of {WEIGHT_FORMATS}, optionally "
+    formats = (GGUF_FORMAT, *WEIGHT_FORMATS)
+    if act not in DTYPE_NAMES or w not in formats:
+        raise ValueError(f"bad weight spec {spec!r}: use a format of {formats}, optionally "
                          f"after an activation dtype of {DTYPE_NAMES} and a colon (e.g. 'bfloat16:int8'), or 'auto'")
     return {"dtype": act, "weights": w}
 
