@@ -279,8 +279,21 @@ def _logits(model, ids: torch.Tensor) -> torch.Tensor:
         return model.compute_logits(hidden)
 
 
+def test_the_kept_layouts_cache_round_trips(mixed_gguf, tmp_path):
+    """A second load reads the layouts back from the cache (codes, scales, mins, notes), equal."""
+    from kvserve.model.loader import CACHE_KEPT, cache_dir_for, load_gguf_kept
+    first = load_gguf_kept(mixed_gguf, cache_root=tmp_path)
+    assert (cache_dir_for(mixed_gguf, tmp_path) / CACHE_KEPT).is_file()
+    second = load_gguf_kept(mixed_gguf, cache_root=tmp_path)
+    assert first[0] == second[0] and first[1].keys() == second[1].keys() and first[2].keys() == second[2].keys()
+    for name, t in first[2].items():
+        u = second[2][name]
+        assert (t.gguf_type, t.kind, t.note, t.shape) == (u.gguf_type, u.kind, u.note, u.shape)
+        assert torch.equal(t.dequantize(), u.dequantize())
+
+
 @pytest.mark.parametrize("tokens", [5, 40])
-def test_a_mixed_format_model_gives_the_float32_dequantized_models_logits(mixed_gguf, tokens):
+def test_a_mixed_format_model_gives_the_float32_dequantized_models_logits(mixed_gguf, tokens, tmp_path):
     """Every tensor in its own layout (fused int8 groups of three types, a split int4 + int8
     gate/up, Q6_K, a Q8_0 embedding and tied head) against the float32 model of gguf's own
     dequantization of the same file, no cache, 5 tokens (the GEMVs) and 40 (16-row chunks).
@@ -293,7 +306,7 @@ def test_a_mixed_format_model_gives_the_float32_dequantized_models_logits(mixed_
     from kvserve.engine.builder import _build_kept_model, _build_model
     from kvserve.model.loader import load_gguf, load_gguf_kept
     from kvserve.model.quant import Int8GroupLinear, QuantLinear, quant_layers
-    config, floats, kept = load_gguf_kept(mixed_gguf)
+    config, floats, kept = load_gguf_kept(mixed_gguf, cache_root=tmp_path)
     model = _build_kept_model(config, floats, kept, torch.device("cpu"), torch.float32)
     fused = model.model.layers[0].self_attn.qkv.quant
     assert isinstance(fused, Int8GroupLinear) and fused.group == 32 and fused.mins is not None

