@@ -182,8 +182,8 @@ def build_tools(tools: tuple[str, ...] = TOOLS, cache: Path = CACHE_DIR, jobs: i
 
 
 def build_tool(name: str, cache: Path = CACHE_DIR) -> Path:
-    """One tool's binary, building the whole set when it is missing."""
-    path = build_tools(cache=cache).get(name)
+    """One tool's binary, built (alone) when missing."""
+    path = build_tools((name,), cache=cache).get(name)
     if path is None:
         raise RuntimeError(f"this llama.cpp tree has no {name}")
     return path
