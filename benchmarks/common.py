@@ -190,10 +190,23 @@ def llama_server_peer(binary: Path | str, log_text: str) -> dict[str, str]:
     from llama_build import build_dir, build_options
     ours = Path(binary).resolve().is_relative_to(build_dir().resolve())
     info = next((ln.split("system_info:", 1)[1].strip() for ln in log_text.splitlines() if "system_info:" in ln),
-                "not in its log")
+                None)
+    if info is None:  # logged at trace level only: ask the libllama beside the binary
+        info = library_system_info(Path(binary).resolve().parent / "libllama.so")
     return {"llama-server": str(binary),
             "build options": " ".join(build_options()) if ours else "unknown (a binary built elsewhere)",
             "system_info": info}
+
+
+def library_system_info(lib: Path) -> str:
+    """llama_print_system_info() of a libllama.so, called through ctypes in a child process."""
+    import subprocess
+    code = ("import ctypes, sys; f = ctypes.CDLL(sys.argv[1]).llama_print_system_info; "
+            "f.restype = ctypes.c_char_p; print(f().decode(errors='replace').strip())")
+    out = subprocess.run([sys.executable, "-c", code, str(lib)], capture_output=True, text=True, timeout=120)
+    if out.returncode or not out.stdout.strip():
+        return f"unknown (not in the log, and {lib} did not say)"
+    return out.stdout.strip() + f" (llama_print_system_info of {lib.name})"
 
 
 def peer_lines(peer: dict[str, str]) -> str:
