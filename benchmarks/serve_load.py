@@ -210,7 +210,7 @@ class ServerProcess:
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = tempfile.NamedTemporaryFile("w+", prefix="kvserve-load-", suffix=".log", delete=False)
         cmd = [sys.executable, "-m", serve_module(), "serve", "--host", "127.0.0.1", "--port", str(self.port),
-               "--no-access-log", *extra]
+               "--no-access-log", "--compile-mode", "blocking", *extra]
         env = {**os.environ}
         env.pop("KVSERVE_API_KEY", None)
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env,

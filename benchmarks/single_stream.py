@@ -47,7 +47,8 @@ CONFIGS = {  # name -> LLM options
 
 def kvserve_runner(options: dict, prefill_ids: list[int], output_len: int):
     """A function running one decode and one prefill measurement with a loaded engine."""
-    llm = LLM(kv_cache_memory="256MiB", max_model_len=2048, enable_prefix_caching=False, **options)
+    llm = LLM(kv_cache_memory="256MiB", max_model_len=2048, enable_prefix_caching=False, compile_mode="blocking",
+              **options)
     return engine_runner(llm, prefill_ids, output_len), llm
 
 
@@ -112,7 +113,8 @@ def ratio(a: float, b: float) -> str:
 
 def step_profile(options: dict, batch: int, steps: int = 8) -> tuple[float, float]:
     """(ms per decode step, ms of it inside torch ops) at `batch` sequences of ~64-token contexts."""
-    llm = LLM(kv_cache_memory="256MiB", max_model_len=1024, enable_prefix_caching=False, **options)
+    llm = LLM(kv_cache_memory="256MiB", max_model_len=1024, enable_prefix_caching=False, compile_mode="blocking",
+              **options)
     eng = llm.engine
     prompts = make_prompts(eng.tokenizer, batch, 48, 80, seed=1)
     for p in prompts:

@@ -143,7 +143,8 @@ def config_options(name: str) -> dict:
 def run_kvserve(prompts: list[list[int]], output_len: int, args, dtype: str) -> tuple[Result, LLM]:
     """All requests at once through LLM.generate."""
     t0 = time.perf_counter()
-    llm = LLM(kv_cache_memory=args.kv_cache_memory, max_model_len=args.max_model_len, **config_options(dtype))
+    llm = LLM(kv_cache_memory=args.kv_cache_memory, max_model_len=args.max_model_len, compile_mode="blocking",
+              **config_options(dtype))
     load_s = time.perf_counter() - t0
     warm_up(llm, prompts[0])
     mon, start = OtherLoad(), time.perf_counter()
@@ -304,7 +305,7 @@ def run_llamacpp(prompts: list[list[int]], output_len: int, gguf: str, eos_ids: 
 def run_layout(prompts: list[list[int]], output_len: int, mode: str, args) -> LayoutResult:
     """Step the engine by hand under one KV budget, tracking the peak of blocks held."""
     llm = LLM(kv_cache_mode=mode, kv_cache_memory=args.layout_kv_memory, max_model_len=args.layout_max_model_len,
-              dtype=args.dtypes[0])
+              dtype=args.dtypes[0], compile_mode="blocking")
     warm_up(llm, prompts[0])
     engine = llm.engine
     m = llm.get_metrics()

@@ -11,6 +11,7 @@ import torch
 from kvserve.model.quant import GGUF_FORMAT, WEIGHT_FORMATS
 
 KV_CACHE_MODES = ("paged", "contiguous", "none")
+COMPILE_MODES = ("background", "blocking")   # when the model compiles (engine/compile.py)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DTYPE_NAMES = tuple(DTYPES)
 DEFAULT_BLOCK_SIZE = 16  # tokens per KV block unless given (KIVI formats: 32)
@@ -121,6 +122,9 @@ class EngineConfig:
     enforce_eager: bool = opt(False, "run the model eagerly: no compiled regions, no compile at start-up "
                               "(float32 weights with float32 activations, the oracle, always run eagerly; "
                               "KVSERVE_ENFORCE_EAGER=1 sets this for every engine of a process)")
+    compile_mode: str = opt("background", "when the model compiles: background (the engine serves eagerly "
+                            "at once and switches to the compiled graphs between two steps when they are "
+                            "ready) or blocking (compile before the engine serves)", choices=list(COMPILE_MODES))
     # KV cache storage format (kvserve/kv/formats.py; docs/QUANTIZATION.md)
     kv_cache_dtype: str = opt("auto", "auto (the activations' dtype; bfloat16 under the float32 activations "
                               "--dtype auto picks on CPU), float16, bfloat16, float32, fp8_e4m3, fp8_e5m2, int8, "
@@ -167,6 +171,8 @@ class EngineConfig:
             raise ValueError(f"dtype must be 'auto' or one of {tuple(DTYPES)}, got {self.dtype!r}")
         if self.weights not in ("auto", GGUF_FORMAT, *WEIGHT_FORMATS):
             raise ValueError(f"weights must be 'auto', {GGUF_FORMAT!r} or one of {WEIGHT_FORMATS}, got {self.weights!r}")
+        if self.compile_mode not in COMPILE_MODES:
+            raise ValueError(f"compile_mode must be one of {COMPILE_MODES}, got {self.compile_mode!r}")
         if self.bf16_weight_copy not in ("auto", "on", "off"):
             raise ValueError(f"bf16_weight_copy must be 'auto', 'on' or 'off', got {self.bf16_weight_copy!r}")
         if self.device not in ("auto", "cpu") and not self.device.startswith("cuda"):

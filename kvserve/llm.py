@@ -27,6 +27,12 @@ class LLM:
                             f"{', '.join(sorted(CONFIG_FIELDS - {'model'}))}")
         self.engine = LLMEngine(EngineConfig(model=model, **options))
 
+    def wait_compiled(self, timeout: float | None = None) -> bool:
+        """Wait until the model's graphs are compiled (compile_mode="background" compiles them while the
+        engine already serves eagerly); True when steps now run compiled, False when the engine runs
+        eagerly (enforce_eager, a float32 oracle, a failed compile: the log says why)."""
+        return self.engine.wait_compiled(timeout)
+
     @property
     def model_config(self):
         """The loaded model's shape."""

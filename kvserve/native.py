@@ -1,6 +1,7 @@
 """Building the C++ kernels on first use: the system compiler, for this CPU, cached on disk.
 
-Each kernel source compiles once into ~/.cache/kvserve/kernels (or $KVSERVE_KERNEL_CACHE), under a
+Each kernel source compiles once into ~/.cache/kvserve/kernels ($XDG_CACHE_HOME/kvserve/kernels where
+that is set, or $KVSERVE_KERNEL_CACHE), under a
 name keyed by the source, the shared headers (kvserve/csrc), the compiler, the flags and the CPU's
 feature flags; the build writes a temporary file and renames it, so processes building at the
 same time do not clash.
@@ -9,11 +10,15 @@ same time do not clash.
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import shutil
 import subprocess
 import tempfile
+import time
 from pathlib import Path
+
+log = logging.getLogger("kvserve")
 
 CACHE_ENV = "KVSERVE_KERNEL_CACHE"
 HEADERS = Path(__file__).with_name("csrc")   # shared headers (simd.h), on every kernel's include path
@@ -27,7 +32,8 @@ class BuildError(RuntimeError):
 
 
 def cache_dir() -> Path:
-    return Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "kvserve" / "kernels")
+    from kvserve.model.loader import default_cache_root
+    return Path(os.environ.get(CACHE_ENV) or default_cache_root() / "kernels")
 
 
 def cpu_flags() -> str:
@@ -56,6 +62,7 @@ def build(source: Path, flags: tuple[str, ...] | list[str], libs: tuple[str, ...
     out = cache_dir() / f"{source.stem}-{key}.so"
     if out.exists():
         return out
+    t0 = time.perf_counter()
     out.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
     os.close(fd)
@@ -68,6 +75,7 @@ def build(source: Path, flags: tuple[str, ...] | list[str], libs: tuple[str, ...
             lines = [line for line in done.stderr.splitlines() if "error" in line] or done.stderr.splitlines() or ["?"]
             raise BuildError(f"{source.name} did not compile: {lines[0][:200]}")
         os.replace(tmp, out)
+        log.info("start-up: kernels build %s %.2f s (cached in %s)", source.name, time.perf_counter() - t0, out.parent)
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)

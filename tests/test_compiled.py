@@ -19,7 +19,7 @@ def graphs_and_compiled():
     before = counters["stats"]["unique_graphs"]
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv(EAGER_ENV, "0")
-        llm = LLM(kv_cache_memory="32MiB", max_model_len=512)
+        llm = LLM(kv_cache_memory="32MiB", max_model_len=512, compile_mode="blocking")
     return counters["stats"]["unique_graphs"] - before, llm
 
 
@@ -75,26 +75,6 @@ def test_enforce_eager_is_a_flag():
     args = build_parser().parse_args(["generate", "hi", "--enforce-eager"])
     assert args.enforce_eager is True
     assert build_parser().parse_args(["generate", "hi"]).enforce_eager is False
-
-
-def test_a_failed_compile_leaves_the_model_eager(llm, monkeypatch, caplog):
-    """Compiling that fails (say, no C++ compiler) logs why and keeps the model eager and working."""
-    import logging
-
-    import kvserve.model.regions as regions
-
-    def broken(fn):
-        def run(*args):
-            raise RuntimeError("no compiler")
-        return run
-
-    model = llm.engine.model
-    monkeypatch.setattr(regions, "_compile", broken)
-    with caplog.at_level(logging.WARNING, logger="kvserve"):
-        assert regions.compile_regions(model, llm.engine.device, show_progress=False) is False
-    assert model.model.regions is EAGER and "no compiler" in caplog.text
-    out = llm.generate(PROMPTS[:1], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
-    assert len(out[0].outputs[0].token_ids) == 4
 
 
 def test_batch_one_decode_runs_the_one_token_graph(graphs_and_compiled, eager_int4, monkeypatch):

@@ -41,7 +41,6 @@ from kvserve.model.quant import (
     slow_half,
     weight_bytes,
 )
-from kvserve.model.regions import compile_regions
 from kvserve.model.registry import build_model
 from kvserve.model.tokenizer import Tokenizer
 
@@ -63,7 +62,7 @@ class LoadedModel:
     dtype: torch.dtype
     max_model_len: int
     seconds: float
-    compiled: bool        # dense regions run as torch.compile graphs (model/regions.py)
+    compiled: bool        # dense regions are to run as torch.compile graphs (engine/compile.py)
     weight_digest: str = ""   # weights=gguf: what each tensor keeps (kept_digest), for the prefix-cache namespace
 
     @property
@@ -148,10 +147,11 @@ def _bf16_copies(config: EngineConfig, model: torch.nn.Module, device: torch.dev
 
 
 def _compile(config: EngineConfig, model: torch.nn.Module, device: torch.device, weight_format: str) -> bool:
-    """Compile the model's dense regions unless the config says eager (model/regions.py)."""
+    """Whether the model's dense regions are to be compiled (model/regions.py); the engine compiles them
+    once its KV pool exists (engine/compile.py), the model runs eagerly until then."""
     wanted, why = config.compiles(weight_format)
     log.info("model regions: %s", why)
-    return wanted and compile_regions(model, device)
+    return wanted
 
 
 def _build_model(mc: ModelConfig, weights: dict[str, torch.Tensor], device: torch.device, dtype: torch.dtype,

@@ -15,6 +15,7 @@ import torch
 
 from kvserve.config import EngineConfig
 from kvserve.engine.builder import CachePlanner, load_model
+from kvserve.engine.compile import startup_compile
 from kvserve.engine.eviction import Evictor, request_policy
 from kvserve.engine.metrics import EngineStats, percentile
 from kvserve.engine.model_runner import ModelRunner
@@ -27,6 +28,7 @@ from kvserve.kv.events import build_publisher
 from kvserve.kv.eviction import KeepAll
 from kvserve.outputs import RequestOutput
 from kvserve.sampling_params import SamplingParams, check_cache_salt
+from kvserve.startup import phase
 
 PromptType = str | list[int] | dict
 SampleFn = Callable[[torch.Tensor, list[Request]], None]
@@ -60,13 +62,27 @@ class LLMEngine:
         loaded = self.tp.loaded if self.tp is not None else load_model(config, self.device, self.dtype)
         self.model_path, self.model_config, self.tokenizer = loaded.path, loaded.config, loaded.tokenizer
         self.model, self.weight_format, self.load_seconds = loaded.model, loaded.weight_format, loaded.seconds
-        self.max_model_len, self.compiled = loaded.max_model_len, loaded.compiled
+        self.max_model_len = loaded.max_model_len
         self.stats = EngineStats()
         self.sampler = Sampler(loaded.eos_ids(), self.model_config.vocab_size, config.seed)
-        self._build_cache(loaded)
+        with phase("KV pool"):
+            self._build_cache(loaded)
         self.output_processor = OutputProcessor(self.tokenizer, self.sampler.eos_token_ids, self.stats, self.release)
         self.groups = self.output_processor.groups   # user request id -> its requests (n > 1: forks)
         self._ids = itertools.count()
+        # after the KV pool: its size never depends on compiling (engine/compile.py)
+        self.startup = startup_compile(self, loaded.compiled)
+        self.startup.start()
+
+    @property
+    def compiled(self) -> bool:
+        """True once the model's steps run the compiled graphs."""
+        return self.startup.compiled
+
+    def wait_compiled(self, timeout: float | None = None) -> bool:
+        """Wait for a background compile to finish and run compiled from the next step; True when the
+        engine runs compiled (False: it runs eagerly, by its config or because compiling failed)."""
+        return self.startup.wait(timeout)
 
     def _build_cache(self, loaded) -> None:
         """KV manager, storage, eviction, swap, tiers and the scheduler and runner over them."""
@@ -184,6 +200,7 @@ class LLMEngine:
 
     def _run_model(self) -> ModelStep | None:
         """Schedule and run the model; the scheduled requests advance by the tokens they ran."""
+        self.startup.at_step_boundary()
         sched = self.scheduler.schedule()
         if not sched.scheduled:
             return None

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import time
 from dataclasses import dataclass
 
 import torch
@@ -83,17 +82,14 @@ class ModelRunner:
         if said != self._backends_said:   # once, and again when it changes
             log.info("attention backend per KV group: %s", said)
             self._backends_said = said
-        self.native_pools = self._native_pools()
-        if self.native_pools is not None:
-            self._warm_up_one_token()
+        self.native_pools = self.native_pools_for(getattr(self.model.model, "regions", None))
 
-    def _native_pools(self):
+    def native_pools_for(self, regions):
         """(The one-token attention, every layer's (K pool, V pool), the layer's group) when the model
-        runs compiled and every group keeps native K/V read by PagedBackend: a single decode token
+        runs `regions` compiled and every group keeps native K/V read by PagedBackend: a single decode token
         then runs as one graph that writes and reads the pools itself (model/regions.py). None
         otherwise."""
         layers = getattr(self.model.model, "layers", ())
-        regions = getattr(self.model.model, "regions", None)
         if (not getattr(regions, "compiled", False) or not all(type(b) is PagedBackend for b in self.backends)
                 or sorted(self.layer_group) != list(range(len(layers)))
                 or not all(hasattr(layer.self_attn, "scale") for layer in layers)):
@@ -104,7 +100,7 @@ class ModelRunner:
         return decode, pools, tuple(self.layer_group[i] for i in range(len(layers)))
 
     def one_token_plan(self, meta: AttentionMetadata) -> tuple | None:
-        """The one-token graph's inputs for a step of a single decode token (see _native_pools):
+        """The one-token graph's inputs for a step of a single decode token (see native_pools_for):
         per group, the visible blocks (of an unbacked length: one graph for every context length)
         and the visible positions among them."""
         if self.native_pools is None or meta.num_decodes != 1 or meta.prefills or meta.score_hook is not None:
@@ -115,28 +111,17 @@ class ModelRunner:
         return (decode, pools, tuple(md.slot_mapping for md in meta.groups), tuple(b for b, _ in views),
                 tuple(span for _, span in views), groups)
 
-    @torch.inference_mode()
-    def _warm_up_one_token(self) -> None:
-        """Compile the one-token graph now (not on a request's first decode step): one fake decode
-        at slot 0 of every pool, whose old contents are put back."""
-        decode, pools, groups = self.native_pools
-        flat = [p.view(-1, *p.shape[2:]) for kv in pools for p in kv]
-        saved = [p[0].clone() for p in flat]
-        rows = [layer.self_attn.kv_rows for layer in self.model.model.layers]
+    def warm_up_plan(self, native_pools) -> tuple:
+        """One-token graph inputs for a fake decode at slot 0 over pools shaped like `native_pools`' but
+        not theirs (empty ones: the engine may be writing its own meanwhile, and pages never touched
+        cost no memory), for compiling that graph before a request's first decode step."""
+        decode, pools, groups = native_pools
+        scratch = tuple(tuple(_empty_like(p) for p in kv) for kv in pools)
         groups_n = len(self.backends)
-        slot = torch.zeros(1, dtype=torch.long, device=self.device)
-        blocks, span = one_token_blocks(slot, 0, 1, self.block_size)
-        meta = AttentionMetadata(num_decodes=1)
-        meta.one_token = (decode, pools, (slot,) * groups_n, (blocks,) * groups_n, (span,) * groups_n, groups)
-        t0 = time.perf_counter()
-        try:
-            self.model(torch.zeros(1, dtype=torch.long, device=self.device), slot, meta)
-            log.info("one-token decode graph over the paged KV pools compiled in %.1f s", time.perf_counter() - t0)
-        finally:
-            for p, old in zip(flat, saved):
-                p[0] = old
-            for layer, n in zip(self.model.model.layers, rows):
-                layer.self_attn.kv_rows = n
+        with torch.inference_mode():   # as a step's slot, blocks and span are (the guards tell them apart)
+            slot = torch.zeros(1, dtype=torch.long, device=self.device)
+            blocks, span = one_token_blocks(slot, 0, 1, self.block_size)
+        return decode, scratch, (slot,) * groups_n, (blocks,) * groups_n, (span,) * groups_n, groups
 
     def backend_names(self, detail: bool = False) -> list[str]:
         """The backend class of each KV group (for logs and tests); with `detail`, how PagedBackend
@@ -228,3 +213,9 @@ class ModelRunner:
 
     def _tensor(self, values) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long, device=self.device)
+
+
+def _empty_like(t: torch.Tensor) -> torch.Tensor:
+    """An empty tensor like `t`, an inference tensor only where `t` is one (the graph's guards tell them apart)."""
+    with torch.inference_mode(t.is_inference()):
+        return torch.empty_like(t)

@@ -13,17 +13,16 @@ arithmetic outweighs the calls.
 
 from __future__ import annotations
 
+import copy
 import itertools
 import logging
 import os
-import time
 import types
 
 import torch
 from tqdm.auto import tqdm
 
 from kvserve.attention import OBSERVERS
-from kvserve.model.quant import QuantLinear
 
 log = logging.getLogger("kvserve")
 
@@ -168,35 +167,43 @@ def eager_by_env() -> bool:
     return os.environ.get(EAGER_ENV, "") not in ("", "0")
 
 
-def compile_regions(model: torch.nn.Module, device: torch.device, show_progress: bool = True) -> bool:
-    """Compile `model`'s decoder regions and warm them up (no KV cache is touched); False, and the
-    model stays eager, when its layers have no regions."""
+def compiled_regions(model: torch.nn.Module) -> Regions | None:
+    """A compiled Regions for `model` (not installed yet: `model.model.regions` stays as it is), or
+    None when its layers have no regions."""
     if not supports_regions(model):
         log.info("compiled regions: %s runs eagerly (its layers have no dense regions)", type(model).__name__)
-        return False
+        return None
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
-    model.model.regions = Regions(True)
-    t0 = time.perf_counter()
-    try:
-        _warm_up(model, device, show_progress)
-        if isinstance(getattr(model, "lm_head", None), QuantLinear):
-            model.lm_head.add_row_kernel()
-    except Exception as exc:  # e.g. no C++ compiler for torch's CPU code generation
-        model.model.regions = EAGER
-        log.warning("compiled regions: compiling failed (%s: %s); the model runs eagerly "
-                    "(enforce_eager=True skips the attempt)", type(exc).__name__, str(exc).splitlines()[0][:200])
-        return False
-    log.info("compiled regions: %s, warmed up for %s tokens in %.1f s (enforce_eager=True skips this)",
-             type(model).__name__, "/".join(map(str, WARMUP_TOKENS)), time.perf_counter() - t0)
-    return True
+    return Regions(True)
+
+
+def shadow_layers(layers) -> torch.nn.ModuleList:
+    """Copies of `layers` sharing every weight, each with an attention module of its own: a warm-up
+    through them leaves the live layers' K/V row counters alone while the engine runs them."""
+    def shadow(layer):
+        copy_ = copy.copy(layer)
+        copy_.__dict__["_modules"] = {**layer._modules, "self_attn": copy.copy(layer.self_attn)}
+        return copy_
+    return torch.nn.ModuleList(shadow(layer) for layer in layers)
 
 
 @torch.inference_mode()
-def _warm_up(model: torch.nn.Module, device: torch.device, show_progress: bool) -> None:
-    """Compile each graph now (forwards without a cache), not on a request's first step."""
+def warm_up(regions: Regions, model: torch.nn.Module, device: torch.device, paged_plan=None,
+            show_progress: bool = True) -> None:
+    """Compile each of `regions`' graphs now (forwards without a cache through shadow layers), not on a
+    request's first step; with `paged_plan` (ModelRunner.warm_up_plan: pools shaped like the engine's,
+    not the engine's) the one-token paged graph too. The live model is only read."""
     from kvserve.attention import AttentionMetadata, PrefillSpan
+    layers = shadow_layers(model.model.layers)
     for n in tqdm(WARMUP_TOKENS, desc="compiling the model's regions", disable=not show_progress, unit="shape"):
         meta = AttentionMetadata(prefills=[PrefillSpan(0, n, n)])
-        model(torch.zeros(n, dtype=torch.long, device=device), torch.arange(n, device=device), meta)
-    for layer in model.model.layers:
-        layer.self_attn.kv_rows = 0
+        regions.run(layers, _hidden(model, n, device), torch.arange(n, device=device), meta)
+    if paged_plan is not None:
+        meta = AttentionMetadata(num_decodes=1)
+        meta.one_token = paged_plan
+        regions.run(layers, _hidden(model, 1, device), torch.zeros(1, dtype=torch.long, device=device), meta)
+
+
+def _hidden(model: torch.nn.Module, n: int, device: torch.device) -> torch.Tensor:
+    """Hidden states [n, hidden] in the model's dtype (values do not matter for a warm-up)."""
+    return model.model.embed_tokens(torch.zeros(n, dtype=torch.long, device=device))

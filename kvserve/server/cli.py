@@ -76,11 +76,16 @@ def register(subparsers) -> None:
 
 
 def cmd_serve(args) -> int:
-    """Load the model, then serve until SIGTERM/SIGINT; exits 0 after a graceful shutdown."""
+    """Listen at once, load the model on a worker thread (/health answers 503 meanwhile), then serve
+    until SIGTERM/SIGINT; exits 0 after a graceful shutdown."""
     import uvicorn
 
-    from kvserve.cli import make_llm
+    from kvserve.cli import engine_kwargs, make_llm
+    from kvserve.config import EngineConfig
+    from kvserve.model.loader import resolve_model_path
     from kvserve.server.app import build_app, check_cache_isolation
+    from kvserve.server.loading import LoadingApp
+    from kvserve.startup import phase, seconds_since_launch
 
     if args.max_queue < 0:
         raise ValueError(f"--max-queue must be >= 0, got {args.max_queue}")
@@ -91,19 +96,31 @@ def cmd_serve(args) -> int:
     if args.replicas is not None:
         from kvserve.server.replicas import serve_replicas
         return serve_replicas(args, api_keys)
-    engine = make_llm(args).engine
-    app = build_app(engine, served_model_name=args.served_model_name, api_key=api_keys,
-                    max_queue=args.max_queue, max_body_bytes=args.max_body_bytes,
-                    allow_special_tokens_in_content=args.allow_special_tokens_in_content,
-                    cache_isolation=args.cache_isolation, record=args.record)
-    if args.metrics_names == "vllm":
-        app.state.kvserve.metrics.export_vllm_names()
-    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
+    log.info("start-up: import %.2f s", seconds_since_launch())
+    EngineConfig(**engine_kwargs(args)).validate()   # bad flags fail now, with exit status 2
+    with phase("model resolve"):
+        resolve_model_path(args.model)
+
+    def build():
+        engine = make_llm(args).engine
+        app = build_app(engine, served_model_name=args.served_model_name, api_key=api_keys,
+                        max_queue=args.max_queue, max_body_bytes=args.max_body_bytes,
+                        allow_special_tokens_in_content=args.allow_special_tokens_in_content,
+                        cache_isolation=args.cache_isolation, record=args.record)
+        if args.metrics_names == "vllm":
+            app.state.kvserve.metrics.export_vllm_names()
+        log.info("serving %s on http://%s:%d (api key %s, prefix-cache isolation %s)", app.state.kvserve.model_name,
+                 args.host, args.port, f"required, {len(api_keys)} key(s)" if api_keys else "off",
+                 args.cache_isolation)
+        return app
+
+    loading = LoadingApp(build)
+    config = uvicorn.Config(loading, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
                             access_log=not args.no_access_log,
                             timeout_graceful_shutdown=args.shutdown_timeout + 5)
-    log.info("serving %s on http://%s:%d (api key %s, prefix-cache isolation %s)", app.state.kvserve.model_name,
-             args.host, args.port, f"required, {len(api_keys)} key(s)" if api_keys else "off", args.cache_isolation)
-    return serve(app, config, args.shutdown_timeout)
+    log.info("listening on http://%s:%d while the model loads (/health answers 503 until it is ready)",
+             args.host, args.port)
+    return serve(loading, config, args.shutdown_timeout)
 
 
 def api_keys_of(args) -> list[str]:
@@ -117,14 +134,13 @@ def api_keys_of(args) -> list[str]:
 
 
 def serve(app, config, shutdown_timeout: float) -> int:
-    """Run the app until a signal (exit status 0) or until its engine fails for good (status 1)."""
-    aengine = app.state.kvserve.async_engine
-    server = graceful_server(config, on_signal=lambda: aengine.begin_drain(shutdown_timeout))
-    aengine.on_fatal = lambda exc: setattr(server, "should_exit", True)
+    """Run `app` (a LoadingApp) until a signal (exit status 0) or until its model fails to load or its
+    engine fails for good (status 1)."""
+    server = graceful_server(config, on_signal=lambda: app.begin_drain(shutdown_timeout))
+    app.on_fatal = lambda exc: setattr(server, "should_exit", True)
     server.run()
-    if aengine.error is not None:
-        log.error("the engine failed (%r): exiting with status 1 so a supervisor restarts the server",
-                  aengine.error)
+    if app.error is not None:
+        log.error("the engine failed (%r): exiting with status 1 so a supervisor restarts the server", app.error)
         return 1
     return 0
 
