@@ -148,12 +148,16 @@ def kvserve_single(job: dict) -> dict:
     t0 = time.perf_counter()
     llm = LLM(model=job["gguf"])
     load_s = time.perf_counter() - t0
+    if hasattr(llm, "wait_compiled"):  # measure the compiled engine, not the eager start
+        llm.wait_compiled()
+    compiled_s = time.perf_counter() - t0
     eng = llm.engine
     decode, prefill = best_of(engine_runner(llm, job["prefill"], job["n"]), job["repeats"])
     idle, peak = rss_mib()
     picked = f"{eng.weight_format} weights, {str(eng.dtype).removeprefix('torch.')} activations"
+    picked += ", compiled" if eng.compiled else ", eager"
     return {"decode": decode, "prefill": prefill, "idle": idle, "peak": peak, "load_s": load_s,
-            "max_model_len": eng.max_model_len, "picked": picked}
+            "compiled_s": compiled_s, "max_model_len": eng.max_model_len, "picked": picked}
 
 
 def llama_single(job: dict) -> dict:
@@ -187,10 +191,16 @@ def in_child(kind: str, job: dict, log) -> dict | None:
 
 # ---- serving -----------------------------------------------------------------------------------
 
+def compiled(server, wait):
+    """`server` once its background compile is done (serve_peers.wait_compiled)."""
+    wait(server)
+    return server
+
+
 def serving(gguf: str, tokenizer, args, log) -> dict:
     """kvserve serve (default configuration) and llama-server -np <clients> on the same workload."""
     import serve_load
-    from serve_peers import LlamaServerProcess, _with_ignore_eos, measure
+    from serve_peers import LlamaServerProcess, _with_ignore_eos, measure, wait_compiled
     serve_load.request_body = _with_ignore_eos
     prompts = make_prompts(tokenizer, args.clients, 64, 512, args.seed)
     warmup = make_prompts(tokenizer, args.clients, 16, 64, args.seed + 1000)
@@ -198,7 +208,7 @@ def serving(gguf: str, tokenizer, args, log) -> dict:
     out = {}
     binary = build_tool("llama-server")
     ctx = args.clients * (512 + args.max_tokens + 64)
-    start = {"kvserve": lambda: serve_load.ServerProcess(["--model", gguf]),
+    start = {"kvserve": lambda: compiled(serve_load.ServerProcess(["--model", gguf]), wait_compiled),
              "llama-server": lambda: LlamaServerProcess(binary, gguf, args.clients, ctx, args.threads)}
     for name, make in start.items():
         server = None
@@ -288,9 +298,10 @@ def table(results: list[FileResult]) -> str:
 
 def details(results: list[FileResult]) -> str:
     """What each engine ran per file: kvserve's picked formats, load time, context, idle RSS."""
-    header = ["file", "kvserve picked", "LLM() load s", "context (kvserve max_model_len = llama.cpp n_ctx)",
+    header = ["file", "kvserve picked", "LLM() load s / compiled s", "context (kvserve max_model_len = llama.cpp n_ctx)",
               "idle RSS MiB kvserve / llama.cpp", "llama-quantize fallbacks"]
-    rows = [[r.path.name, (r.ours or {}).get("picked", "—"), fmt(get(r.ours, "load_s"), digits=1),
+    rows = [[r.path.name, (r.ours or {}).get("picked", "—"),
+             f"{fmt(get(r.ours, 'load_s'), digits=1)} / {fmt(get(r.ours, 'compiled_s'), digits=1)}",
              str((r.ours or {}).get("max_model_len", "—")),
              f"{fmt(get(r.ours, 'idle'), digits=0)} / {fmt(get(r.peer, 'idle'), digits=0)}",
              quantize_note(r.name) or "(shipped file)"] for r in results]
@@ -381,8 +392,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--child", nargs=2, default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.child:
-        print(json.dumps(CHILD_JOBS[args.child[0]](json.loads(args.child[1]))))
-        return 0
+        print(json.dumps(CHILD_JOBS[args.child[0]](json.loads(args.child[1]))), flush=True)
+        sys.stderr.flush()
+        os._exit(0)  # the measurement is out: no teardown (an engine's worker threads may still run)
     names = [n.strip() for n in args.files.split(",") if n.strip()]
     unknown = set(names) - set(FILES)
     if unknown:
