@@ -54,7 +54,10 @@ def kvserve_runner(options: dict, prefill_ids: list[int], output_len: int):
 
 def engine_runner(llm: LLM, prefill_ids: list[int], output_len: int):
     """A function running one decode and one prefill measurement with `llm` (warmed up here); the
-    prefix cache is emptied before each prefill, so a repeat computes the whole prompt again."""
+    prefix cache is emptied before each prefill, so a repeat computes the whole prompt again; a
+    background compile is waited for first, so the runs measure the compiled engine."""
+    if hasattr(llm, "wait_compiled"):
+        llm.wait_compiled()
     decode = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
     one = SamplingParams(temperature=0, max_tokens=1)
     llm.generate(CHAT_PROMPT, SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)  # warm-up
