@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
+import os
 import sys
 
 from kvserve.config import EngineConfig
@@ -170,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.verbose:
         logging.getLogger("httpx").setLevel(logging.WARNING)
     try:
-        return args.func(args)
+        return _exit_now_if_compiling(args.func(args))
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -179,6 +180,17 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"error: {e}", file=sys.stderr)
         return 2
+
+
+def _exit_now_if_compiling(status: int) -> int:
+    """Exit at once with `status` when a background compile still runs (a short `generate`): the
+    interpreter's shutdown would stop its thread inside torch's C++ code, which aborts the process."""
+    from kvserve.engine.compile import compiling
+    if compiling():
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(status)
+    return status
 
 
 if __name__ == "__main__":

@@ -38,6 +38,7 @@ from kvserve.native import cpu_flags
 log = logging.getLogger("kvserve")
 
 SOURCES = Path(__file__).resolve().parents[1]       # the kvserve package
+THREAD_NAME = "kvserve-compile"
 KEY_EXCLUDED = ("model", "compile_mode")  # the resolved model file is keyed instead; both modes build the same graphs
 
 
@@ -135,7 +136,7 @@ class StartupCompile:
             self.at_step_boundary()
             return
         log.info("compiling the model in the background; steps run eagerly until it is done")
-        self._thread = threading.Thread(target=self._run, name="kvserve-compile", daemon=True)
+        self._thread = threading.Thread(target=self._run, name=THREAD_NAME, daemon=True)
         self._thread.start()
 
     @property
@@ -215,3 +216,8 @@ def startup_compile(engine, wanted: bool) -> StartupCompile:
     cfg = engine.config
     cache = ArtifactCache(default_cache_root() / "compiled", artifact_key(cfg, engine.model_path))
     return StartupCompile(engine, cfg.compile_mode, cache)
+
+
+def compiling() -> bool:
+    """True while a background compile of any engine of this process runs."""
+    return any(t.name == THREAD_NAME and t.is_alive() for t in threading.enumerate())
