@@ -334,3 +334,23 @@ def test_a_mixed_format_model_gives_the_float32_dequantized_models_logits(mixed_
             m._int4 = lambda x, m=m: torch.nn.functional.linear(x, m.dequantize())
     assert (_logits(model, ids) - want).abs().max() < 2e-4
     assert {m.fmt for m in quant_layers(model)} == {"int8g", "int4"}
+
+
+def test_an_engine_on_the_mixed_file_logs_its_formats_and_explicit_weights_still_requantize(mixed_gguf, caplog):
+    """The default engine names every kept type with its count; weights='int8' requantizes every
+    linear as before; the two never share prefix-cache blocks (the namespace holds the formats)."""
+    from kvserve import LLM, SamplingParams
+    from kvserve.model.quant import Int8GroupLinear, QuantLinear, quant_layers
+    with caplog.at_level("INFO", logger="kvserve"):
+        kept = LLM(model=mixed_gguf, kv_cache_memory="16MiB", max_model_len=128)
+    line = next(r.message for r in caplog.records if r.message.startswith("weights: gguf"))
+    for part in ("Q8_0 x 5", "Q5_0 x 2", "Q5_1 x 2", "Q4_1 x 3", "Q4_0 x 1", "Q6_K x 2"):
+        assert part in line, line
+    assert any(isinstance(m, Int8GroupLinear) for m in quant_layers(kept.engine.model))
+    greedy = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    assert len(kept.generate("Hello", greedy, use_tqdm=False)[0].outputs[0].token_ids) == 4
+    int8 = LLM(model=mixed_gguf, kv_cache_memory="16MiB", max_model_len=128, weights="int8")
+    body = quant_layers(int8.engine.model)
+    assert int8.engine.weight_format == "int8" and {m.fmt for m in body} == {"int8", "float16"}
+    assert all(isinstance(m, QuantLinear) for m in body)
+    assert kept.engine.planner.namespace() != int8.engine.planner.namespace()

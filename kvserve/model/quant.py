@@ -1,4 +1,11 @@
-"""Linear layers whose weights stay in their storage format: float32, bfloat16, float16, int8, int4.
+"""Linear layers whose weights stay in their storage format: float32, bfloat16, float16, int8, int4,
+and a GGUF's own int8 groups.
+
+One class per format, its kernels picked at construction (`KeptLinear` subclasses): `QuantLinear`
+(float, int8 per channel, int4 groups) and `Int8GroupLinear` (int8 codes in groups of 32 or 16 with
+float32 scales and mins: GGUF's Q8_0 / Q5_* / Q6_K, exact). `keep_formats` gives a meta-built model
+each GGUF tensor in its own layout (`weights="gguf"`, the CPU default for a GGUF: docs/WEIGHTS.md),
+a quantized embedding as a `GroupEmbedding`; `quantize_model` requantizes every linear to one format.
 
 int8 is weight-only, one symmetric scale per output channel; int4 is asymmetric, one scale and one
 minimum per group of GROUP_SIZE input channels (the layout of GGUF's Q4_1 / Q4_K sub-blocks).
@@ -443,43 +450,54 @@ def _replace_members(module: nn.Module, group) -> None:
 
 def keep_formats(model: nn.Module, kept: dict[str, KeptTensor]) -> None:
     """Give `model` (built on the meta device, its float tensors loaded) a layer per GGUF weight in
-    `kept` (HF name -> its kept layout): the embedding, every linear and fused group, a tied LM
-    head on the embedding's own codes. A fused group whose members all keep int8 groups, or all
-    int4, or all one float dtype, runs as one layer (int8 groups at the finest member group);
-    other groups run member by member."""
+    `kept` (HF name -> its kept layout): every fused group and linear, the embedding, a tied LM
+    head on the embedding's own codes."""
     names = {id(m): name for name, m in model.named_modules()}
+
+    def weight(module: nn.Module) -> KeptTensor:
+        key = names[id(module)] + ".weight"
+        if key not in kept:
+            raise ValueError(f"checkpoint does not match the model: no GGUF tensor for {key}")
+        return kept[key]
     for module in list(model.modules()):
         for group in getattr(module, "fused", ()):
-            members = [kept[names[id(m)] + ".weight"] for m in group.linears]
-            fused = fuse_kept(members)
-            if fused is not None and (all(m.bias is None for m in group.linears)
-                                      or all(m.bias is not None for m in group.linears)):
-                bias = None if group.linears[0].bias is None else torch.cat([m.bias for m in group.linears])
-                group.quant = kept_layer(fused, bias)
-                _replace_members(module, group)
-            else:
-                layers = [kept_layer(t, m.bias) for t, m in zip(members, group.linears)]
-                for name, child in list(module.named_children()):
-                    if child in group.linears:
-                        setattr(module, name, layers[group.linears.index(child)])
-                group.linears = tuple(layers)
-    embed = model.model.embed_tokens
-    old = embed.weight
-    table = kept[names[id(embed)] + ".weight"].layout
+            _keep_group(module, group, [weight(m) for m in group.linears])
+    old = model.model.embed_tokens.weight
+    table = weight(model.model.embed_tokens).layout
     if isinstance(table, torch.Tensor):
-        embed.weight = nn.Parameter(table, requires_grad=False)
+        model.model.embed_tokens.weight = nn.Parameter(table, requires_grad=False)
     else:
         model.model.embed_tokens = GroupEmbedding(table.as_int8() if isinstance(table, Int4Groups) else table)
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
-            if not isinstance(child, nn.Linear):
-                continue
-            if names[id(child)] + ".weight" in kept:
-                setattr(parent, name, kept_layer(kept[names[id(child)] + ".weight"], child.bias))
-            elif child.weight is old and isinstance(table, torch.Tensor):   # a tied LM head
-                child.weight = embed.weight
-            elif child.weight is old:
-                setattr(parent, name, Int8GroupLinear(model.model.embed_tokens.groups(), copies=False))
+            if isinstance(child, nn.Linear) and child.weight is old:     # a tied LM head
+                setattr(parent, name, _tied_head(child, model.model.embed_tokens))
+            elif isinstance(child, nn.Linear):
+                setattr(parent, name, kept_layer(weight(child), child.bias))
+
+
+def _keep_group(module: nn.Module, group, members: list[KeptTensor]) -> None:
+    """A fused group as one layer when fuse_kept can join its members (and all or none have a bias),
+    else member by member."""
+    fused = fuse_kept(members)
+    biases = [m.bias for m in group.linears]
+    if fused is not None and len({b is None for b in biases}) == 1:
+        group.quant = kept_layer(fused, None if biases[0] is None else torch.cat(biases))
+        _replace_members(module, group)
+        return
+    layers = [kept_layer(t, b) for t, b in zip(members, biases)]
+    for name, child in list(module.named_children()):
+        if child in group.linears:
+            setattr(module, name, layers[group.linears.index(child)])
+    group.linears = tuple(layers)
+
+
+def _tied_head(head: nn.Linear, embed: nn.Module) -> nn.Module:
+    """The LM head over the embedding's own weight: its codes (no copy), or its float tensor."""
+    if isinstance(embed, GroupEmbedding):
+        return Int8GroupLinear(embed.groups(), copies=False)
+    head.weight = embed.weight
+    return head
 
 
 def kept_layer(t: KeptTensor, bias: torch.Tensor | None) -> KeptLinear:
