@@ -366,6 +366,9 @@ def report(results: list[FileResult], args, facts: dict, load: tuple[str, str], 
     ]
     if server_peer:
         body += ["", "The peer, llama-server:", "", peer_lines(server_peer)]
+    if other is not None and other > 0.2:
+        body += ["", f"(The machine was shared: other processes kept {other:.2f} cores busy, which slows "
+                 "llama.cpp's spinning threads most; these ratios are not the engines'.)"]
     if small:
         body += ["", "(Small settings: a check that the script runs, not the matrix's figures.)"]
     return "\n".join(body)
