@@ -3,7 +3,7 @@
     python benchmarks/serve_peers.py                      # 32 clients, 32 prompts, 128 tokens each
     python benchmarks/serve_peers.py --quick --no-write   # smoke run: 4 clients, 4 prompts, 16 tokens
     python benchmarks/serve_peers.py --llama-server /path/to/llama-server   # an existing binary
-    python benchmarks/serve_peers.py --build-only         # just build llama.cpp's tools into the cache
+    python benchmarks/serve_peers.py --build-only         # just build llama-server into the cache
 
 The workload: N concurrent streaming clients, prompts of 64-512 tokens cut (seeded) from prose
 with the bundled model's tokenizer, sent as the same text to both servers' /v1/completions,
