@@ -40,17 +40,19 @@ from kvserve.engine.memory import rss_bytes
 print(json.dumps({"load": load, "rss": rss_bytes()}))
 """
 LLAMA_PROBE = """
-import json, sys, time
-from kvserve.startup import seconds_since_launch
+import json, os, sys, time
+def since_launch():   # as kvserve.startup.seconds_since_launch, without importing kvserve (and torch)
+    ticks = int(open("/proc/self/stat").read().rsplit(")", 1)[1].split()[19])
+    return float(open("/proc/uptime").read().split()[0]) - ticks / os.sysconf("SC_CLK_TCK")
 t0 = time.perf_counter()
 import llama_cpp
 llm = llama_cpp.Llama(model_path=sys.argv[1], n_ctx=2048, verbose=False)
 load = time.perf_counter() - t0
 first = None
 for _ in llm.create_completion(sys.argv[2], max_tokens=int(sys.argv[3]), temperature=0, stream=True):
-    first = first or seconds_since_launch()
-from kvserve.engine.memory import rss_bytes
-print(json.dumps({"load": load, "first": first, "rss": rss_bytes()}))
+    first = first or since_launch()
+rss = next(int(line.split()[1]) * 1024 for line in open("/proc/self/status") if line.startswith("VmRSS:"))
+print(json.dumps({"load": load, "first": first, "rss": rss}))
 """
 
 
