@@ -10,7 +10,6 @@ import numpy as np
 import pytest
 import torch
 
-from kvserve.model import gguf_blocks
 from kvserve.model.gguf_blocks import DECODERS, Int4Groups, Int8Groups, decode
 
 QT = gguf.GGMLQuantizationType
