@@ -58,6 +58,7 @@ precision format, the rest in the aggressive one).
 from __future__ import annotations
 
 import math
+import mmap
 from dataclasses import dataclass, field
 
 import torch
@@ -110,6 +111,21 @@ def hadamard(n: int, dtype: torch.dtype = torch.float32, device=None) -> torch.T
     return (h / math.sqrt(n)).to(dtype=dtype, device=device)
 
 
+def zeroed(specs: list[tuple[tuple[int, ...], torch.dtype]], device) -> list[torch.Tensor]:
+    """Zero-filled tensors, one per (shape, dtype). On the CPU they share one private anonymous
+    mapping: the kernel hands out a page (zeroed) on its first write, so a pool costs memory for the
+    blocks written, not for its budget. Elsewhere they are torch.zeros."""
+    if torch.device(device).type != "cpu":
+        return [torch.zeros(shape, dtype=dtype, device=device) for shape, dtype in specs]
+    sizes = [math.prod(shape) * dtype.itemsize for shape, dtype in specs]
+    starts = [0]
+    for n in sizes:   # each tensor starts on its own page
+        starts.append(starts[-1] + -(-n // mmap.PAGESIZE) * mmap.PAGESIZE)
+    buf = mmap.mmap(-1, max(starts[-1], mmap.PAGESIZE), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    return [torch.frombuffer(buf, dtype=torch.uint8, count=n, offset=at).view(dtype).view(shape) if n
+            else torch.zeros(shape, dtype=dtype) for (shape, dtype), n, at in zip(specs, sizes, starts)]
+
+
 # --- codecs -------------------------------------------------------------------------------------
 
 
@@ -129,7 +145,7 @@ class Codec:
 
     def allocate(self, num_blocks: int, block_size: int, device) -> list[torch.Tensor]:
         """Zeroed tensors [num_blocks, ...] (zeros decode to finite values)."""
-        return [torch.zeros((num_blocks, *s), dtype=d, device=device) for s, d in self.tensor_specs(block_size)]
+        return zeroed([((num_blocks, *s), d) for s, d in self.tensor_specs(block_size)], device)
 
     def bytes_per_token(self, block_size: int) -> float:
         """Bytes per stored token, metadata included."""

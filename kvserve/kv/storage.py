@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvserve.kv.formats import KVCacheFormat, NativeCodec, _flat, build_kv_format
+from kvserve.kv.formats import KVCacheFormat, NativeCodec, _flat, build_kv_format, zeroed
 from kvserve.kv.spec import KVGroup
 
 log = logging.getLogger("kvserve")
@@ -49,6 +49,9 @@ class KVStorage:
             raise ValueError(f"format planned for block_size {self.format.block_size}, pool has {block_size}")
         self.layer_slot = {layer: j for g in groups for j, layer in enumerate(g.layers)}
         self.layer_group = {layer: gi for gi, g in enumerate(groups) for layer in g.layers}
+        self._has_residual = self.format.has_residual   # read per layer per step: computed once
+        rows = residual_rows if self._has_residual else 0
+        fresh = iter(zeroed(self._tensor_specs(num_blocks, rows), device))
         # slots[j]: the tensors of every part of every entry, in order; parts[j][e]: (part, tensors)
         self.slots: list[list[torch.Tensor]] = []
         self.parts: list[list[list[tuple]]] = []
@@ -57,21 +60,28 @@ class KVStorage:
             for e in sf.entries:
                 entry = []
                 for p in e.parts:
-                    ts = p.codec.allocate(num_blocks, block_size, device)
+                    ts = [next(fresh) for _ in p.codec.tensor_specs(block_size)]
                     heads = None if p.heads is None else torch.tensor(p.heads, device=device)
                     entry.append((p, heads, ts))
                     tensors += ts
                 entries.append(entry)
             self.slots.append(tensors)
             self.parts.append(entries)
-        self._has_residual = self.format.has_residual   # read per layer per step: computed once
-        self._init_residual(residual_rows if self._has_residual else 0, device)
+        self._init_residual(rows, device, fresh)
         self._native: list[bool | None] = [None] * len(self.slots)
 
+    def _tensor_specs(self, num_blocks: int, rows: int) -> list[tuple[tuple[int, ...], torch.dtype]]:
+        """(shape, dtype) of every pool tensor: each part's block tensors slot by slot, then the
+        residual rows of every residual entry (the order __init__ takes them in)."""
+        blocks = [((num_blocks, *shape), dtype) for sf in self.format.slots for e in sf.entries for p in e.parts
+                  for shape, dtype in p.codec.tensor_specs(self.block_size)]
+        residual = [((rows, self.block_size, *e.shape), self.dtype)
+                    for sf in self.format.slots for e in sf.entries if e.residual]
+        return blocks + residual
+
     # ---- residual rows (KIVI: still-filling blocks in full precision) -------------------------
-    def _init_residual(self, rows: int, device) -> None:
-        self.residual = [[torch.zeros((rows, self.block_size, *e.shape), dtype=self.dtype, device=device)
-                          if e.residual else None for e in sf.entries] for sf in self.format.slots]
+    def _init_residual(self, rows: int, device, fresh) -> None:
+        self.residual = [[next(fresh) if e.residual else None for e in sf.entries] for sf in self.format.slots]
         self.row_of_block = torch.full((self.num_blocks,), -1, dtype=torch.long, device=device)
         self.free_rows = list(range(rows - 1, -1, -1))
         self.num_rows = rows
