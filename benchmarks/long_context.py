@@ -53,19 +53,20 @@ def kv_bytes_read(llm: LLM, context: int) -> int:
     return total
 
 
-def kvserve_decode(model: str | None, lengths: list[int], tokens: int) -> dict[int, tuple[float, int]]:
-    """{L: (decode tok/s, K/V bytes a step reads at L)} of kvserve's default configuration."""
+def kvserve_decode(model: str | None, lengths: list[int], tokens: int) -> tuple[dict, dict[int, list[int]]]:
+    """({L: (decode tok/s, K/V bytes a step reads at L)} of kvserve's default configuration, the
+    prompt of each length)."""
     from tqdm.auto import tqdm
     llm = LLM(model, enable_prefix_caching=False, max_model_len=max(lengths) + tokens + 16, compile_mode="blocking")
     greedy = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
     llm.generate("Warm-up", SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
-    out = {}
+    out, prompts = {}, {n: prompt_ids(llm.get_tokenizer(), n) for n in lengths}
     for length in tqdm(lengths, desc=f"kvserve {model or 'smollm2'}", unit="length"):
-        done = llm.generate({"prompt_token_ids": prompt_ids(llm.get_tokenizer(), length)}, greedy, use_tqdm=False)[0]
+        done = llm.generate({"prompt_token_ids": prompts[length]}, greedy, use_tqdm=False)[0]
         m = done.metrics
         out[length] = ((len(done.outputs[0].token_ids) - 1) / (m.last_token_time - m.first_token_time),
                        kv_bytes_read(llm, length + tokens // 2))
-    return out
+    return out, prompts
 
 
 def llamacpp_decode(gguf: str, ids: dict[int, list[int]], tokens: int) -> tuple[dict[int, float], str] | None:
@@ -151,12 +152,11 @@ def main() -> int:
         print("llama-cpp-python is not installed (pip install llama-cpp-python): kvserve only", file=sys.stderr)
     results, rows, system_info = {}, [], None
     for name in models:
-        ours = kvserve_decode(MODELS[name], lengths, args.tokens)
+        ours, prompts = kvserve_decode(MODELS[name], lengths, args.tokens)
         results[(name, "kvserve")] = {n: s for n, (s, _) in ours.items()}
         theirs = {}
         if peer:
-            tok = LLM(MODELS[name], enforce_eager=True, kv_cache_memory="16MiB").get_tokenizer()
-            got = llamacpp_decode(resolve_model_path(MODELS[name]), {n: prompt_ids(tok, n) for n in lengths}, args.tokens)
+            got = llamacpp_decode(resolve_model_path(MODELS[name]), prompts, args.tokens)
             if got is not None:
                 theirs, system_info = got
                 results[(name, "llama.cpp")] = theirs

@@ -3,6 +3,8 @@ context length (attention/paged.py one_token_blocks), so a stream growing past e
 block to two, Inductor's 4096-element cascade-sum switch, a sliding window) neither recompiles nor
 leaves the graph, and decodes what full recompute and the eager engine decode."""
 
+import types
+
 import pytest
 import torch
 from torch._dynamo.utils import counters
@@ -22,6 +24,13 @@ def _graphs() -> int:
     return counters["stats"]["unique_graphs"]
 
 
+def _own_copy(fn):
+    """`fn` with a code object of its own: Dynamo keeps graphs per code object, so each test compiles."""
+    _own_copy.n = getattr(_own_copy, "n", 0) + 1
+    code = fn.__code__.replace(co_name=f"{fn.__name__}_{_own_copy.n}")
+    return types.FunctionType(code, fn.__globals__, code.co_name, fn.__defaults__, fn.__closure__)
+
+
 def _by_hand(q, keys, values, scale):
     """float64 attention of each query head over its K/V head's visible keys [L, Hkv, D]."""
     g = HQ // HKV
@@ -33,18 +42,20 @@ def _by_hand(q, keys, values, scale):
 
 
 @pytest.mark.parametrize("pool_dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("decode", list(DECODES))
-def test_the_one_token_attention_compiles_once_for_every_length(decode, pool_dtype):
+@pytest.mark.parametrize("decode,threads", [("torch ops", 1), ("CPU kernel", 1), ("CPU kernel", 2)])
+def test_the_one_token_attention_compiles_once_for_every_length(decode, threads, pool_dtype, monkeypatch):
     """One compiled graph of the one-token attention serves a growing context (and a sliding window's
-    span) without recompiling, and matches float64 attention over the visible positions."""
+    span) without recompiling, and matches float64 attention over the visible positions; with two
+    threads the kernel splits the lone row's positions into parts (combined exactly)."""
     if decode == "CPU kernel" and cpu_kernel.kernel() is None:
         pytest.fail("the CPU decode kernel did not build (see the log): this test needs a C++ compiler")
+    monkeypatch.setattr(torch, "get_num_threads", lambda: threads)   # what the kernel is told to use
     torch.manual_seed(0)
     nb = max(LENGTHS) // BS + 2
     k_pool = torch.randn(nb, BS, HKV, D).to(pool_dtype)
     v_pool = torch.randn(nb, BS, HKV, D).to(pool_dtype)
     table = torch.randperm(nb)
-    fn = torch.compile(DECODES[decode], dynamic=False, fullgraph=True)
+    fn = torch.compile(_own_copy(DECODES[decode]), dynamic=False, fullgraph=True)
     before = _graphs()
     spans = [(0, n) for n in LENGTHS] + [(4097 - 512, 4097)]   # the last: a 512-token window
     with torch.inference_mode():

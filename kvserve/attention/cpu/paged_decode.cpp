@@ -1,7 +1,8 @@
 // Decode attention over paged K/V on the CPU: one query token per row, its K/V read from the pools
 // by block id in place (no gathered copy). Work items are (row, K/V heads) pairs; each item scores
 // its heads' G query heads each against the visible keys (one pass over K), takes the softmax, and sums
-// the values (one pass over V). Float32 arithmetic; queries and output float32 over float32 pools
+// the values (one pass over V). When the items are too few for the threads (a lone stream), each
+// row's positions are split into parts scored apart and combined exactly. Float32 arithmetic; queries and output float32 over float32 pools
 // (dtype 0), bfloat16 over bfloat16 pools (1), or float32 over bfloat16 pools (2: half the bytes
 // read). Built at run time by kvserve/attention/cpu/__init__.py.
 #include <algorithm>
@@ -69,8 +70,8 @@ inline v16 exp_nonpositive(v16 x) {
   return p * scale;
 }
 
-// softmax_rows for rows padded to a multiple of 16, 16 scores at a time.
-inline void softmax_rows_vec(float* score, int64_t g_n, int64_t len, int64_t stride, float* total) {
+// softmax_rows for rows padded to a multiple of 16, 16 scores at a time; peak[g] gets row g's maximum.
+inline void softmax_rows_vec(float* score, int64_t g_n, int64_t len, int64_t stride, float* total, float* peak_out) {
   const i32x16 lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
   const v16 none = v16{} - INFINITY, zero = v16{};
   for (int64_t g = 0; g < g_n; ++g) {
@@ -91,6 +92,7 @@ inline void softmax_rows_vec(float* score, int64_t g_n, int64_t len, int64_t str
     float t = 0.0f;
     for (int i = 0; i < 16; ++i) t += sum[i];
     total[g] = t;
+    peak_out[g] = peak;
   }
 }
 
@@ -154,18 +156,21 @@ inline void prefetch_rows(const TK* pool, const int64_t* rows, int64_t span) {
 // ---- head sizes that are a multiple of 16: 16-float vectors (GCC vector extensions), tiles of
 // 16 tokens whose K/V rows are found once; a tile's 16 dot products are reduced together. An item
 // covers `per` adjacent K/V heads of one row, so a tile reads each token's rows of those heads
-// together (one contiguous stretch of the block when per = Hkv).
+// together (one contiguous stretch of the block when per = Hkv). With `part`, the item's share of a
+// split row goes there unnormalized instead of to `out`: per query head [DK] sums, its peak, its total.
 template <typename TQ, typename TK, int DK>
 void attend_heads_vec(const TQ* q, const TK* k_pool, const TK* v_pool, const int64_t* table, int64_t start,
-                      int64_t end, int64_t h0, int64_t per, const Shape& s, TQ* out, std::vector<float>& buf) {
+                      int64_t end, int64_t h0, int64_t per, const Shape& s, TQ* out, std::vector<float>& buf,
+                      float* part) {
   constexpr int J = DK / 16;
   const int64_t g_n = s.hq / s.hkv, n_q = per * g_n, bs = s.block_size, len = end - start;
   const int64_t padded = (len + 15) / 16 * 16;
-  buf.resize(n_q * (2 * DK + padded + 1) + 16);
+  buf.resize(n_q * (2 * DK + padded + 2) + 16);
   float* qf = buf.data();              // [per * G, DK]: query heads of K/V heads h0 .. h0 + per
   float* acc = qf + n_q * DK;          // [per * G, DK]
   float* score = acc + n_q * DK;       // [per * G, padded]
   float* total = score + n_q * padded; // [per * G]
+  float* peak = total + n_q;           // [per * G]
   for (int64_t a = 0; a < n_q; ++a)
     for (int64_t i = 0; i < DK; ++i) qf[a * DK + i] = load(q, (h0 * g_n + a) * s.q_head + i) * s.scale;
   std::fill(acc, acc + n_q * DK, 0.0f);
@@ -200,7 +205,7 @@ void attend_heads_vec(const TQ* q, const TK* k_pool, const TK* v_pool, const int
       std::memcpy(score + a * padded + base, &sums, 64);
     }
   }
-  softmax_rows_vec(score, n_q, len, padded, total);
+  softmax_rows_vec(score, n_q, len, padded, total, peak);
   if (len > 0) locate(0, next);
   for (int64_t base = 0; base < len; base += 16) {  // pass 2: weighted values, 16 tokens at a time
     const int n = static_cast<int>(std::min<int64_t>(16, len - base));
@@ -221,22 +226,36 @@ void attend_heads_vec(const TQ* q, const TK* k_pool, const TK* v_pool, const int
       for (int j = 0; j < J; ++j) std::memcpy(acc + a * DK + 16 * j, &x[j], 64);
     }
   }
+  if (part != nullptr) {
+    for (int64_t a = 0; a < n_q; ++a, part += DK + 2) {
+      std::memcpy(part, acc + a * DK, DK * sizeof(float));
+      part[DK] = peak[a];
+      part[DK + 1] = total[a];
+    }
+    return;
+  }
   for (int64_t a = 0; a < n_q; ++a)
     for (int64_t i = 0; i < DK; ++i) store(out, (h0 * g_n + a) * DK + i, acc[a * DK + i] / total[a]);
 }
 
-// The vector path for the usual head sizes (K and V of one size), the scalar path (head by head) else.
+// True for the head sizes the vector path takes (K and V of one size).
+bool vector_heads(const Shape& s) {
+  return s.d == s.dv && (s.d == 32 || s.d == 64 || s.d == 80 || s.d == 96 || s.d == 128 || s.d == 256);
+}
+
+// The vector path for the usual head sizes, the scalar path (head by head) else; `part` (vector
+// path only): the item's unnormalized share of a split row (attend_heads_vec).
 template <typename TQ, typename TK>
 void attend(const TQ* q, const TK* k, const TK* v, const int64_t* table, int64_t start, int64_t end, int64_t h0,
-            int64_t per, const Shape& s, TQ* out, std::vector<float>& buf) {
-  const int64_t d = s.d == s.dv ? s.d : 0;
+            int64_t per, const Shape& s, TQ* out, std::vector<float>& buf, float* part = nullptr) {
+  const int64_t d = vector_heads(s) ? s.d : 0;
   switch (d) {
-    case 32: return attend_heads_vec<TQ, TK, 32>(q, k, v, table, start, end, h0, per, s, out, buf);
-    case 64: return attend_heads_vec<TQ, TK, 64>(q, k, v, table, start, end, h0, per, s, out, buf);
-    case 80: return attend_heads_vec<TQ, TK, 80>(q, k, v, table, start, end, h0, per, s, out, buf);
-    case 96: return attend_heads_vec<TQ, TK, 96>(q, k, v, table, start, end, h0, per, s, out, buf);
-    case 128: return attend_heads_vec<TQ, TK, 128>(q, k, v, table, start, end, h0, per, s, out, buf);
-    case 256: return attend_heads_vec<TQ, TK, 256>(q, k, v, table, start, end, h0, per, s, out, buf);
+    case 32: return attend_heads_vec<TQ, TK, 32>(q, k, v, table, start, end, h0, per, s, out, buf, part);
+    case 64: return attend_heads_vec<TQ, TK, 64>(q, k, v, table, start, end, h0, per, s, out, buf, part);
+    case 80: return attend_heads_vec<TQ, TK, 80>(q, k, v, table, start, end, h0, per, s, out, buf, part);
+    case 96: return attend_heads_vec<TQ, TK, 96>(q, k, v, table, start, end, h0, per, s, out, buf, part);
+    case 128: return attend_heads_vec<TQ, TK, 128>(q, k, v, table, start, end, h0, per, s, out, buf, part);
+    case 256: return attend_heads_vec<TQ, TK, 256>(q, k, v, table, start, end, h0, per, s, out, buf, part);
     default:
       for (int64_t h = h0; h < h0 + per; ++h) attend_item<TQ, TK>(q, k, v, table, start, end, h, s, out, buf);
   }
@@ -248,19 +267,64 @@ int64_t heads_per_item(int64_t rows, int64_t hkv, int threads) {
   return rows >= 8 * threads ? hkv : 1;
 }
 
+// Parts each row's positions are split into: one while the (row, K/V heads) items keep every
+// thread busy; else enough that items x parts fill the threads about four times over (a lone
+// stream has as many items as K/V heads: 3 on SmolLM2), each part at least kMinPart positions.
+constexpr int64_t kMinPart = 256;
+int64_t parts_per_row(int64_t items, int64_t longest, int threads, bool vec) {
+  if (!vec || threads == 1 || items >= 4 * threads) return 1;
+  return std::max<int64_t>(1, std::min<int64_t>((4 * threads + items - 1) / items, longest / kMinPart));
+}
+
+// Item `item`'s query heads from its parts' [DK] sums, peaks and totals: exact, each part's sums
+// rescaled to the largest peak.
+template <typename TQ>
+void combine(const float* parts, int64_t n_parts, int64_t n_q, int64_t dv, TQ* out) {
+  const int64_t stride = n_q * (dv + 2);
+  for (int64_t a = 0; a < n_q; ++a) {
+    float peak = -INFINITY;
+    for (int64_t j = 0; j < n_parts; ++j) peak = std::max(peak, parts[j * stride + a * (dv + 2) + dv]);
+    float total = 0.0f;
+    std::vector<float> acc(dv, 0.0f);
+    for (int64_t j = 0; j < n_parts; ++j) {
+      const float* p = parts + j * stride + a * (dv + 2);
+      if (p[dv + 1] == 0.0f) continue;   // an empty part
+      const float w = std::exp(p[dv] - peak);
+      total += w * p[dv + 1];
+      for (int64_t i = 0; i < dv; ++i) acc[i] += w * p[i];
+    }
+    for (int64_t i = 0; i < dv; ++i) store(out, a * dv + i, acc[i] / total);
+  }
+}
+
 template <typename TQ, typename TK>
 void run(const void* q, const void* k_pool, const void* v_pool, const int64_t* table, const int64_t* starts,
          const int64_t* ends, void* out, int64_t rows, const Shape& s, int threads) {
   const int64_t per = heads_per_item(rows, s.hkv, threads), groups = s.hkv / per, items = rows * groups;
+  int64_t longest = 0;
+  for (int64_t r = 0; r < rows; ++r) longest = std::max(longest, ends[r] - starts[r]);
+  const int64_t n_parts = parts_per_row(items, longest, threads, vector_heads(s));
+  const int64_t n_q = per * (s.hq / s.hkv), stride = n_q * (s.dv + 2);
+  std::vector<float> parts(n_parts > 1 ? items * n_parts * stride : 0);
 #pragma omp parallel num_threads(threads)
   {
     std::vector<float> buf;
 #pragma omp for schedule(dynamic, 1)
-    for (int64_t item = 0; item < items; ++item) {
-      const int64_t r = item / groups, h0 = (item % groups) * per;
+    for (int64_t unit = 0; unit < items * n_parts; ++unit) {
+      const int64_t item = unit / n_parts, j = unit % n_parts, r = item / groups, h0 = (item % groups) * per;
+      const int64_t len = ends[r] - starts[r], share = (len + n_parts - 1) / n_parts;
+      const int64_t a = starts[r] + std::min(len, j * share), b = starts[r] + std::min(len, (j + 1) * share);
       attend<TQ, TK>(static_cast<const TQ*>(q) + r * s.q_row, static_cast<const TK*>(k_pool),
-                     static_cast<const TK*>(v_pool), table + r * s.table_row, starts[r], ends[r], h0, per, s,
-                     static_cast<TQ*>(out) + r * s.hq * s.dv, buf);
+                     static_cast<const TK*>(v_pool), table + r * s.table_row, a, b, h0, per, s,
+                     static_cast<TQ*>(out) + r * s.hq * s.dv, buf, n_parts > 1 ? parts.data() + unit * stride : nullptr);
+    }
+    if (n_parts > 1) {
+#pragma omp for
+      for (int64_t item = 0; item < items; ++item) {
+        const int64_t r = item / groups, h0 = (item % groups) * per;
+        combine(parts.data() + item * n_parts * stride, n_parts, n_q, s.dv,
+                static_cast<TQ*>(out) + r * s.hq * s.dv + h0 * (s.hq / s.hkv) * s.dv);
+      }
     }
   }
 }
