@@ -183,8 +183,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _exit_now_if_compiling(status: int) -> int:
-    """Exit at once with `status` when a background compile still runs (a short `generate`): the
-    interpreter's shutdown would stop its thread inside torch's C++ code, which aborts the process."""
+    """Exit at once with `status` when a background compile still runs (a short `generate`, whose
+    engine the command has closed): waiting for torch to stop compiling takes seconds
+    (library users get engine/compile.py's exit hook instead)."""
     from kvserve.engine.compile import compiling
     if compiling():
         sys.stdout.flush()

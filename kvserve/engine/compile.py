@@ -15,6 +15,7 @@ and the CPU's flags.
 
 from __future__ import annotations
 
+import atexit
 import copy
 import dataclasses
 import hashlib
@@ -169,6 +170,9 @@ class StartupCompile:
             parts = self._compile(show_progress=self.mode == "blocking")
         except Exception as exc:  # e.g. no C++ compiler for torch's CPU code generation
             self.state = "failed"
+            if _EXITING.is_set():   # the interpreter is exiting: torch refuses new compile work
+                log.info("background compile stopped: the process is exiting")
+                return
             log.warning("compiled regions: compiling failed (%s: %s); the model runs eagerly "
                         "(enforce_eager=True skips the attempt)", type(exc).__name__, str(exc).splitlines()[0][:200])
         else:
@@ -221,3 +225,18 @@ def startup_compile(engine, wanted: bool) -> StartupCompile:
 def compiling() -> bool:
     """True while a background compile of any engine of this process runs."""
     return any(t.name == THREAD_NAME and t.is_alive() for t in threading.enumerate())
+
+
+# set when the interpreter exits, so a compile that torch stops then is not reported as a failure
+_EXITING = threading.Event()
+
+
+@atexit.register
+def _finish_at_exit() -> None:
+    """Wait for running compiles before the interpreter shuts down: stopping their threads inside
+    torch's C++ code aborts the process. At this point torch accepts no new compile work, so a
+    compile that is not done ends quickly (its artifacts are not saved)."""
+    _EXITING.set()
+    for thread in threading.enumerate():
+        if thread.name == THREAD_NAME and thread.is_alive():
+            thread.join()
