@@ -131,7 +131,9 @@ class StartupCompile:
         return startup
 
     def start(self) -> None:
-        """Compile now (blocking) or start the compile thread (background)."""
+        """Compile now (blocking) or start the compile thread (background); nothing for an eager engine."""
+        if self.state == "eager":
+            return
         if self.mode == "blocking":
             self._run()
             self.at_step_boundary()
