@@ -100,6 +100,8 @@ def load_model(config: EngineConfig, device: torch.device, dtype: torch.dtype) -
         del weights
     tokenizer = load_tokenizer(path)
     _bf16_copies(config, model, device)
+    if device.type == "cpu":
+        release_freed_memory()
     seconds = time.perf_counter() - t0
     log.info("weights: %s, activations %s (%s); %.1f MiB of weights", weight_format,
              str(dtype).removeprefix("torch."), why, weight_bytes(model) / 2**20)
@@ -124,6 +126,16 @@ def keep_freed_memory() -> bool:
     m_trim_threshold, m_mmap_threshold = -1, -3
     # glibc's largest mmap threshold: blocks up to 32 MiB come from the heap; keep 1 GiB of freed heap
     return bool(libc.mallopt(m_mmap_threshold, 32 << 20)) and bool(libc.mallopt(m_trim_threshold, 1 << 30))
+
+
+def release_freed_memory() -> bool:
+    """Hand the heap that loading freed (decoded blocks, fused groups' parts, the copies' widened
+    chunks: below keep_freed_memory's thresholds, so glibc would keep them) back to the OS once.
+    True when glibc's malloc_trim released some."""
+    try:
+        return bool(ctypes.CDLL("libc.so.6").malloc_trim(0))
+    except (OSError, AttributeError):   # not glibc
+        return False
 
 
 def _bf16_copies(config: EngineConfig, model: torch.nn.Module, device: torch.device) -> bool:
