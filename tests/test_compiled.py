@@ -172,7 +172,7 @@ def test_a_hybrid_sliding_model_decodes_in_the_one_token_graph_like_eager(monkey
     monkeypatch.setenv(EAGER_ENV, "0")
     llm = LLM("gemma3-270m", weights="int4", kv_cache_memory="64MiB", max_model_len=1024)
     runner = llm.engine.runner
-    assert runner.native_pools is not None and len(set(runner.native_pools[1])) == len(runner.backends) > 1
+    assert runner.native_pools is not None and len(set(runner.native_pools[-1])) == len(runner.backends) > 1
     calls = []
     real = llm.engine.model.model.regions.one_token_paged
     monkeypatch.setattr(llm.engine.model.model.regions, "one_token_paged",
