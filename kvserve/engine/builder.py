@@ -27,6 +27,7 @@ from kvserve.kv.manager import KVCacheManager
 from kvserve.kv.policies import parse_policy
 from kvserve.kv.spec import group_layers
 from kvserve.kv.storage import KVStorage
+from kvserve.model import weight_cache
 from kvserve.model.config import ModelConfig
 from kvserve.model.layers import fuse_projections
 from kvserve.model.loader import is_gguf, load_gguf_kept, load_weights, resolve_model_path
@@ -43,6 +44,7 @@ from kvserve.model.quant import (
 )
 from kvserve.model.registry import build_model
 from kvserve.model.tokenizer import Tokenizer
+from kvserve.startup import phase
 
 log = logging.getLogger("kvserve")
 
@@ -88,18 +90,23 @@ def load_model(config: EngineConfig, device: torch.device, dtype: torch.dtype) -
     weight_format, why = config.weight_format(is_gguf(path))
     digest = ""
     if weight_format == GGUF_FORMAT:
-        model_config, floats, kept = load_gguf_kept(path)
+        with phase("weights load"):
+            model_config, floats, kept = load_gguf_kept(path)
         why, digest = f"{kept_summary(kept)}; {why}", kept_digest(kept)
-        model = _build_kept_model(model_config, floats, kept, device, dtype)
+        model = _cached_kept_model(config, path, model_config, floats, kept, device, dtype)
         del floats, kept
     else:
         quantized = DTYPES.get(weight_format) != dtype
         # quantized weights are made from float32, not from an already rounded copy
-        model_config, weights = load_weights(path, torch.float32 if quantized else dtype)
-        model = _build_model(model_config, weights, device, dtype, weight_format if quantized else None)
+        with phase("weights load"):
+            model_config, weights = load_weights(path, torch.float32 if quantized else dtype)
+        with phase("model build"):
+            model = _build_model(model_config, weights, device, dtype, weight_format if quantized else None)
         del weights
-    tokenizer = load_tokenizer(path)
-    _bf16_copies(config, model, device)
+        with phase("bf16 copies"):
+            _bf16_copies(config, model, device)
+    with phase("tokenizer"):
+        tokenizer = load_tokenizer(path)
     if device.type == "cpu":
         release_freed_memory()
     seconds = time.perf_counter() - t0
@@ -186,18 +193,51 @@ def _build_model(mc: ModelConfig, weights: dict[str, torch.Tensor], device: torc
     return model
 
 
+def _cached_kept_model(config: EngineConfig, path: str, mc: ModelConfig, floats: dict[str, torch.Tensor],
+                       kept: dict, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
+    """The kept-format model with its bfloat16 copies: on CPU mapped from the weight cache
+    (model/weight_cache.py) when it holds this build, else built and written there."""
+    if device.type != "cpu":
+        with phase("model build"):
+            model = _build_kept_model(mc, floats, kept, device, dtype)
+        with phase("bf16 copies"):
+            _bf16_copies(config, model, device)
+        return model
+    key = weight_cache.cache_key(weights=GGUF_FORMAT, dtype=dtype, device=device.type,
+                                 bf16_weight_copy=config.bf16_weight_copy)
+    file = weight_cache.cache_file(path, key)
+    with phase("model build (weight cache)"):
+        model = _build_kept_model(mc, _on_meta(floats), _on_meta(kept), device, dtype, torch.device("meta"))
+        _bf16_copies(config, model, device)
+        if weight_cache.load(model, file):
+            return model
+    with phase("model build"):
+        model = _build_kept_model(mc, floats, kept, device, dtype)
+    with phase("bf16 copies"):
+        _bf16_copies(config, model, device)
+    weight_cache.save(model, file)
+    return model
+
+
+def _on_meta(tensors: dict) -> dict:
+    """The same tensors (or KeptTensors) as meta tensors: shapes and dtypes only."""
+    return {name: t.to("meta") for name, t in tensors.items()}
+
+
 def _build_kept_model(mc: ModelConfig, floats: dict[str, torch.Tensor], kept: dict, device: torch.device,
-                      dtype: torch.dtype) -> torch.nn.Module:
-    """The model with every GGUF weight in its kept layout: built on the meta device, so no float32
-    weight is ever allocated for a layer that keep_formats replaces."""
+                      dtype: torch.dtype, place: torch.device | None = None) -> torch.nn.Module:
+    """The model with every GGUF weight in its kept layout, its layers to run on `device`, its tensors
+    on `place` (default `device`; the meta device for the weight cache): built on the meta device,
+    so no float32 weight is ever allocated for a layer that keep_formats replaces."""
+    place = place or device
     with torch.device("meta"):
         model = build_model(mc)
     _, unexpected = model.load_state_dict(floats, strict=False, assign=True)
-    keep_formats(model, kept)
-    missing = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
+    keep_formats(model, kept, device)
+    missing = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta and place.type != "meta"]
     if missing or unexpected:
         raise ValueError(f"checkpoint does not match the model: missing {missing[:5]}, unexpected {unexpected[:5]}")
-    model = model.to(device).eval()
+    model = model.to(place).eval()
     cast_unquantized(model, dtype)
     return model
 

@@ -9,7 +9,7 @@ from kvserve.attention import attend
 from kvserve.kv.spec import KVSpec
 from kvserve.model.base import CausalLM
 from kvserve.model.config import ModelConfig
-from kvserve.model.layers import Fused, RotaryEmbedding
+from kvserve.model.layers import Fused, RotaryEmbedding, embedding
 from kvserve.model.regions import EAGER
 
 
@@ -123,7 +123,7 @@ class Gemma3Model(nn.Module):
         global_rope = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
         local_rope = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings,
                                      cfg.rope_local_theta or cfg.rope_theta, None)
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = embedding(cfg.vocab_size, cfg.hidden_size)
         self.embed_scale = cfg.hidden_size ** 0.5
         self.layers = nn.ModuleList(
             Gemma3DecoderLayer(cfg, i, local_rope if kinds[i] == "sliding" else global_rope, kinds[i] == "sliding")

@@ -112,6 +112,10 @@ class KeptTensor:
         t = self.layout
         return KeptTensor(self.gguf_type, perm(t) if isinstance(t, torch.Tensor) else t.permute_rows(perm), self.note)
 
+    def to(self, device: torch.device | str) -> KeptTensor:
+        """The same weight on `device` (the meta device: shapes and dtypes only)."""
+        return self.permute_rows(lambda a: a.to(device))   # permute_rows maps every tensor of the layout
+
 
 def affine(codes: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor | None, group: int) -> torch.Tensor:
     """code * scale (+ offset) per group, in float32 (a product and a sum, not a fused multiply-add)."""

@@ -46,6 +46,15 @@ def _llama3_scale(inv_freq: torch.Tensor, s: dict) -> torch.Tensor:
     return torch.where(medium, smoothed, scaled)
 
 
+def embedding(num: int, dim: int) -> nn.Embedding:
+    """An embedding table, initialised as nn.Embedding does except on the meta device (a model built
+    there gets its checkpoint's table; torch's meta normal_ alone takes seconds)."""
+    weight = torch.empty(num, dim)
+    if not weight.is_meta:
+        nn.init.normal_(weight)
+    return nn.Embedding(num, dim, _weight=weight)
+
+
 class RotaryEmbedding(nn.Module):
     """Half-split (rotate_half) rotary embedding with a precomputed cos/sin table."""
 

@@ -9,7 +9,7 @@ from kvserve.attention import AttentionMetadata, attend
 from kvserve.kv.spec import KVSpec
 from kvserve.model.base import CausalLM
 from kvserve.model.config import ModelConfig
-from kvserve.model.layers import Fused, GatedMLP, RMSNorm, RotaryEmbedding
+from kvserve.model.layers import Fused, GatedMLP, RMSNorm, RotaryEmbedding, embedding
 from kvserve.model.regions import EAGER
 
 
@@ -99,7 +99,7 @@ class LlamaModel(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         rope = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i, rope) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.regions = EAGER  # model/regions.py: eager or compiled

@@ -106,7 +106,9 @@ class QuantLinear(KeptLinear):
     or for int4 the 4-bit groups themselves (`Int4Groups`, a GGUF's Q4_* blocks)."""
 
     def __init__(self, weight: torch.Tensor | Int4Groups, bias: torch.Tensor | None, fmt: str,
-                 tied: torch.Tensor | None = None):
+                 tied: torch.Tensor | None = None, device: torch.device | None = None):
+        """`device`: where the layer runs, which picks its kernels and layouts (default: the weight's;
+        a model built on the meta device for the weight cache passes the device it will run on)."""
         super().__init__()
         if fmt not in WEIGHT_FORMATS:
             raise ValueError(f"weight format must be one of {WEIGHT_FORMATS}, got {fmt!r}")
@@ -114,14 +116,15 @@ class QuantLinear(KeptLinear):
         w = (groups.codes if groups is not None else weight).detach()
         self.fmt = fmt
         self.out_features, self.in_features = w.shape
+        device = device or w.device
         self.small_rows = SMALL_ROWS
         # a float32 tensor holding the same weight that other code keeps anyway (the embedding a
         # tied LM head shares); a list, so it is neither a submodule nor counted in this layer's bytes
         self.tied = [tied] if tied is not None else []
         self.wide_rows = TIED_WIDE_ROWS if tied is not None else HALF_WIDE_ROWS
-        self.bf16_units = not slow_half(w.device)   # read once: compiled graphs cannot ask the CPU
+        self.bf16_units = not slow_half(device)   # read once: compiled graphs cannot ask the CPU
         self.row_kernel = None   # add_row_kernel
-        self.gemv = cpu_gemv(w.device, fmt)   # the C++ GEMV ops serve this layer's few-row steps
+        self.gemv = cpu_gemv(device, fmt)   # the C++ GEMV ops serve this layer's few-row steps
         self.register_buffer("bf16_t", None)   # add_bf16_copy
         self.bias = _bias(bias)
         if fmt in FLOAT_FORMATS:
@@ -129,7 +132,9 @@ class QuantLinear(KeptLinear):
         elif fmt == "int8":
             self._init_int8(w.float())
         else:
-            self._init_int4(groups if groups is not None else int4_groups(w))
+            self._init_int4(groups if groups is not None else int4_groups(w), device)
+        # the bfloat16 copy's source: W^T straight from the CPU kernel's layout, else the dequantized weight
+        self._copy_source = self._int4_weight_t if hasattr(self, "packed") else self._dequantized_t
 
     def _init_int8(self, w: torch.Tensor) -> None:
         scale = (w.abs().amax(dim=1) / 127).clamp(min=1e-12)                      # [N]
@@ -137,13 +142,13 @@ class QuantLinear(KeptLinear):
         self.register_buffer("scale", scale)
         self.register_buffer("scale_bf16", scale.to(torch.bfloat16))
 
-    def _init_int4(self, groups: Int4Groups) -> None:
+    def _init_int4(self, groups: Int4Groups, device: torch.device) -> None:
         n = self.out_features
         q, scale, low = groups.codes, groups.scales, groups.lows
         # w = (q - 8) * scale + zero with zero = low + 8 * scale: the CPU kernel's convention, [K/G, N, 2]
         zeros = torch.stack([scale.t(), (low + 8 * scale).t()], dim=-1).contiguous()
         self.register_buffer("scales_zeros", zeros.to(torch.bfloat16))
-        if q.device.type == "cpu" and n % CPU_INT4_ROWS == 0:
+        if device.type == "cpu" and n % CPU_INT4_ROWS == 0:
             self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 1))
         else:
             self.register_buffer("nibbles", q[:, 0::2] | (q[:, 1::2] << 4))        # [N, K/2]
@@ -156,6 +161,17 @@ class QuantLinear(KeptLinear):
         # CPU kernel layout: per 64 rows, per input channel, 32 bytes: row r low nibble, row r + 32 high
         v = self.packed.view(n // CPU_INT4_ROWS, k, CPU_INT4_ROWS // 2)
         return torch.cat([v & 15, v >> 4], dim=2).permute(0, 2, 1).reshape(n, k)
+
+    def _int4_weight_t(self) -> torch.Tensor:
+        """W^T [K, N] float32 from the CPU kernel's layout with dequantize's roundings ((q - 8) * scale,
+        then + zero), unpacked along N: no transposing copy."""
+        k, n = self.in_features, self.out_features
+        codes = int4_codes_t(self.packed).float().view(k // GROUP_SIZE, GROUP_SIZE, n) - 8
+        scale, zero = (self.scales_zeros[..., i].float().unsqueeze(1) for i in (0, 1))   # [K/G, 1, N]
+        return (codes * scale + zero).view(k, n)
+
+    def _dequantized_t(self) -> torch.Tensor:
+        return self.dequantize(torch.float32).t()
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The weight [out, in] as stored, widened to `dtype` (the reference for every kernel)."""
@@ -223,7 +239,7 @@ class QuantLinear(KeptLinear):
         a step of more than COPY_ROWS rows (a batched decode, a prefill chunk) runs one bfloat16 GEMM
         on it, 1.5x faster steps at 32-64 rows on a CPU with bfloat16 units, at 2 bytes per weight."""
         if self.fmt in COPY_FORMATS and self.bf16_t is None:
-            self.bf16_t = self.dequantize(torch.float32).t().contiguous().to(torch.bfloat16)
+            self.bf16_t = self._copy_source().to(torch.bfloat16, memory_format=torch.contiguous_format)
 
     def add_row_kernel(self) -> None:
         """A compiled kernel for a single row (a one-token step's LM head): the weight as int8 in
@@ -260,10 +276,17 @@ def int4_weight_t(packed: torch.Tensor, scales_zeros: torch.Tensor) -> torch.Ten
     """W^T [K, N] in float32 from the CPU int4 kernel's layout (an op of its own, so a compiled graph
     calls it as is: unpacking per element in generated code runs several times slower)."""
     n, k = packed.shape[0], packed.shape[1] * 2
-    v = packed.view(n // CPU_INT4_ROWS, k, CPU_INT4_ROWS // 2)
-    codes = torch.cat([v & 15, v >> 4], dim=2).permute(1, 0, 2).reshape(k // GROUP_SIZE, GROUP_SIZE, n)
+    codes = int4_codes_t(packed).view(k // GROUP_SIZE, GROUP_SIZE, n)
     scale, zero = (scales_zeros[..., i].float().unsqueeze(1) for i in (0, 1))      # [K/G, 1, N]
     return torch.addcmul(zero - 8 * scale, codes.float(), scale).view(k, n)
+
+
+def int4_codes_t(packed: torch.Tensor) -> torch.Tensor:
+    """The 4-bit codes transposed, [K, N] uint8, from the CPU int4 kernel's layout: per 64 rows, per
+    input channel, 32 bytes (row r in the low nibble, row r + 32 in the high one)."""
+    n, k = packed.shape[0], packed.shape[1] * 2
+    v = packed.view(n // CPU_INT4_ROWS, k, CPU_INT4_ROWS // 2)
+    return torch.cat([v & 15, v >> 4], dim=2).permute(1, 0, 2).reshape(k, n)
 
 
 @int4_weight_t.register_fake
@@ -307,7 +330,9 @@ class Int8GroupLinear(KeptLinear):
 
     fmt = "int8g"
 
-    def __init__(self, groups: Int8Groups, bias: torch.Tensor | None = None, copies: bool = True):
+    def __init__(self, groups: Int8Groups, bias: torch.Tensor | None = None, copies: bool = True,
+                 device: torch.device | None = None):
+        """`device`: where the layer runs (QuantLinear's), default the codes'."""
         super().__init__()
         self.copies = copies
         self.out_features, self.in_features = groups.codes.shape
@@ -317,7 +342,7 @@ class Int8GroupLinear(KeptLinear):
         self.register_buffer("mins", None if groups.mins is None else groups.mins.float().contiguous())
         self.register_buffer("bf16_t", None)   # add_bf16_copy
         self.bias = _bias(bias)
-        self.kernel = q8g_kernel(groups.codes.device)
+        self.kernel = q8g_kernel(device or groups.codes.device)
         self.few_rows = _q8g_gemv if self.kernel else _q8g_torch
         # more rows without a copy: the head (run eagerly) stays on the GEMV, a layer of the compiled
         # stack widens its weight (a fixed graph for any row count)
@@ -448,10 +473,11 @@ def _replace_members(module: nn.Module, group) -> None:
                 setattr(module, name, FusedMember(group, i))
 
 
-def keep_formats(model: nn.Module, kept: dict[str, KeptTensor]) -> None:
+def keep_formats(model: nn.Module, kept: dict[str, KeptTensor], device: torch.device | None = None) -> None:
     """Give `model` (built on the meta device, its float tensors loaded) a layer per GGUF weight in
     `kept` (HF name -> its kept layout): every fused group and linear, the embedding, a tied LM
-    head on the embedding's own codes."""
+    head on the embedding's own codes. `device`: where the layers run (QuantLinear's), default
+    the layouts' own."""
     names = {id(m): name for name, m in model.named_modules()}
 
     def weight(module: nn.Module) -> KeptTensor:
@@ -461,7 +487,7 @@ def keep_formats(model: nn.Module, kept: dict[str, KeptTensor]) -> None:
         return kept[key]
     for module in list(model.modules()):
         for group in getattr(module, "fused", ()):
-            _keep_group(module, group, [weight(m) for m in group.linears])
+            _keep_group(module, group, [weight(m) for m in group.linears], device)
     old = model.model.embed_tokens.weight
     table = weight(model.model.embed_tokens).layout
     if isinstance(table, torch.Tensor):
@@ -471,42 +497,42 @@ def keep_formats(model: nn.Module, kept: dict[str, KeptTensor]) -> None:
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if isinstance(child, nn.Linear) and child.weight is old:     # a tied LM head
-                setattr(parent, name, _tied_head(child, model.model.embed_tokens))
+                setattr(parent, name, _tied_head(child, model.model.embed_tokens, device))
             elif isinstance(child, nn.Linear):
-                setattr(parent, name, kept_layer(weight(child), child.bias))
+                setattr(parent, name, kept_layer(weight(child), child.bias, device))
 
 
-def _keep_group(module: nn.Module, group, members: list[KeptTensor]) -> None:
+def _keep_group(module: nn.Module, group, members: list[KeptTensor], device: torch.device | None) -> None:
     """A fused group as one layer when fuse_kept can join its members (and all or none have a bias),
     else member by member."""
     fused = fuse_kept(members)
     biases = [m.bias for m in group.linears]
     if fused is not None and len({b is None for b in biases}) == 1:
-        group.quant = kept_layer(fused, None if biases[0] is None else torch.cat(biases))
+        group.quant = kept_layer(fused, None if biases[0] is None else torch.cat(biases), device)
         _replace_members(module, group)
         return
-    layers = [kept_layer(t, b) for t, b in zip(members, biases)]
+    layers = [kept_layer(t, b, device) for t, b in zip(members, biases)]
     for name, child in list(module.named_children()):
         if child in group.linears:
             setattr(module, name, layers[group.linears.index(child)])
     group.linears = tuple(layers)
 
 
-def _tied_head(head: nn.Linear, embed: nn.Module) -> nn.Module:
+def _tied_head(head: nn.Linear, embed: nn.Module, device: torch.device | None) -> nn.Module:
     """The LM head over the embedding's own weight: its codes (no copy), or its float tensor."""
     if isinstance(embed, GroupEmbedding):
-        return Int8GroupLinear(embed.groups(), copies=False)
+        return Int8GroupLinear(embed.groups(), copies=False, device=device)
     head.weight = embed.weight
     return head
 
 
-def kept_layer(t: KeptTensor, bias: torch.Tensor | None) -> KeptLinear:
-    """The layer holding one kept GGUF weight."""
+def kept_layer(t: KeptTensor, bias: torch.Tensor | None, device: torch.device | None = None) -> KeptLinear:
+    """The layer holding one kept GGUF weight, to run on `device` (default: the layout's)."""
     if t.kind == "int8g":
-        return Int8GroupLinear(t.layout, bias)
+        return Int8GroupLinear(t.layout, bias, device=device)
     if t.kind == "int4":
-        return QuantLinear(t.layout, bias, "int4")
-    return QuantLinear(t.layout, bias, str(t.layout.dtype).removeprefix("torch."))
+        return QuantLinear(t.layout, bias, "int4", device=device)
+    return QuantLinear(t.layout, bias, str(t.layout.dtype).removeprefix("torch."), device=device)
 
 
 def fuse_kept(members: list[KeptTensor]) -> KeptTensor | None:
