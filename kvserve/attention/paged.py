@@ -86,9 +86,12 @@ def paged_decode_one(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_pool: 
     return torch.matmul(weights, values).view(1, hq, dv)
 
 
+@torch.library.custom_op("kvserve::write_one", mutates_args=("k_pool", "v_pool"))
 def write_one(k: torch.Tensor, v: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
               slot: torch.Tensor) -> None:
-    """Store one token's K and V [1, Hkv, D] at `slot` [1] of the pools, in the pools' dtype."""
+    """Store one token's K and V [1, Hkv, D] at `slot` [1] of the pools, in the pools' dtype. An op
+    that mutates the pools, so that the one-token graph writes them in place: traced, a pool written
+    by several layers (KV groups sharing a slot) is copied whole and written back."""
     k_pool.view(-1, *k_pool.shape[2:]).index_put_((slot,), k.to(k_pool.dtype))
     v_pool.view(-1, *v_pool.shape[2:]).index_put_((slot,), v.to(v_pool.dtype))
 

@@ -56,7 +56,7 @@ class ModelRunner:
         self.backends: list = []
         self.layer_backend: dict[int, object] = {}
         self.layer_group: dict[int, int] = {}
-        self.native_pools = None   # (decode op, (K pool, V pool) per layer, group per layer): see one_token_plan
+        self.native_pools = None   # (decode op, pools, (K, V) pool index per layer, group per layer): see one_token_plan
         self._backends_said = ""   # the backends last logged
         if kv is not None:
             self.input_batch = InputBatch(len(kv.groups), max_num_seqs, -(-max_model_len // self.block_size) + 1,
@@ -85,19 +85,19 @@ class ModelRunner:
         self.native_pools = self.native_pools_for(getattr(self.model.model, "regions", None))
 
     def native_pools_for(self, regions):
-        """(The one-token attention, every layer's (K pool, V pool), the layer's group) when the model
-        runs `regions` compiled and every group keeps native K/V read by PagedBackend: a single decode token
-        then runs as one graph that writes and reads the pools itself (model/regions.py). None
-        otherwise."""
+        """(The one-token attention, the distinct pool tensors, each layer's (K, V) index among them,
+        the layer's group) when the model runs `regions` compiled and every group keeps native K/V read
+        by PagedBackend: a single decode token then runs as one graph that writes and reads the pools
+        itself (model/regions.py). None otherwise."""
         layers = getattr(self.model.model, "layers", ())
         if (not getattr(regions, "compiled", False) or not all(type(b) is PagedBackend for b in self.backends)
                 or sorted(self.layer_group) != list(range(len(layers)))
                 or not all(hasattr(layer.self_attn, "scale") for layer in layers)):
             return None
-        pools = tuple(tuple(self.storage.native_kv(i)) for i in range(len(layers)))
+        pools, kv_index = distinct_pools([self.storage.native_kv(i) for i in range(len(layers))])
         # the C++ kernel where it reads every pool (an opaque op in the graph), else torch's ops
         decode = cpu_kernel.paged_decode_one if all(b.kernel for b in self.backends) else paged_decode_one
-        return decode, pools, tuple(self.layer_group[i] for i in range(len(layers)))
+        return decode, pools, kv_index, tuple(self.layer_group[i] for i in range(len(layers)))
 
     def one_token_plan(self, meta: AttentionMetadata) -> tuple | None:
         """The one-token graph's inputs for a step of a single decode token (see native_pools_for):
@@ -105,23 +105,24 @@ class ModelRunner:
         and the visible positions among them."""
         if self.native_pools is None or meta.num_decodes != 1 or meta.prefills or meta.score_hook is not None:
             return None
-        decode, pools, groups = self.native_pools
+        decode, pools, kv_index, groups = self.native_pools
         views = [one_token_blocks(table[0], int(start), int(end), self.block_size)
                  for table, start, end in (md.decode_range for md in meta.groups)]
-        return (decode, pools, tuple(md.slot_mapping for md in meta.groups), tuple(b for b, _ in views),
+        return (decode, pools, kv_index, tuple(md.slot_mapping for md in meta.groups), tuple(b for b, _ in views),
                 tuple(span for _, span in views), groups)
 
     def warm_up_plan(self, native_pools) -> tuple:
         """One-token graph inputs for a fake decode at slot 0 over pools shaped like `native_pools`' but
         not theirs (empty ones: the engine may be writing its own meanwhile, and pages never touched
         cost no memory), for compiling that graph before a request's first decode step."""
-        decode, pools, groups = native_pools
-        scratch = tuple(tuple(_empty_like(p) for p in kv) for kv in pools)
-        groups_n = len(self.backends)
+        decode, pools, kv_index, groups = native_pools
+        scratch = tuple(_empty_like(p) for p in pools)
         with torch.inference_mode():   # as a step's slot, blocks and span are (the guards tell them apart)
-            slot = torch.zeros(1, dtype=torch.long, device=self.device)
-            blocks, span = one_token_blocks(slot, 0, 1, self.block_size)
-        return decode, scratch, (slot,) * groups_n, (blocks,) * groups_n, (span,) * groups_n, groups
+            # each group's its own, as in a step (the graph guards on which inputs are one tensor)
+            slots = tuple(torch.zeros(1, dtype=torch.long, device=self.device) for _ in self.backends)
+            views = [one_token_blocks(slot, 0, 1, self.block_size) for slot in slots]
+        return (decode, scratch, kv_index, slots, tuple(b for b, _ in views), tuple(span for _, span in views),
+                groups)
 
     def backend_names(self, detail: bool = False) -> list[str]:
         """The backend class of each KV group (for logs and tests); with `detail`, how PagedBackend
@@ -213,6 +214,18 @@ class ModelRunner:
 
     def _tensor(self, values) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long, device=self.device)
+
+
+def distinct_pools(per_layer) -> tuple[tuple[torch.Tensor, ...], tuple[tuple[int, int], ...]]:
+    """(Each distinct tensor of `per_layer` [(K pool, V pool)] once, in first-seen order; each layer's
+    (K, V) index among them): layers of different KV groups share a slot's pools."""
+    pools, index = [], {}
+    for kv in per_layer:
+        for t in kv:
+            if id(t) not in index:
+                index[id(t)] = len(pools)
+                pools.append(t)
+    return tuple(pools), tuple((index[id(k)], index[id(v)]) for k, v in per_layer)
 
 
 def _empty_like(t: torch.Tensor) -> torch.Tensor:

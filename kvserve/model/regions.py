@@ -23,14 +23,17 @@ import torch
 from tqdm.auto import tqdm
 
 from kvserve.attention import OBSERVERS
+from kvserve.model import quant
 
 log = logging.getLogger("kvserve")
 
-# Token counts a warm-up runs: one token (the one-token stack graph), then one count in each row
-# range where model/quant.py picks another kernel (GEMVs up to 2 or 8 rows, the int4 kernel up to
-# COPY_ROWS, the int8 kernel up to SMALL_ROWS, the widened weights past them): each range is a graph
-# of its own, compiled here instead of in the first busy step that reaches it (1.8 s).
-WARMUP_TOKENS = (1, 2, 8, 64)
+# Row counts at which model/quant.py switches kernels (a step of more rows than a bound runs another
+# one): each range between two bounds is a graph of its own in every region.
+ROW_BOUNDS = sorted({quant.GEMV_INT4_ROWS, *quant.GEMV_ROWS.values(), quant.COPY_ROWS, quant.SMALL_ROWS,
+                     quant.HALF_WIDE_ROWS, quant.TIED_WIDE_ROWS, quant.INT4_WIDE_ROWS})
+# Token counts a warm-up runs: one token (the one-token stack graph), then the top of each of those
+# ranges and one past the last, so that no step of any size compiles a graph after the warm-up.
+WARMUP_TOKENS = tuple(sorted({1, *ROW_BOUNDS, ROW_BOUNDS[-1] + 1}))
 # Graphs kept per region across every engine of the process (torch's default is 8).
 RECOMPILE_LIMIT = 64
 EAGER_ENV = "KVSERVE_ENFORCE_EAGER"
@@ -61,15 +64,18 @@ def _one_token_stack(layers, x, positions):
     return x
 
 
-def _one_token_paged_stack(layers, x, positions, decode, pools, slots, blocks, spans, groups):
+def _one_token_paged_stack(layers, x, positions, decode, pools, kv_index, slots, blocks, spans, groups):
     """The whole stack for one decode token over native paged K/V, the cache written and read in
     the graph by `decode` (attention/paged.py paged_decode_one, or the C++ kernel's, an opaque op):
-    no Python between the layers."""
+    no Python between the layers. `pools` holds each pool tensor once and layer i reads
+    pools[kv_index[i][0]] (K) and pools[kv_index[i][1]] (V): KV groups share pool slots, and a
+    tensor passed twice would be two aliased mutated inputs, which the graph copies whole instead
+    of writing in place."""
     q, k, v = _first(layers[0], x, positions)
     last = len(layers) - 1
     for i, layer in enumerate(layers):
-        g = groups[i]
-        o = decode(q, k, v, *pools[i], slots[g], blocks[g], spans[g], layer.self_attn.scale)
+        g, (ki, vi) = groups[i], kv_index[i]
+        o = decode(q, k, v, pools[ki], pools[vi], slots[g], blocks[g], spans[g], layer.self_attn.scale)
         if i == last:
             return _last(layer, x, o)
         x, (q, k, v) = _between(layer, layers[i + 1], x, o, positions)
