@@ -183,9 +183,10 @@ def _broken_step():
 
 def test_an_engine_failure_ends_the_server_with_status_1(llm, monkeypatch):
     from kvserve.server.cli import serve
+    from kvserve.server.loading import LOADING, LoadingApp
 
     monkeypatch.setattr(llm.engine, "step", _broken_step)
-    app = build_app(llm.engine)
+    app = LoadingApp(lambda: build_app(llm.engine))   # as `kvserve serve` runs it
     config = _config(app)
     url = f"http://127.0.0.1:{config.port}"
     answers, stopped = [], threading.Event()
@@ -194,9 +195,14 @@ def test_an_engine_failure_ends_the_server_with_status_1(llm, monkeypatch):
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline and not answers:
             try:
-                answers.append(_completion(url).status_code)
+                r = _completion(url)
             except httpx.TransportError:
                 time.sleep(0.05)
+                continue
+            if r.status_code == 503 and r.json() == LOADING:   # not built yet: ask again
+                time.sleep(0.05)
+                continue
+            answers.append(r.status_code)
         if not stopped.wait(30):  # a server still up by now would never stop: end it (status 0)
             signal.raise_signal(signal.SIGINT)
 
