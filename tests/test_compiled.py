@@ -170,7 +170,7 @@ def test_a_hybrid_sliding_model_decodes_in_the_one_token_graph_like_eager(monkey
     want = eager.generate(prompt, greedy, use_tqdm=False)[0]
     del eager
     monkeypatch.setenv(EAGER_ENV, "0")
-    llm = LLM("gemma3-270m", weights="int4", kv_cache_memory="64MiB", max_model_len=1024)
+    llm = LLM("gemma3-270m", weights="int4", kv_cache_memory="64MiB", max_model_len=1024, compile_mode="blocking")
     runner = llm.engine.runner
     assert runner.native_pools is not None and len(set(runner.native_pools[-1])) == len(runner.backends) > 1
     calls = []
@@ -180,3 +180,79 @@ def test_a_hybrid_sliding_model_decodes_in_the_one_token_graph_like_eager(monkey
     got = llm.generate(prompt, greedy, use_tqdm=False)[0]
     assert len(got.prompt_token_ids) > 512 and len(calls) == 11
     assert common_prefix(got.outputs[0].token_ids, want.outputs[0].token_ids) >= 8
+
+
+@pytest.fixture(scope="module")
+def tiny_hybrid(tmp_path_factory):
+    """(eager, compiled) engines over a tiny random hybrid Gemma-3 checkpoint (three sliding-window
+    layers, one global: KV groups whose layers share pool slots), bfloat16 weights and K/V."""
+    from family_checkpoints import make_tiny_checkpoint
+    path = make_tiny_checkpoint("gemma3", tmp_path_factory.mktemp("hybrid"))
+    opts = dict(dtype="bfloat16", kv_cache_memory="4MiB", max_model_len=256, block_size=4)
+    eager = LLM(path, enforce_eager=True, **opts)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(EAGER_ENV, "0")
+        compiled = LLM(path, compile_mode="blocking", **opts)
+    return eager, compiled
+
+
+def _resident_bytes(t: torch.Tensor) -> int:
+    """Bytes of the pages under `t` that are resident (mincore): a pool's pages cost memory once written."""
+    import ctypes
+    import mmap
+    start = t.data_ptr() // mmap.PAGESIZE * mmap.PAGESIZE
+    length = t.data_ptr() + t.numel() * t.element_size() - start
+    pages = (ctypes.c_ubyte * -(-length // mmap.PAGESIZE))()
+    assert ctypes.CDLL(None).mincore(ctypes.c_void_p(start), ctypes.c_size_t(length), pages) == 0
+    return sum(p & 1 for p in pages) * mmap.PAGESIZE
+
+
+def _pools(llm) -> list[torch.Tensor]:
+    storage = llm.engine.runner.storage
+    return [t for layer in range(llm.engine.model_config.num_layers) for t in storage.native_kv(layer)]
+
+
+def test_shared_pool_slots_are_written_in_place_by_the_one_token_graph(tiny_hybrid, monkeypatch):
+    """KV groups sharing pool slots: the one-token graph gets each pool tensor once (no two of its
+    inputs alias, which would make it copy the pools), so a compiled decode writes the engine's own
+    pools in place: their storage unchanged, only the pages of the blocks written resident (a copy
+    writes every page back), their contents (prompt and decoded K/V) those the eager engine wrote,
+    and the eager engine's greedy tokens."""
+    eager, compiled = tiny_hybrid
+    runner = compiled.engine.runner
+    assert runner.native_pools is not None and len(runner.backends) > 1
+    _, pools, kv_index, _ = runner.native_pools
+    layers = compiled.engine.model_config.num_layers
+    assert len({id(t) for t in _pools(compiled)}) == len(pools) < 2 * layers   # slots shared by groups
+    assert [id(pools[i]) for kv in kv_index for i in kv] == [id(t) for t in _pools(compiled)]
+    ptrs = [t.data_ptr() for t in pools]
+    calls = []
+    real = compiled.engine.model.model.regions.one_token_paged
+    monkeypatch.setattr(compiled.engine.model.model.regions, "one_token_paged", lambda *a: calls.append(1) or real(*a))
+    greedy = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    prompt = {"prompt_token_ids": list(range(3, 23))}   # past the 8-token window
+    got = compiled.generate(prompt, greedy, use_tqdm=False)[0].outputs[0].token_ids
+    want = eager.generate(prompt, greedy, use_tqdm=False)[0].outputs[0].token_ids
+    assert len(calls) == 9 and list(got) == list(want)
+    assert [t.data_ptr() for t in pools] == ptrs
+    for t in pools:   # 30 tokens per group: a few 4-token blocks of each pool
+        assert 0 < _resident_bytes(t) < t.numel() * t.element_size() // 4
+    for mine, theirs in zip(_pools(compiled), _pools(eager)):   # the same blocks, written by each engine
+        assert theirs.abs().sum() > 0
+        torch.testing.assert_close(mine.float(), theirs.float(), rtol=0.05, atol=0.1)   # bfloat16 K/V
+
+
+def test_no_prompt_length_or_context_recompiles_after_the_warm_up(tiny_hybrid):
+    """Prompts of a length in each of the quantized kernels' row ranges (model/quant.py) and decodes
+    at growing contexts, one after another, compile no graph after the warm-up, and make the eager
+    engine's greedy tokens."""
+    from torch._dynamo.utils import counters
+    from kvserve.model.regions import ROW_BOUNDS
+    eager, compiled = tiny_hybrid
+    greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    before = counters["stats"]["unique_graphs"]
+    for n in sorted({2, 5, *ROW_BOUNDS, *(b + 1 for b in ROW_BOUNDS), 170}):
+        prompt = {"prompt_token_ids": [(7 * i + n) % 200 + 3 for i in range(n)]}
+        got = compiled.generate(prompt, greedy, use_tqdm=False)[0].outputs[0].token_ids
+        assert list(got) == list(eager.generate(prompt, greedy, use_tqdm=False)[0].outputs[0].token_ids), n
+    assert counters["stats"]["unique_graphs"] == before

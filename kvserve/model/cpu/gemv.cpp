@@ -474,7 +474,7 @@ at::Tensor f16_gemv(const at::Tensor& x, const at::Tensor& w) {
 }
 
 at::Tensor f16_gemv_meta(const at::Tensor& x, const at::Tensor& w) {
-  return at::empty({x.size(0), w.size(0)}, x.options());
+  return at::empty_symint({x.sym_size(0), w.sym_size(0)}, x.options());
 }
 
 at::Tensor int4_gemv(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales_zeros) {
@@ -577,19 +577,19 @@ at::Tensor q8g_gemv(const at::Tensor& x, const at::Tensor& codes, const at::Tens
 
 at::Tensor q8g_gemv_meta(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
                          const std::optional<at::Tensor>& mins, int64_t group) {
-  return at::empty({x.size(0), codes.size(0)}, x.options());
+  return at::empty_symint({x.sym_size(0), codes.sym_size(0)}, x.options());
 }
 
 at::Tensor int4_gemv_meta(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales_zeros) {
-  return at::empty({x.size(0), packed.size(0)}, x.options());
+  return at::empty_symint({x.sym_size(0), packed.sym_size(0)}, x.options());
 }
 
 at::Tensor int8_gemv_meta(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale) {
-  return at::empty({x.size(0), w.size(0)}, x.options());
+  return at::empty_symint({x.sym_size(0), w.sym_size(0)}, x.options());
 }
 
 at::Tensor bf16_gemv_meta(const at::Tensor& x, const at::Tensor& w) {
-  return at::empty({x.size(0), w.size(0)}, x.options());
+  return at::empty_symint({x.sym_size(0), w.sym_size(0)}, x.options());
 }
 
 }  // namespace
@@ -610,6 +610,8 @@ TORCH_LIBRARY_IMPL(kvserve_cpu, CPU, m) {
   m.impl("q8g_gemv", q8g_gemv);
 }
 
+// Meta kernels keep the row count symbolic (sym_size): size() would make a compiled graph that calls
+// them specialize on it, one graph per row count.
 TORCH_LIBRARY_IMPL(kvserve_cpu, Meta, m) {
   m.impl("int8_gemv", int8_gemv_meta);
   m.impl("bf16_gemv", bf16_gemv_meta);
