@@ -22,9 +22,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
-from tqdm import tqdm  # noqa: E402
-
 from common import command_line, machine_facts, md_table, replace_section  # noqa: E402
+from tqdm import tqdm  # noqa: E402
 
 from kvserve.model import cpu  # noqa: E402
 

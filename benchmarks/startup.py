@@ -19,9 +19,8 @@ import sys
 import tempfile
 import time
 
-from tqdm.auto import tqdm
-
 from common import command_line, fmt, git_state, machine_facts, md_table, replace_section
+from tqdm.auto import tqdm
 
 MODELS = {"smollm2": None, "gemma3-270m": "gemma3-270m"}   # name -> kvserve's model argument
 PROMPT = "The three most useful things to know about a KV cache are"

@@ -247,6 +247,7 @@ def test_no_prompt_length_or_context_recompiles_after_the_warm_up(tiny_hybrid):
     at growing contexts, one after another, compile no graph after the warm-up, and make the eager
     engine's greedy tokens."""
     from torch._dynamo.utils import counters
+
     from kvserve.model.regions import ROW_BOUNDS
     eager, compiled = tiny_hybrid
     greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)

@@ -12,8 +12,8 @@ import time
 
 import httpx
 import pytest
-
 from family_checkpoints import make_tiny_checkpoint
+
 from kvserve import LLM, SamplingParams
 from kvserve.config import EngineConfig
 from kvserve.engine import compile as startup
