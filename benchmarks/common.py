@@ -153,7 +153,8 @@ class OtherLoad:
             fields = [int(x) for x in f.readline().split()[1:]]
         busy = sum(fields[:8]) - fields[3] - fields[4]  # all but idle and iowait (guest is in user)
         t = os.times()
-        return time.monotonic(), busy / os.sysconf("SC_CLK_TCK"), t.user + t.system
+        # this process and the children it waited for (a benchmark's engines in child processes)
+        return time.monotonic(), busy / os.sysconf("SC_CLK_TCK"), t.user + t.system + t.children_user + t.children_system
 
     def stop(self) -> float | None:
         """Mean number of cores busy with other processes since construction."""
