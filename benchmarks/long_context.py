@@ -73,7 +73,8 @@ def llamacpp_decode(gguf: str, ids: dict[int, list[int]], tokens: int) -> tuple[
     """({L: decode tok/s}, llama.cpp's system_info line) from a child process, or None without
     llama-cpp-python."""
     job = json.dumps({"gguf": gguf, "ids": {str(k): v for k, v in ids.items()}, "tokens": tokens})
-    out = subprocess.run([sys.executable, __file__, "--peer-job", job], capture_output=True, text=True)
+    # the job (token ids of long prompts) goes through stdin: it outgrows a command-line argument
+    out = subprocess.run([sys.executable, __file__, "--peer-job", "-"], input=job, capture_output=True, text=True)
     if out.returncode != 0:
         print(out.stderr[-2000:], file=sys.stderr)
         return None
@@ -131,14 +132,14 @@ def plot(results: dict, lengths: list[int]) -> None:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--lengths", default="512,1024,2048,4096,6144,8192", help="context lengths, comma-separated")
+    ap.add_argument("--lengths", default="512,1024,2048,4096,6144,8000", help="context lengths, comma-separated (SmolLM2 holds 8192 positions: prompt + tokens)")
     ap.add_argument("--tokens", type=int, default=64, help="greedy tokens decoded after each prompt")
     ap.add_argument("--models", default=",".join(MODELS), help=f"some of {', '.join(MODELS)}")
     ap.add_argument("--no-write", action="store_true", help="print only; leave BENCHMARKS.md and the plot alone")
     ap.add_argument("--peer-job", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.peer_job:
-        print(json.dumps(llamacpp_job(json.loads(args.peer_job))))
+        print(json.dumps(llamacpp_job(json.loads(sys.stdin.read() if args.peer_job == "-" else args.peer_job))))
         return 0
     lengths = sorted(int(x) for x in args.lengths.split(","))
     models = args.models.split(",")
