@@ -42,9 +42,11 @@ def test_pool_memory_follows_the_blocks_written():
     grown = rss_bytes() - before - fresh
     expected = len(written) * st.bytes_per_block
     assert 0.9 * expected < grown < 1.2 * expected + 16 * MIB
+    held = rss_bytes()
     del st
     gc.collect()
-    assert rss_bytes() - before < fresh + 0.1 * expected  # dropping the pool gives its pages back
+    # dropping the pool gives its pages back (the write's temporaries may stay in malloc's kept heap)
+    assert held - rss_bytes() > 0.9 * expected
 
 
 @pytest.mark.parametrize("name", ["auto", "int8", "kivi4"])
