@@ -179,8 +179,7 @@ def test_the_int8_group_linear_computes_x_w_t_at_every_row_count(kind, rows):
 
 def test_the_int8_group_gemv_matches_its_torch_formula():
     from kvserve.model.quant import _q8g_gemv, _q8g_torch, q8g_kernel
-    if not q8g_kernel(torch.device("cpu")):
-        pytest.skip("the C++ GEMVs cannot be built here")
+    assert q8g_kernel(torch.device("cpu"))   # the C++ GEMVs build wherever the suite runs (test_cpu_gemv)
     for kind in ("q8_0", "q5_1", "q6_k"):
         g = _groups(kind, n=40, k=512, seed=2)
         x = torch.randn(5, 512)
