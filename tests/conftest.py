@@ -12,6 +12,12 @@ os.environ.setdefault("KVSERVE_ENFORCE_EAGER", "1")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+# Off CUDA the Triton kernels run interpreted (tests/test_triton_kernels.py). Triton reads the flag when
+# it defines a function, its own library included, and any test module importing torch._dynamo
+# imports triton: it is set here, before the first test module is collected.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 

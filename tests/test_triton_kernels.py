@@ -1,19 +1,14 @@
 """Triton kernels (kvserve/attention/triton/) against a float64 torch reference.
 
-On a CPU they run under the Triton interpreter (TRITON_INTERPRET=1, set here before triton is
+On a CPU they run under the Triton interpreter (TRITON_INTERPRET=1, set by conftest.py before triton is
 first imported); `pytest -m cuda` selects them on a GPU, where they are compiled. Shapes stay
 small: the interpreter runs every program instance in Python.
 """
 
-import os
-
 import pytest
 import torch
 
-_SET_INTERPRET = not torch.cuda.is_available() and "TRITON_INTERPRET" not in os.environ
-if _SET_INTERPRET:
-    os.environ["TRITON_INTERPRET"] = "1"  # read when a kernel is defined: before triton is first used
-triton = pytest.importorskip("triton")
+triton = pytest.importorskip("triton")  # off CUDA, conftest.py has set TRITON_INTERPRET=1
 
 from kvserve.attention.backends import _own_block_context  # noqa: E402
 from kvserve.attention.metadata import PrefillSpan, window_mask  # noqa: E402
@@ -26,15 +21,6 @@ from kvserve.kv.storage import KVStorage  # noqa: E402
 
 pytestmark = pytest.mark.cuda
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _interpreter_env():
-    """Leave the environment as found for the test modules after this one (the kernels defined
-    here keep running interpreted)."""
-    yield
-    if _SET_INTERPRET:
-        os.environ.pop("TRITON_INTERPRET", None)
 
 
 # ---- a filled pool and the reference ------------------------------------------------------------
