@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from kvserve.model import cpu
-from kvserve.model.quant import GEMV_INT4_ROWS, GEMV_ROWS, QuantLinear
+from kvserve.model.quant import GEMV_INT4_ROWS, GEMV_ROWS, QuantLinear, cpu_int4_rows, int4_codes_t
 
 
 def test_the_ops_build_here():
@@ -57,11 +57,45 @@ def test_int4_gemv_gives_torchs_int4_kernel_results(rows, n, k, dtype):
     g = torch.Generator().manual_seed(rows * 10 + n + k)
     q = QuantLinear(torch.randn(n, k, generator=g), None, "int4")
     x = torch.randn(rows, k, generator=g).to(dtype)
-    got = torch.ops.kvserve_cpu.int4_gemv(x, q.packed, q.scales_zeros)
+    got = torch.ops.kvserve_cpu.int4_gemv(x, q.packed, q.scales_zeros, cpu_int4_rows())
     want = torch.ops.aten._weight_int4pack_mm_for_cpu(x.to(torch.bfloat16), q.packed, 32, q.scales_zeros)
     exact = x.to(torch.bfloat16).double() @ q.dequantize().double().T
     assert got.dtype == dtype and got.shape == (rows, n)
     assert _ulps_bf16(got, want) <= 1.0
+    assert _ulps_bf16(got, exact, exact.abs() + 1e-3 * exact.abs().max()) <= 1.0
+
+
+def _pack_by_hand(codes: torch.Tensor, block: int) -> torch.Tensor:
+    """codes [N, K] in torch's CPU int4 layout for blocks of `block` rows: per block, per input channel,
+    block/2 bytes, row c's code in byte c's low nibble and row block/2 + c's in its high nibble."""
+    n, k = codes.shape
+    v = codes.view(n // block, 2, block // 2, k).permute(0, 3, 1, 2)      # [N/B, K, 2, B/2]
+    return (v[:, :, 0] | (v[:, :, 1] << 4)).to(torch.uint8).reshape(n, k // 2)
+
+
+def test_torchs_int4_layout_is_the_one_unpacked_here():
+    """cpu_int4_rows() names the block torch packs with on this CPU (64 under AVX512, 32 under AVX2):
+    the hand-packed layout is torch's byte for byte, and unpacks to the codes."""
+    codes = torch.randint(0, 16, (192, 64), generator=torch.Generator().manual_seed(3), dtype=torch.int32)
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1)
+    assert cpu_int4_rows() == (64 if torch.backends.cpu.get_cpu_capability() == "AVX512" else 32)
+    assert torch.equal(packed, _pack_by_hand(codes, cpu_int4_rows()))
+    assert torch.equal(int4_codes_t(packed).t().int(), codes)
+
+
+@pytest.mark.parametrize("block", [32, 64])
+@pytest.mark.parametrize("rows", [1, 2, 3])
+def test_int4_gemv_on_either_block_layout_gives_the_exact_product(block, rows):
+    """Both layouts torch packs with (whichever CPU runs the test): within one bfloat16 step of the
+    exact product of the codes' weights."""
+    g = torch.Generator().manual_seed(block + rows)
+    n, k = 192, 96
+    codes = torch.randint(0, 16, (n, k), generator=g, dtype=torch.int32)
+    scales_zeros = (torch.rand(k // 32, n, 2, generator=g) * 0.2).to(torch.bfloat16)
+    x = torch.randn(rows, k, generator=g)
+    got = torch.ops.kvserve_cpu.int4_gemv(x, _pack_by_hand(codes, block), scales_zeros, block)
+    scale, zero = (scales_zeros[..., i].double().t().repeat_interleave(32, dim=1) for i in (0, 1))   # [N, K]
+    exact = x.to(torch.bfloat16).double() @ ((codes.double() - 8) * scale + zero).T
     assert _ulps_bf16(got, exact, exact.abs() + 1e-3 * exact.abs().max()) <= 1.0
 
 
@@ -133,6 +167,7 @@ def test_q8g_gemv_against_float64(rows, group):
 
 def test_q8g_gemv_in_a_compiled_graph_gives_eager_results():
     """torch.compile(fullgraph=True) traces the op through its Meta kernel and calls it: same values."""
+    assert cpu.available()
     x, codes, scales, mins = _q8g_operands(3, 48, 128, 32, True, torch.float32, 7)
     scales16 = torch.rand(48, 128 // 16)
 

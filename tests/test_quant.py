@@ -23,7 +23,7 @@ def test_dequantized_weight_is_within_half_a_step(fmt, n):
     else:  # scale and zero are stored in bfloat16 (the kernel's format): 2^-8 of |zero| more
         step = q.scales_zeros[..., 0].float().t().repeat_interleave(GROUP_SIZE, dim=1)
         assert (err <= step / 2 + 0.02).all()
-        assert hasattr(q, "packed") == (n % 64 == 0)  # the CPU kernel layout where rows tile by 64
+        assert hasattr(q, "packed") == (n % quant.CPU_INT4_ROWS == 0)  # the CPU kernel layout: rows tile by its block
     assert err.max() > 0  # it really is quantized
 
 

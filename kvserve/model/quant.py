@@ -49,7 +49,6 @@ GGUF_FORMAT = "gguf"     # each GGUF tensor in the layout of its own block type 
 COPY_FORMATS = ("int8", "int4", "int8g")   # formats that take a bfloat16 copy (add_bf16_copy)
 FLOAT_FORMATS = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 GROUP_SIZE = 32
-CPU_INT4_ROWS = 64       # the CPU int4 kernel packs rows in tiles of 64
 INT8_KERNEL_K = 16       # the CPU int8 kernel needs in_features in multiples of 16 (else: widened path)
 SMALL_ROWS = 16          # int8 on CPU: rows up to this use the int8 kernel, more use a widened weight
 INT4_WIDE_ROWS = 128     # int4 on CPU: more rows than this unpack the weight to float32 (prefill)
@@ -158,9 +157,7 @@ class QuantLinear(KeptLinear):
         n, k = self.out_features, self.in_features
         if hasattr(self, "nibbles"):
             return torch.stack([self.nibbles & 15, self.nibbles >> 4], dim=-1).view(n, k)
-        # CPU kernel layout: per 64 rows, per input channel, 32 bytes: row r low nibble, row r + 32 high
-        v = self.packed.view(n // CPU_INT4_ROWS, k, CPU_INT4_ROWS // 2)
-        return torch.cat([v & 15, v >> 4], dim=2).permute(0, 2, 1).reshape(n, k)
+        return int4_codes_t(self.packed).t().contiguous()
 
     def _int4_weight_t(self) -> torch.Tensor:
         """W^T [K, N] float32 from the CPU kernel's layout with dequantize's roundings ((q - 8) * scale,
@@ -223,7 +220,7 @@ class QuantLinear(KeptLinear):
         if not hasattr(self, "packed"):
             return F.linear(x, self.dequantize(x.dtype))
         if x.shape[0] <= GEMV_INT4_ROWS and self.gemv and x.dtype in (torch.float32, torch.bfloat16):
-            return torch.ops.kvserve_cpu.int4_gemv(x.contiguous(), self.packed, self.scales_zeros)
+            return torch.ops.kvserve_cpu.int4_gemv(x.contiguous(), self.packed, self.scales_zeros, CPU_INT4_ROWS)
         xb = x.to(torch.bfloat16)
         if self.bf16_t is not None and x.shape[0] > COPY_ROWS:
             return torch.mm(xb, self.bf16_t).to(x.dtype)
@@ -282,11 +279,24 @@ def int4_weight_t(packed: torch.Tensor, scales_zeros: torch.Tensor) -> torch.Ten
 
 
 def int4_codes_t(packed: torch.Tensor) -> torch.Tensor:
-    """The 4-bit codes transposed, [K, N] uint8, from the CPU int4 kernel's layout: per 64 rows, per
-    input channel, 32 bytes (row r in the low nibble, row r + 32 in the high one)."""
-    n, k = packed.shape[0], packed.shape[1] * 2
-    v = packed.view(n // CPU_INT4_ROWS, k, CPU_INT4_ROWS // 2)
+    """The 4-bit codes transposed, [K, N] uint8, from the CPU int4 kernel's layout: per block of B rows
+    (CPU_INT4_ROWS), per input channel, B/2 bytes (row r in the low nibble, row r + B/2 in the high)."""
+    n, k, b = packed.shape[0], packed.shape[1] * 2, CPU_INT4_ROWS
+    v = packed.view(n // b, k, b // 2)
     return torch.cat([v & 15, v >> 4], dim=2).permute(1, 0, 2).reshape(k, n)
+
+
+def cpu_int4_rows() -> int:
+    """Rows per block of torch's CPU int4 layout: four of its float vectors (64 under AVX512, 32 under
+    AVX2 and elsewhere), read from how it packs a probe (row 32 shares row 0's byte only in blocks of 64)."""
+    probe = torch.zeros(64, GROUP_SIZE, dtype=torch.int32)
+    probe[32] = 1
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(probe, 1)
+    return 64 if int(packed[0, 0]) == 0x10 else 32
+
+
+# read once at import: a plain int that compiled graphs take as a constant (the probe cannot be traced)
+CPU_INT4_ROWS = cpu_int4_rows()
 
 
 @int4_weight_t.register_fake

@@ -29,12 +29,13 @@ SOURCES = Path(__file__).parent   # kvserve/model: the code that decides every l
 
 
 def cache_key(**fields) -> str:
-    """A digest of `fields` (the weight format config, dtype, device), the torch version (its int4
-    pack layout), the CPU flags and the sources under kvserve/model."""
+    """A digest of `fields` (the weight format config, dtype, device), the torch version and its CPU
+    capability (its int4 pack layout), the CPU flags and the sources under kvserve/model."""
     sources = hashlib.sha256()
     for file in sorted(SOURCES.glob("*.py")):
         sources.update(file.read_bytes())
     text = json.dumps({"version": FORMAT_VERSION, "torch": torch.__version__, "cpu": cpu_flags(),
+                       "capability": torch.backends.cpu.get_cpu_capability(),
                        "sources": sources.hexdigest(), **fields}, sort_keys=True, default=str)
     return hashlib.sha256(text.encode()).hexdigest()[:20]
 

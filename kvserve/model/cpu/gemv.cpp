@@ -189,51 +189,54 @@ void bf16_rows(const uint16_t* x, const uint16_t* w, int64_t k, v16 (*part)[16])
   }
 }
 
-// ---- int4: torch's CPU int4 layout (_convert_weight_to_int4pack_for_cpu): per block of 64 output
-// channels, per input channel, 32 bytes: channel c's code in byte c's low nibble, channel 32 + c's in
-// its high nibble; w = (code - 8) * scale + zero, one (scale, zero) pair per channel and group of 32
-// input channels ([K/32, N, 2] bfloat16). Per group, sum(w x) = scale * (sum(code x) - 8 sum(x)) +
+// ---- int4: torch's CPU int4 layout (_convert_weight_to_int4pack_for_cpu): per block of B output
+// channels (B = 4 x torch's float vector width: 64 under AVX512, 32 under AVX2 and elsewhere), per
+// input channel, B/2 bytes: channel c's code in byte c's low nibble, channel B/2 + c's in its high
+// nibble; w = (code - 8) * scale + zero, one (scale, zero) pair per channel and group of 32 input
+// channels ([K/32, N, 2] bfloat16). Per group, sum(w x) = scale * (sum(code x) - 8 sum(x)) +
 // zero * sum(x): the codes' dot products run over plain integers widened to float.
-constexpr int64_t kInt4Block = 64;
 constexpr int64_t kInt4Group = 32;
 
-inline void int4_codes(const uint8_t* p, v16* w) {  // 32 bytes -> the 64 channels' codes as floats
+template <int B>  // B/2 bytes -> the B channels' codes as floats, 16 per vector
+inline void int4_codes(const uint8_t* p, v16* w) {
+  constexpr int H = B / 32;  // 16-byte chunks: chunk j holds channels 16j.. (low), B/2 + 16j.. (high)
 #ifdef __AVX512F__
   const __m512i mask = _mm512_set1_epi32(15);
-  for (int j = 0; j < 2; ++j) {  // bytes 16j..16j+15: channels 16j.. (low nibbles), 32+16j.. (high)
+  for (int j = 0; j < H; ++j) {
     const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16 * j)));
     w[j] = (v16)_mm512_cvtepi32_ps(_mm512_and_si512(bytes, mask));
-    w[2 + j] = (v16)_mm512_cvtepi32_ps(_mm512_srli_epi32(bytes, 4));
+    w[H + j] = (v16)_mm512_cvtepi32_ps(_mm512_srli_epi32(bytes, 4));
   }
 #else
-  for (int j = 0; j < 2; ++j)
+  for (int j = 0; j < H; ++j)
     for (int c = 0; c < 16; ++c) {
       w[j][c] = static_cast<float>(p[16 * j + c] & 15);
-      w[2 + j][c] = static_cast<float>(p[16 * j + c] >> 4);
+      w[H + j][c] = static_cast<float>(p[16 * j + c] >> 4);
     }
 #endif
 }
 
-// out[r][j] (16 channels each) for R rows of x over one block of 64 channels: w is the block's
-// [K, 32] bytes, sz its first (scale, zero) pair in group 0, xsum the rows' per-group sums of x.
-template <int R>
+// out[r][j] (16 channels each) for R rows of x over one block of B channels: w is the block's
+// [K, B/2] bytes, sz its first (scale, zero) pair in group 0, xsum the rows' per-group sums of x.
+template <int B, int R>
 void int4_rows(const float* x, const float* xsum, const uint8_t* w, const uint32_t* sz, int64_t k, int64_t n,
                v16 (*out)[4]) {
+  constexpr int J = B / 16, Bytes = B / 2;
   const int64_t groups = k / kInt4Group;
-  v16 res[R][4] = {};
+  v16 res[R][J] = {};
   for (int64_t g = 0; g < groups; ++g) {
-    v16 acc[R][4] = {};
-    const uint8_t* wg = w + g * kInt4Group * 32;
+    v16 acc[R][J] = {};
+    const uint8_t* wg = w + g * kInt4Group * Bytes;
     for (int64_t kk = 0; kk < kInt4Group; ++kk) {
-      if (kk % 2 == 0) prefetch(wg + kk * 32 + kPrefetch);
-      v16 codes[4];
-      int4_codes(wg + kk * 32, codes);
+      if (kk % (64 / Bytes) == 0) prefetch(wg + kk * Bytes + kPrefetch);
+      v16 codes[J];
+      int4_codes<B>(wg + kk * Bytes, codes);
       for (int r = 0; r < R; ++r) {
         const float xv = x[r * k + g * kInt4Group + kk];
-        for (int j = 0; j < 4; ++j) acc[r][j] += codes[j] * xv;
+        for (int j = 0; j < J; ++j) acc[r][j] += codes[j] * xv;
       }
     }
-    for (int j = 0; j < 4; ++j) {
+    for (int j = 0; j < J; ++j) {
       u32x16 pair;
       std::memcpy(&pair, sz + g * n + 16 * j, 64);
       const v16 scale = (v16)(pair << 16), zero = (v16)(pair & 0xFFFF0000u);
@@ -244,7 +247,7 @@ void int4_rows(const float* x, const float* xsum, const uint8_t* w, const uint32
     }
   }
   for (int r = 0; r < R; ++r)
-    for (int j = 0; j < 4; ++j) out[r][j] = res[r][j];
+    for (int j = 0; j < J; ++j) out[r][j] = res[r][j];
 }
 
 // ---- q8g: int8 codes [N, K] with a float32 scale, and optionally a min, per output channel and
@@ -477,12 +480,40 @@ at::Tensor f16_gemv_meta(const at::Tensor& x, const at::Tensor& w) {
   return at::empty_symint({x.sym_size(0), w.sym_size(0)}, x.options());
 }
 
-at::Tensor int4_gemv(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales_zeros) {
+template <int B>
+void int4_blocks(const float* xb, const float* xsum, const uint8_t* wp, const uint32_t* sz, int64_t m, int64_t k,
+                 int64_t n, bool f32, void* yp) {
+  constexpr int J = B / 16;
+  const int64_t groups = k / kInt4Group;
+  at::parallel_for(0, n / B, 1, [&](int64_t b0, int64_t b1) {
+    for (int64_t blk = b0; blk < b1; ++blk) {
+      const int64_t n0 = blk * B;
+      for (int64_t r0 = 0; r0 < m; r0 += 2) {
+        const int64_t rows = std::min<int64_t>(2, m - r0);
+        v16 out[2][4];
+        if (rows == 2) int4_rows<B, 2>(xb + r0 * k, xsum + r0 * groups, wp + n0 * k / 2, sz + n0, k, n, out);
+        else int4_rows<B, 1>(xb + r0 * k, xsum + r0 * groups, wp + n0 * k / 2, sz + n0, k, n, out);
+        for (int64_t i = 0; i < rows; ++i)
+          for (int j = 0; j < J; ++j)
+            for (int t = 0; t < 16; ++t) {
+              const int64_t at = (r0 + i) * n + n0 + 16 * j + t;
+              const uint16_t v = float_to_bf16(out[i][j][t]);
+              if (f32) static_cast<float*>(yp)[at] = bf16_to_float(v);
+              else static_cast<uint16_t*>(yp)[at] = v;
+            }
+      }
+    }
+  });
+}
+
+// `block`: the packed layout's block of output channels (the B above: 32 or 64).
+at::Tensor int4_gemv(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales_zeros, int64_t block) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && packed.dim() == 2 && packed.is_contiguous() &&
                   scales_zeros.is_contiguous(), "int4_gemv: contiguous x [M, K] and packed [N, K/2] expected");
   const int64_t m = x.size(0), k = x.size(1), n = packed.size(0);
+  TORCH_CHECK(block == 32 || block == 64, "int4_gemv: a block of 32 or 64 output channels expected");
   TORCH_CHECK(packed.size(1) * 2 == k && packed.scalar_type() == at::kByte, "int4_gemv: packed uint8 [N, K/2] expected");
-  TORCH_CHECK(k % kInt4Group == 0 && n % kInt4Block == 0, "int4_gemv: K must be a multiple of 32 and N of 64");
+  TORCH_CHECK(k % kInt4Group == 0 && n % block == 0, "int4_gemv: K must be a multiple of 32 and N of the block");
   TORCH_CHECK(scales_zeros.scalar_type() == at::kBFloat16 && scales_zeros.numel() == k / kInt4Group * n * 2,
               "int4_gemv: bfloat16 scales_zeros [K/32, N, 2] expected");
   TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, "int4_gemv: float32 or bfloat16 x");
@@ -498,26 +529,8 @@ at::Tensor int4_gemv(const at::Tensor& x, const at::Tensor& packed, const at::Te
   at::Tensor y = at::empty({m, n}, x.options());
   const uint8_t* wp = packed.const_data_ptr<uint8_t>();
   const uint32_t* sz = static_cast<const uint32_t*>(scales_zeros.const_data_ptr());
-  void* yp = y.data_ptr();
-  at::parallel_for(0, n / kInt4Block, 1, [&](int64_t b0, int64_t b1) {
-    for (int64_t blk = b0; blk < b1; ++blk) {
-      const int64_t n0 = blk * kInt4Block;
-      for (int64_t r0 = 0; r0 < m; r0 += 2) {
-        const int64_t rows = std::min<int64_t>(2, m - r0);
-        v16 out[2][4];
-        if (rows == 2) int4_rows<2>(xb.data() + r0 * k, xsum.data() + r0 * groups, wp + n0 * k / 2, sz + n0, k, n, out);
-        else int4_rows<1>(xb.data() + r0 * k, xsum.data() + r0 * groups, wp + n0 * k / 2, sz + n0, k, n, out);
-        for (int64_t i = 0; i < rows; ++i)
-          for (int j = 0; j < 4; ++j)
-            for (int t = 0; t < 16; ++t) {
-              const int64_t at = (r0 + i) * n + n0 + 16 * j + t;
-              const uint16_t v = float_to_bf16(out[i][j][t]);
-              if (f32) static_cast<float*>(yp)[at] = bf16_to_float(v);
-              else static_cast<uint16_t*>(yp)[at] = v;
-            }
-      }
-    }
-  });
+  if (block == 64) int4_blocks<64>(xb.data(), xsum.data(), wp, sz, m, k, n, f32, y.data_ptr());
+  else int4_blocks<32>(xb.data(), xsum.data(), wp, sz, m, k, n, f32, y.data_ptr());
   return y;
 }
 
@@ -580,7 +593,7 @@ at::Tensor q8g_gemv_meta(const at::Tensor& x, const at::Tensor& codes, const at:
   return at::empty_symint({x.sym_size(0), codes.sym_size(0)}, x.options());
 }
 
-at::Tensor int4_gemv_meta(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales_zeros) {
+at::Tensor int4_gemv_meta(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales_zeros, int64_t block) {
   return at::empty_symint({x.sym_size(0), packed.sym_size(0)}, x.options());
 }
 
@@ -598,7 +611,7 @@ TORCH_LIBRARY(kvserve_cpu, m) {
   m.def("int8_gemv(Tensor x, Tensor w, Tensor scale) -> Tensor");
   m.def("bf16_gemv(Tensor x, Tensor w) -> Tensor");
   m.def("f16_gemv(Tensor x, Tensor w) -> Tensor");
-  m.def("int4_gemv(Tensor x, Tensor packed, Tensor scales_zeros) -> Tensor");
+  m.def("int4_gemv(Tensor x, Tensor packed, Tensor scales_zeros, int block) -> Tensor");
   m.def("q8g_gemv(Tensor x, Tensor codes, Tensor scales, Tensor? mins, int group) -> Tensor");
 }
 
