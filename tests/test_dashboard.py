@@ -87,11 +87,11 @@ def test_the_page_shows_the_pool_live_with_the_key(served, browser, tmp_path):
         return len(seen) >= 5 and any("shared" in c for c in classes) and rows(browser) >= 4
     wait_for(busy, what="the map to change under load")
     assert len(map_classes(browser)) == total and map_classes(browser) != before
+    wait_for(lambda: hover_shared_block(browser), what="a hovered shared block to name its holders")
     shot = tmp_path / "dashboard.png"
     browser.save_screenshot(str(shot))
     if os.environ.get("KVSERVE_UPDATE_SCREENSHOT"):
         shutil.copyfile(shot, DOCS_PNG)
-    hover_shared_block(browser)
     for t in threads:
         t.join()
     wait_for(lambda: rows(browser) == 0, what="the requests to end")
@@ -103,16 +103,22 @@ def rows(driver) -> int:
     return driver.execute_script("return document.querySelectorAll('#requests tbody tr').length")
 
 
-def hover_shared_block(driver) -> None:
-    """Hovering a shared block names its holders and hash and marks their rows."""
+def hover_shared_block(driver) -> bool:
+    """Hovering a shared block names its holders and hash and marks their rows (False while no shared
+    block is on the map or it re-rendered under the pointer: the caller polls until one holds)."""
+    from selenium.common.exceptions import StaleElementReferenceException
     from selenium.webdriver import ActionChains
-    cells = [c for c in driver.find_elements("css selector", "#blockmap .cell") if "shared" in c.get_attribute("class")]
-    if not cells:
-        return  # the load moved on; the hover is checked when a shared block is still there
-    ActionChains(driver).move_to_element(cells[0]).perform()
-    info = driver.find_element("id", "block-info").text
-    assert "shared" in info and "hash" in info and "held by cmpl-" in info
-    assert driver.execute_script("return document.querySelectorAll('#requests tr.hl').length") >= 2
+    try:
+        cells = [c for c in driver.find_elements("css selector", "#blockmap .cell")
+                 if "shared" in c.get_attribute("class")]
+        if not cells:
+            return False
+        ActionChains(driver).move_to_element(cells[0]).perform()
+        info = driver.find_element("id", "block-info").text
+    except StaleElementReferenceException:
+        return False
+    marked = driver.execute_script("return document.querySelectorAll('#requests tr.hl').length")
+    return "shared" in info and "hash" in info and "held by cmpl-" in info and marked >= 2
 
 
 def test_without_a_key_the_page_asks_for_one(served, browser):

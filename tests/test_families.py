@@ -96,11 +96,14 @@ def test_gemma3_hybrid_groups_hold_window_only(checkpoints):
     assert [g.spec.kind for g in groups] == ["sliding", "sliding", "sliding", "full"]
     eng = llm.engine
     eng.add_request(_prompt(6, 12), SamplingParams(temperature=0, max_tokens=150, ignore_eos=True))
+    peak = 0
     while eng.has_unfinished_requests():
         eng.step()
-        used = llm.get_metrics()["num_blocks_used"]
-    # the last step: full group holds ceil(161/4)=41 blocks, each sliding group at most 4
-    assert used <= 41 + 3 * 4
+        peak = max(peak, llm.get_metrics()["num_blocks_used"])
+    # at the last step the full group holds ceil(161 / 4) = 41 blocks; each sliding group (window 8,
+    # block 4) holds the window's 2 blocks and at most 2 partly covered ones, never the 41
+    assert 41 + 3 * 2 <= peak <= 41 + 3 * 4
+    assert all_blocks_free(llm)
 
 
 def test_unsupported_architecture_lists_supported(tmp_path):

@@ -125,6 +125,13 @@ def server():
 
 
 @pytest.fixture(scope="module")
+def engine():
+    """The server's engine configuration in this process: the oracle for what the server returns."""
+    from kvserve import LLM
+    return LLM(kv_cache_memory=ENGINE_ARGS[1], max_model_len=int(ENGINE_ARGS[3]))
+
+
+@pytest.fixture(scope="module")
 def limited():
     """Two API keys (tenants with their own prefix cache), one running sequence at a time and room
     for one waiting request."""
@@ -179,13 +186,16 @@ def _stream_completion_text(client, **kw) -> tuple[dict[int, str], dict[int, str
     return texts, reasons, usage
 
 
-def test_completion_streamed_equals_non_streamed(server):
+def test_completion_streamed_equals_non_streamed(server, engine):
+    from kvserve import SamplingParams
     client = server.client()
     kw = dict(model=server.model, prompt="The capital of France is", max_tokens=24, temperature=0)
     full = client.completions.create(**kw)
     assert full.object == "text_completion" and len(full.choices) == 1
     text = full.choices[0].text
-    assert text and full.choices[0].finish_reason == "length"
+    want = engine.generate(kw["prompt"], SamplingParams(max_tokens=24, temperature=0))[0]
+    assert text == want.outputs[0].text and full.choices[0].finish_reason == "length"
+    assert full.usage.prompt_tokens == len(want.prompt_token_ids)
     assert full.usage.completion_tokens == 24
     assert full.usage.total_tokens == full.usage.prompt_tokens + 24
     assert full.usage.prompt_tokens_details.cached_tokens == 0  # 6 tokens, under one 16-token block: no hit
@@ -220,7 +230,8 @@ def test_seeded_n_and_prompt_batch_streamed_equals_non_streamed(server):
     assert usage.completion_tokens == full.usage.completion_tokens
 
 
-def test_chat_streamed_equals_non_streamed(server):
+def test_chat_streamed_equals_non_streamed(server, engine):
+    from kvserve import SamplingParams
     client = server.client()
     kw = dict(model=server.model, messages=[{"role": "system", "content": "You are brief."},
                                             {"role": "user", "content": "Name a color."}],
@@ -228,7 +239,9 @@ def test_chat_streamed_equals_non_streamed(server):
     full = client.chat.completions.create(**kw)
     assert full.object == "chat.completion"
     msg = full.choices[0].message
-    assert msg.role == "assistant" and msg.content
+    want = engine.chat(kw["messages"], SamplingParams(max_tokens=20, temperature=0))[0]
+    assert msg.role == "assistant" and msg.content == want.outputs[0].text
+    assert full.usage.prompt_tokens == len(want.prompt_token_ids)
     text, role, usage, reason = "", None, None, None
     for chunk in client.chat.completions.create(stream=True, stream_options={"include_usage": True}, **kw):
         assert chunk.object == "chat.completion.chunk"
@@ -246,27 +259,46 @@ def test_chat_streamed_equals_non_streamed(server):
     assert usage.prompt_tokens_details.cached_tokens > 0  # the same conversation again: a prefix hit
 
 
-def test_logprobs(server):
+def _assert_logprobs_match(got: list[float], got_top: list[list[float]], want, tol: float = 1e-3) -> None:
+    """The server's token and top logprobs against the engine's own (per step: the sampled token's
+    logprob and the k best, highest first)."""
+    assert len(got) == len(want.token_ids) == len(want.logprobs)
+    for lp, top, token, step in zip(got, got_top, want.token_ids, want.logprobs):
+        assert lp == pytest.approx(step[token].logprob, abs=tol)
+        best = sorted((x.logprob for x in step.values()), reverse=True)[:len(top)]
+        assert sorted(top, reverse=True) == pytest.approx(best, abs=tol)
+
+
+def test_logprobs(server, engine):
+    from kvserve import SamplingParams
     client = server.client()
     out = client.completions.create(model=server.model, prompt="Hello", max_tokens=6, temperature=0, logprobs=2)
     lp = out.choices[0].logprobs
     assert "".join(lp.tokens) == out.choices[0].text
-    assert len(lp.token_logprobs) == 6 and all(x <= 0 for x in lp.token_logprobs)
-    assert all(len(t) <= 2 for t in lp.top_logprobs)
-    chat = client.chat.completions.create(model=server.model, messages=[{"role": "user", "content": "Hi"}],
+    assert all(len(t) == 2 for t in lp.top_logprobs)
+    want = engine.generate("Hello", SamplingParams(max_tokens=6, temperature=0, logprobs=2))[0].outputs[0]
+    assert out.choices[0].text == want.text
+    _assert_logprobs_match(lp.token_logprobs, [list(t.values()) for t in lp.top_logprobs], want)
+    messages = [{"role": "user", "content": "Hi"}]
+    chat = client.chat.completions.create(model=server.model, messages=messages,
                                           max_tokens=5, temperature=0, logprobs=True, top_logprobs=3)
     content = chat.choices[0].logprobs.content
     assert len(content) == chat.usage.completion_tokens
-    assert all(len(t.top_logprobs) == 3 and t.top_logprobs[0].logprob >= t.top_logprobs[-1].logprob for t in content)
+    want = engine.chat(messages, SamplingParams(max_tokens=5, temperature=0, logprobs=3))[0].outputs[0]
+    assert chat.choices[0].message.content == want.text
+    _assert_logprobs_match([t.logprob for t in content], [[x.logprob for x in t.top_logprobs] for t in content], want)
 
 
 def test_prefix_cache_reports_cached_tokens(server):
+    """The same prompt again hits every full block but the one holding its last token (recomputed
+    for the logits): (prompt - 1) // block * block tokens, block 16 by default."""
     client = server.client()
     kw = dict(model=server.model, prompt=LONG_PROMPT, max_tokens=2, temperature=0)
     client.completions.create(**kw)
     again = client.completions.create(**kw)
-    cached = again.usage.prompt_tokens_details.cached_tokens
-    assert 0 < cached < again.usage.prompt_tokens
+    prompt = again.usage.prompt_tokens
+    assert prompt > 32
+    assert again.usage.prompt_tokens_details.cached_tokens == (prompt - 1) // 16 * 16
 
 
 def test_kv_retention_pins_the_prompt_and_bad_values_get_400(server):
