@@ -43,8 +43,7 @@ def test_llama3_8b_bf16_per_token_and_sequence():
 def test_sizing_agrees_with_engine_formula_for_native_formats():
     layout = KVLayout(num_layers=32, num_kv_heads=8, head_dim=128)
     for name, nbytes in (("fp32", 4), ("bf16", 2), ("fp16", 2)):
-        assert sizing.layout_bytes_per_token(layout, get_kv_format(name)) == \
-            sizing.kv_bytes_per_token(32, 8, 128, nbytes)
+        assert sizing.layout_bytes_per_token(layout, get_kv_format(name)) == 2 * 32 * 8 * 128 * nbytes
 
 
 def test_mha_gpt3_and_mqa():

@@ -63,17 +63,16 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvserve.kv.sizing import suggest
+from kvserve.kv.sizing import KIVI_GROUP, KV_FORMATS, suggest
 from kvserve.kv.spec import KVGroup
 
 FULL_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 FP8_DTYPES = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
-KIVI_BITS = {"kivi4": 4, "kivi2": 2}
+KIVI_BITS = {name: int(KV_FORMATS[name].bits) for name in ("kivi4", "kivi2")}   # sizing's table holds the facts
 KV_CACHE_DTYPES = ("auto", *FULL_DTYPES, *FP8_DTYPES, "int8", *KIVI_BITS)
 KV_CACHE_DTYPE_ALIASES = {"fp8": "fp8_e4m3", "fp8_e4m3fn": "fp8_e4m3", "e4m3": "fp8_e4m3", "e5m2": "fp8_e5m2",
                           "fp16": "float16", "half": "float16", "bf16": "bfloat16", "fp32": "float32",
                           "float": "float32"}
-KIVI_GROUP = 32          # tokens per key group, channels per value group
 # int8 and fp8 keep one float16 scale per (token, KV head): 2 bytes instead of 4 per vector (int8
 # then holds 1.94x the tokens of bfloat16 at head_dim 64, not 1.88x). float16's 11-bit mantissa adds
 # under 0.05% to a scale whose codes already round at 1/254; the floor keeps it a normal float16.

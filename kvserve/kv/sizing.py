@@ -17,12 +17,7 @@ import difflib
 import math
 from dataclasses import dataclass
 
-# --- the two functions the engine pool uses (keep their signatures) ---------------------------
-
-
-def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype_bytes: float) -> int:
-    """Bytes of K and V one token holds across all layers (full attention, MHA/GQA/MQA)."""
-    return int(math.ceil(2 * num_layers * num_kv_heads * head_dim * dtype_bytes))
+# --- the engine pool's block count -------------------------------------------------------------
 
 
 def num_blocks_for_budget(budget_bytes: int, block_size: int, bytes_per_token: int) -> int:
@@ -51,7 +46,7 @@ class KVFormat:
     note: str = ""
 
 
-KIVI_GROUP = 32
+KIVI_GROUP = 32          # KIVI: tokens per key group, channels per value group (kv/formats.py reads it)
 # The engine keeps a sequence's still-filling block in full precision (kv/formats.py): one residual
 # row of block_size tokens per running sequence, block_size 32 for KIVI (KIVI's paper uses R = 128).
 KIVI_RESIDUAL = 32

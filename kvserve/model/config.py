@@ -66,7 +66,8 @@ GEMMA3_TEXT_DEFAULTS: dict[str, Any] = {
     "final_logit_softcapping": None,
     "attn_logit_softcapping": None,
 }
-GEMMA3_GGUF_SWA_PATTERN = 6  # llama.cpp hard-codes it for gemma3 GGUFs without the key
+# every N-th layer full, the rest sliding: llama.cpp's interleave for GGUFs without attention.sliding_window_pattern
+GGUF_SWA_PATTERNS = {"gemma3": 6, "gemma2": 2}
 GEMMA3_GGUF_LOCAL_THETA = 10000.0
 
 
@@ -483,9 +484,18 @@ def _gemma3_gguf_fields(config: ModelConfig, meta: GGUFMetadata) -> dict[str, An
 
 
 def _gguf_layer_types(meta: GGUFMetadata, num_layers: int) -> list[str]:
-    pattern = meta.arch("attention.sliding_window_pattern", GEMMA3_GGUF_SWA_PATTERN)
-    if isinstance(pattern, list):  # newer files: one bool per layer, True = sliding
+    return gguf_layer_types(meta.prefix, num_layers, meta.arch("attention.sliding_window_pattern", None))
+
+
+def gguf_layer_types(arch: str, num_layers: int, pattern) -> list[str]:
+    """Each layer's attention from a GGUF's sliding_window_pattern: one bool per layer (True =
+    sliding, newer files), every N-th layer full, or absent (llama.cpp's interleave for the
+    architecture; every layer sliding where it has none)."""
+    if isinstance(pattern, list):
         return ["sliding_attention" if p else "full_attention" for p in pattern]
+    pattern = pattern or GGUF_SWA_PATTERNS.get(arch)
+    if not pattern:
+        return ["sliding_attention"] * num_layers
     return gemma3_layer_types(num_layers, int(pattern))
 
 

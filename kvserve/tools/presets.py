@@ -14,6 +14,7 @@ import re
 from dataclasses import dataclass, replace
 
 from kvserve.kv.sizing import KVLayout
+from kvserve.model.config import gguf_layer_types
 from kvserve.model.names import gguf_display_name
 
 GIB = 1 << 30
@@ -349,11 +350,5 @@ def _gguf_local_layers(meta: dict, arch: str, layers: int, window: int) -> int:
     """Layers capped at the window: the pattern if stored, llama.cpp's defaults otherwise."""
     if not window:
         return 0
-    pattern = meta.get(f"{arch}.attention.sliding_window_pattern")
-    if isinstance(pattern, list):
-        return sum(bool(p) for p in pattern)
-    if not pattern:
-        pattern = {"gemma3": 6, "gemma2": 2}.get(arch, 0)
-    if pattern:
-        return layers - layers // int(pattern)
-    return layers
+    types = gguf_layer_types(arch, layers, meta.get(f"{arch}.attention.sliding_window_pattern"))
+    return types.count("sliding_attention")
