@@ -191,15 +191,6 @@ def wait_idle(url: str, headers: dict, timeout: float = 30) -> dict[str, float]:
         time.sleep(0.1)
 
 
-def serve_module() -> str:
-    """`kvserve.cli` once it registers `serve`, else the server's own entry point."""
-    from kvserve.cli import build_parser
-    for action in build_parser()._actions:
-        if isinstance(action, argparse._SubParsersAction) and "serve" in action.choices:
-            return "kvserve.cli"
-    return "kvserve.server.cli"
-
-
 class ServerProcess:
     """`kvserve serve` on a free loopback port, output in a temp file."""
 
@@ -209,7 +200,7 @@ class ServerProcess:
             self.port = s.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = tempfile.NamedTemporaryFile("w+", prefix="kvserve-load-", suffix=".log", delete=False)
-        cmd = [sys.executable, "-m", serve_module(), "serve", "--host", "127.0.0.1", "--port", str(self.port),
+        cmd = [sys.executable, "-m", "kvserve.cli", "serve", "--host", "127.0.0.1", "--port", str(self.port),
                "--no-access-log", "--compile-mode", "blocking", *extra]
         env = {**os.environ}
         env.pop("KVSERVE_API_KEY", None)

@@ -3,46 +3,11 @@
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import logging
 import os
 import sys
 
-from kvserve.config import EngineConfig
-
-
-def _engine_args(p: argparse.ArgumentParser) -> None:
-    """One flag per EngineConfig field, with the help text declared there."""
-    groups: dict[str, argparse._ArgumentGroup] = {}
-    for f in dataclasses.fields(EngineConfig):
-        meta = dict(f.metadata)
-        group = meta.pop("group", None)
-        target = p if group is None else groups.setdefault(group, p.add_argument_group(group))
-        flag = meta.pop("flag", "--" + f.name.replace("_", "-"))
-        target.add_argument(flag, dest=f.name, **_flag_kwargs(f, meta))
-
-
-def _flag_kwargs(f: dataclasses.Field, meta: dict) -> dict:
-    """argparse keywords for one config field."""
-    kwargs = {"help": meta.pop("help"), **meta}
-    if f.default is True:
-        return {**kwargs, "action": "store_false", "default": True}
-    if f.default is False:
-        return {**kwargs, "action": "store_true", "default": False}
-    if f.name == "kv_tiers":
-        return {**kwargs, "action": "append", "default": None}
-    kwargs.setdefault("type", type(f.default) if f.default is not None else _optional_type(f))
-    return {**kwargs, "default": f.default}
-
-
-def _optional_type(f: dataclasses.Field):
-    text = str(f.type)
-    return int if text.startswith("int") else float if text.startswith("float") else str
-
-
-def engine_kwargs(args) -> dict:
-    """LLM(...) keyword arguments from parsed engine flags."""
-    return {f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig)}
+from kvserve.engine_args import add_engine_args, make_llm
 
 
 def _sampling_args(p: argparse.ArgumentParser) -> None:
@@ -54,12 +19,6 @@ def _sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sample-seed", type=int, default=None, help="per-request sampling seed")
     p.add_argument("--stop", action="append", default=None)
     p.add_argument("--n", type=int, default=1)
-
-
-def make_llm(args):
-    """Build an LLM from parsed engine arguments."""
-    from kvserve.llm import LLM
-    return LLM(**engine_kwargs(args))
 
 
 def make_params(args):
@@ -137,12 +96,12 @@ def build_parser() -> argparse.ArgumentParser:
     gen = sub.add_parser("generate", help="generate text for one or more prompts")
     gen.add_argument("prompt", nargs="+")
     gen.add_argument("--quiet", action="store_true")
-    _engine_args(gen)
+    add_engine_args(gen)
     _sampling_args(gen)
     gen.set_defaults(func=cmd_generate)
     chat = sub.add_parser("chat", help="interactive chat with the model")
     chat.add_argument("--system", default=None)
-    _engine_args(chat)
+    add_engine_args(chat)
     _sampling_args(chat)
     chat.set_defaults(func=cmd_chat, max_tokens=256)
     _register_tools(sub)
@@ -151,17 +110,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _register_tools(sub) -> None:
     from kvserve.server.cli import register as register_serve
+    from kvserve.tools import analyze, evaluate, plan, top
     register_serve(sub)
-    try:
-        from kvserve.tools import analyze, plan
-    except ImportError:
-        return
-    plan.register(sub)
-    analyze.register(sub)
-    from kvserve.tools import evaluate
-    evaluate.register(sub)
-    from kvserve.tools import top
-    top.register(sub)
+    for tool in (plan, analyze, evaluate, top):
+        tool.register(sub)
 
 
 def main(argv: list[str] | None = None) -> int:

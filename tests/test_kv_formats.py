@@ -343,7 +343,8 @@ def test_head_precision_calibration_is_saved_and_reused(tiny, monkeypatch, tmp_p
 
 
 def test_cli_options_reach_the_engine(capsys):
-    from kvserve.cli import build_parser, engine_kwargs
+    from kvserve.cli import build_parser
+    from kvserve.engine_args import engine_kwargs
     args = build_parser().parse_args(["serve", "--kv-cache-dtype", "kivi2", "--kv-cache-dtype-k", "int8",
                                       "--kv-cache-dtype-skip-layers", "0,29", "--kv-cache-rotation",
                                       "--kv-cache-head-precision", "0.25", "--block-size", "32"])

@@ -234,7 +234,8 @@ def test_int8_cached_decode_equals_recompute(llm_int8):
 
 
 def test_weights_option_reaches_the_engine_from_the_cli():
-    from kvserve.cli import build_parser, engine_kwargs
+    from kvserve.cli import build_parser
+    from kvserve.engine_args import engine_kwargs
     args = build_parser().parse_args(["generate", "hi", "--weights", "int4", "--dtype", "bfloat16"])
     kw = engine_kwargs(args)
     assert kw["weights"] == "int4" and kw["dtype"] == "bfloat16"

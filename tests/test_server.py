@@ -36,17 +36,6 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _serve_module() -> str:
-    """`kvserve.cli` once it registers `serve`, else the server's own entry point."""
-    import argparse
-
-    from kvserve.cli import build_parser
-    for action in build_parser()._actions:
-        if isinstance(action, argparse._SubParsersAction) and "serve" in action.choices:
-            return "kvserve.cli"
-    return "kvserve.server.cli"
-
-
 class Server:
     """A `kvserve serve` subprocess; output goes to a temp file (a full pipe would block it)."""
 
@@ -58,7 +47,7 @@ class Server:
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = tempfile.NamedTemporaryFile("w+", prefix="kvserve-serve-", suffix=".log", delete=False)
-        cmd = [*(command or [sys.executable, "-m", _serve_module()]), "serve", "--port", str(self.port),
+        cmd = [*(command or [sys.executable, "-m", "kvserve.cli"]), "serve", "--port", str(self.port),
                "--uvicorn-log-level", "warning", *ENGINE_ARGS, *extra]
         self.api_key = api_key
         full_env = {**os.environ, "OMP_NUM_THREADS": "1"}

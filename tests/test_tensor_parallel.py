@@ -148,8 +148,8 @@ def test_shards_cover_every_head_once_and_match_the_planner(heads, kv_heads, siz
 def test_cli_has_the_flag():
     import argparse
 
-    from kvserve.cli import _engine_args
+    from kvserve.engine_args import add_engine_args
     p = argparse.ArgumentParser()
-    _engine_args(p)
+    add_engine_args(p)
     args = p.parse_args(["--tensor-parallel-size", "2"])
     assert args.tensor_parallel_size == 2 and args.tensor_parallel_timeout == 300.0

@@ -1,17 +1,15 @@
 """`kvserve serve`: the OpenAI-compatible HTTP server (FastAPI + uvicorn).
 
-Registered on the main CLI by kvserve.cli._register_tools; also runnable on its own as
-`python -m kvserve.server.cli serve ...`.
+Registered on the main CLI by kvserve.cli._register_tools (`kvserve serve` or
+`python -m kvserve.cli serve`); its flags for the engine come from kvserve/engine_args.py.
 """
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import logging
 import os
 import signal
-import sys
 
 from kvserve.server import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_QUEUE
 
@@ -28,11 +26,11 @@ def byte_size(value: str) -> int:
 
 def register(subparsers) -> None:
     """Add the `serve` subcommand."""
-    from kvserve.cli import _engine_args
+    from kvserve.engine_args import add_engine_args
 
     p = subparsers.add_parser("serve", help="OpenAI-compatible HTTP server with Prometheus metrics",
                               description="Serve the model over an OpenAI-compatible HTTP API.")
-    _engine_args(p)
+    add_engine_args(p)
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--api-key", action="append", default=None, metavar="KEY",
@@ -80,8 +78,8 @@ def cmd_serve(args) -> int:
     until SIGTERM/SIGINT; exits 0 after a graceful shutdown."""
     import uvicorn
 
-    from kvserve.cli import engine_kwargs, make_llm
     from kvserve.config import EngineConfig
+    from kvserve.engine_args import engine_kwargs, make_llm
     from kvserve.model.loader import resolve_model_path
     from kvserve.server.app import build_app, check_cache_isolation
     from kvserve.server.loading import LoadingApp
@@ -170,21 +168,3 @@ def graceful_server(config, on_signal):
             super().handle_exit(sig, frame)
 
     return GracefulServer(config)
-
-
-def main(argv: list[str] | None = None) -> int:
-    """`python -m kvserve.server.cli serve ...`."""
-    parser = argparse.ArgumentParser(prog="kvserve")
-    parser.add_argument("-v", "--verbose", action="store_true")
-    register(parser.add_subparsers(dest="command", required=True))
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    try:
-        return args.func(args)
-    except (ValueError, FileNotFoundError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-
-
-if __name__ == "__main__":
-    sys.exit(main())

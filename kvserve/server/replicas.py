@@ -410,7 +410,7 @@ def serve_replicas(args, api_keys: list[str]) -> int:
     import signal
     import threading
 
-    from kvserve.cli import engine_kwargs
+    from kvserve.engine_args import engine_kwargs
     from kvserve.extras import require
 
     ray = require("ray", "distributed", "kvserve serve --replicas")
