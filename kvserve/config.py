@@ -21,9 +21,8 @@ AUTO_GGUF_REASON = ("weights=auto on CPU: every GGUF tensor keeps its own block 
 # kv_cache_dtype=auto under float32 activations that dtype=auto picked on a CPU: K/V stored in
 # bfloat16 (float32's exponent range, so no overflow), read and widened in place by the decode kernel.
 AUTO_KV_REASON = ("kv_cache_dtype=auto under float32 activations on CPU: bfloat16 pools, half the bytes of float32 "
-                  "(mean KL {kl}, top-1 99.6% vs float32 K/V: docs/QUANTIZATION.md); kv_cache_dtype='float32' or "
+                  "(its quality against float32 K/V: docs/QUANTIZATION.md); kv_cache_dtype='float32' or "
                   "dtype='float32' keeps float32")
-AUTO_KV_KL = "3.5e-05"   # BENCHMARKS.md "KV cache quantization", the SmolLM2 bfloat16 row
 _UNITS = {"": 1, "b": 1, "kb": 1000, "mb": 1000**2, "gb": 1000**3, "tb": 1000**4,
           "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}
 
@@ -315,7 +314,7 @@ class EngineConfig:
         if self.kv_cache_dtype != "auto" or self.kv_cache_dtype_k or self.kv_cache_dtype_v:
             return self.kv_cache_dtype, f"kv_cache_dtype={self.kv_cache_dtype}"
         if self.dtype == "auto" and device.type == "cpu" and model_dtype == torch.float32:
-            return "bfloat16", AUTO_KV_REASON.format(kl=AUTO_KV_KL)
+            return "bfloat16", AUTO_KV_REASON
         return "auto", "kv_cache_dtype=auto: the activations' dtype"
 
     def weight_format(self, gguf: bool = False) -> tuple[str, str]:

@@ -11,27 +11,27 @@ int8 is weight-only, one symmetric scale per output channel; int4 is asymmetric,
 minimum per group of GROUP_SIZE input channels (the layout of GGUF's Q4_1 / Q4_K sub-blocks).
 Activations keep the model dtype; each format runs on the fastest kernel torch has for it:
 - int8 on CPU: up to `small_rows` rows, where reading 1 byte per weight wins, kvserve's C++ GEMV
-  (model/cpu/, 1.5-2.5x `_weight_int8pack_mm`, with its roundings: bfloat16 activations), else
+  (model/cpu/, with `_weight_int8pack_mm`'s roundings: bfloat16 activations), else
   `_weight_int8pack_mm` where the C++ op cannot be built; for more rows the weight is widened to
   the activation dtype inside the matmul (`F.linear(x, q) * scale`), which is also the CUDA path.
-- int4 on CPU: up to GEMV_INT4_ROWS rows kvserve's C++ GEMV on the same packed layout (1.3x, the
-  same bfloat16 results), else `_weight_int4pack_mm_for_cpu` (bfloat16 activations) for up to
+- int4 on CPU: up to GEMV_INT4_ROWS rows kvserve's C++ GEMV on the same packed layout (the same
+  bfloat16 results), else `_weight_int4pack_mm_for_cpu` (bfloat16 activations) for up to
   INT4_WIDE_ROWS rows; a step of more rows (a prefill chunk) unpacks the weight once and runs a
-  bfloat16 matmul where the CPU has bfloat16 units (the weight rounded to bfloat16 too: 2.3x the
-  float32 matmul at 512 rows), a float32 one where it has not; elsewhere the groups are unpacked
+  bfloat16 matmul where the CPU has bfloat16 units (the weight rounded to bfloat16 too), a float32
+  one where it has not; elsewhere the groups are unpacked
   to the activation dtype inside the matmul.
-- bfloat16 / float16 weights on CPU (a float16 LM head): up to GEMV_ROWS rows, kvserve's C++ GEMV
-  (about 2x oneDNN's one-row 16-bit GEMM here), else F.linear.
+- bfloat16 / float16 weights on CPU (a float16 LM head): up to GEMV_ROWS rows, kvserve's C++ GEMV,
+  else F.linear.
 - 16-bit float weights on a CPU without native 16-bit arithmetic (no AVX512-BF16/AMX): a step of more
   than `wide_rows` rows runs in float32, reading the tied float32 embedding where the LM head shares
-  it, else widening the weight for that call (a float16 GEMM of 64 rows there runs 8x slower than
-  float32).
+  it, else widening the weight for that call (torch's float16 GEMM is slow there).
 - int8 / int4 with a bfloat16 copy (`add_bf16_copy`, the engine's bf16_weight_copy): steps of more
   than COPY_ROWS rows run one bfloat16 GEMM on it.
 - a one-row LM head in a compiled engine (`add_row_kernel`): a group-wise int8 (Q8_0) GEMV.
 Every widened path applies the kernel's roundings (16-bit inputs and outputs), so a row's result
 does not depend on how many rows share its step, except where a bfloat16 GEMM runs (the copy, and
 int4 prefill chunks on a CPU with bfloat16 units): there the weight is rounded to bfloat16 too.
+The row thresholds below are where the measured kernels cross (docs/WEIGHTS.md, "Which kernel runs").
 """
 
 from __future__ import annotations
@@ -52,10 +52,8 @@ GROUP_SIZE = 32
 INT8_KERNEL_K = 16       # the CPU int8 kernel needs in_features in multiples of 16 (else: widened path)
 SMALL_ROWS = 16          # int8 on CPU: rows up to this use the int8 kernel, more use a widened weight
 INT4_WIDE_ROWS = 128     # int4 on CPU: more rows than this unpack the weight to float32 (prefill)
-COPY_ROWS = 12           # with a bfloat16 copy: more rows than this read it (the int4 kernel's time grows
-                         # with the rows, a bfloat16 GEMM's is flat to 32 rows: they cross at 12-16 here)
-# 16-bit weights on CPU: rows up to this use the C++ GEMV (it and oneDNN's GEMM cross at 8-16 rows)
-GEMV_ROWS = {"bfloat16": 8, "float16": 8}
+COPY_ROWS = 12           # with a bfloat16 copy: more rows than this read it
+GEMV_ROWS = {"bfloat16": 8, "float16": 8}   # 16-bit weights on CPU: rows up to this use the C++ GEMV
 GEMV_INT4_ROWS = 2       # int4 on CPU: rows up to this use the C++ GEMV (its float sums are compute-bound past 2)
 HALF_WIDE_ROWS = 16      # 16-bit weights on a CPU without 16-bit units: more rows widen to float32
 TIED_WIDE_ROWS = 1       # ... or more than this when a float32 copy exists anyway (tied embedding)
