@@ -12,6 +12,7 @@ from kvserve.model.quant import GGUF_FORMAT, WEIGHT_FORMATS
 
 KV_CACHE_MODES = ("paged", "contiguous", "none")
 COMPILE_MODES = ("background", "blocking")   # when the model compiles (engine/compile.py)
+PREEMPTION_MODES = ("recompute", "swap", "auto")   # what the scheduler does with a preempted request
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DTYPE_NAMES = tuple(DTYPES)
 DEFAULT_BLOCK_SIZE = 16  # tokens per KV block unless given (KIVI formats: 32)
@@ -214,9 +215,7 @@ class EngineConfig:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         if not self.tensor_parallel_timeout > 0:
             raise ValueError(f"tensor_parallel_timeout must be > 0 seconds, got {self.tensor_parallel_timeout}")
-        if self.tensor_parallel_size > 1:
-            from kvserve.distributed.tensor_parallel import check_config
-            check_config(self)
+        # the options tensor parallel runs are checked where it is built (distributed/tensor_parallel.py)
 
     def _validate_kv_policy(self) -> None:
         if self.kv_policy is None:
@@ -227,7 +226,6 @@ class EngineConfig:
             raise ValueError(f"kv_policy needs kv_cache_mode='paged' (per-layer block tables), got {self.kv_cache_mode!r}")
 
     def _validate_offload(self) -> None:
-        from kvserve.engine.scheduler import PREEMPTION_MODES
         if self.preemption_mode not in PREEMPTION_MODES:
             raise ValueError(f"preemption_mode must be one of {PREEMPTION_MODES}, got {self.preemption_mode!r}")
         if not self.swap_space >= 0:

@@ -16,6 +16,14 @@ from kvserve.sampling_params import BeamSearchParams, RequestOutputKind, Samplin
 CONFIG_FIELDS = {f.name for f in dataclasses.fields(EngineConfig)}
 
 
+def _ranks(config: EngineConfig):
+    """The tensor-parallel ranks `config` asks for, started (None for one rank)."""
+    if config.tensor_parallel_size == 1:
+        return None
+    from kvserve.distributed.tensor_parallel import start_ranks
+    return start_ranks(config)
+
+
 class LLM:
     """Generate text with the paged, prefix-cached KV cache."""
 
@@ -25,7 +33,8 @@ class LLM:
         if unknown:
             raise TypeError(f"LLM() got unknown option(s) {unknown}; the options are EngineConfig's fields: "
                             f"{', '.join(sorted(CONFIG_FIELDS - {'model'}))}")
-        self.engine = LLMEngine(EngineConfig(model=model, **options))
+        config = EngineConfig(model=model, **options)
+        self.engine = LLMEngine(config, _ranks(config))
 
     def wait_compiled(self, timeout: float | None = None) -> bool:
         """Wait until the model's graphs are compiled (compile_mode="background" compiles them while the

@@ -32,7 +32,7 @@ class BuildError(RuntimeError):
 
 
 def cache_dir() -> Path:
-    from kvserve.model.loader import default_cache_root
+    from kvserve.paths import default_cache_root
     return Path(os.environ.get(CACHE_ENV) or default_cache_root() / "kernels")
 
 

@@ -1,10 +1,17 @@
-"""What generate() returns: RequestOutput, CompletionOutput, RequestMetrics."""
+"""What generate() returns: RequestOutput, CompletionOutput, Logprob, RequestMetrics."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from kvserve.engine.sampler import Logprob
+
+@dataclass
+class Logprob:
+    """Log-probability of one token, its rank (1 = most likely) and its text."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
 
 
 @dataclass

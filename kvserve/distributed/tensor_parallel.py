@@ -221,10 +221,17 @@ class Follower:
         self.model(msg.input_ids.to(dev), msg.positions.to(dev), meta)
 
 
+def start_ranks(config) -> TensorParallel:
+    """Rank 0's handle on ranks 1..size-1 for `config`, its options checked first."""
+    config.validate()
+    return TensorParallel(config, config.torch_device(), config.torch_dtype())
+
+
 class TensorParallel:
     """Rank 0's side: starts ranks 1..size-1 as worker processes, holds the group, watches the workers."""
 
     def __init__(self, config, device: torch.device, dtype: torch.dtype):
+        check_config(config)              # the options it runs, before anything loads
         self.config, self.size = config, config.tensor_parallel_size
         self.failed: str | None = None
         mc, weights = load_weights(resolve_model_path(config.model), dtype)

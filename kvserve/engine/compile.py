@@ -31,10 +31,10 @@ from pathlib import Path
 import torch
 
 from kvserve.config import EngineConfig
-from kvserve.model.loader import default_cache_root
 from kvserve.model.quant import QuantLinear
 from kvserve.model.regions import compiled_regions, warm_up
 from kvserve.native import cpu_flags
+from kvserve.paths import default_cache_root
 
 log = logging.getLogger("kvserve")
 

@@ -50,15 +50,18 @@ class LLMEngine:
     sampling request's logits row to `sample`, which picks tokens with `append_token`, `fork` and
     `release` instead of the sampler."""
 
-    def __init__(self, config: EngineConfig):
+    def __init__(self, config: EngineConfig, tp=None):
+        """`tp`: under tensor_parallel_size > 1, rank 0's handle on the other ranks, started by
+        kvserve.distributed.tensor_parallel.start_ranks (LLM(...) does it)."""
         config.validate()
+        if (config.tensor_parallel_size > 1) != (tp is not None):
+            raise ValueError(f"tensor_parallel_size={config.tensor_parallel_size} needs the ranks started "
+                             "with it: build the engine through LLM(...), which starts them "
+                             "(kvserve.distributed.tensor_parallel.start_ranks)")
         self.config = config
         self.device = config.torch_device()
         self.dtype = config.torch_dtype()
-        self.tp = None  # tensor parallel: rank 0's handle on the other ranks (kvserve/distributed/)
-        if config.tensor_parallel_size > 1:
-            from kvserve.distributed.tensor_parallel import TensorParallel
-            self.tp = TensorParallel(config, self.device, self.dtype)
+        self.tp = tp
         loaded = self.tp.loaded if self.tp is not None else load_model(config, self.device, self.dtype)
         self.model_path, self.model_config, self.tokenizer = loaded.path, loaded.config, loaded.tokenizer
         self.model, self.weight_format, self.load_seconds = loaded.model, loaded.weight_format, loaded.seconds

@@ -40,7 +40,7 @@ def build_tiers(engine) -> TierBridge | None:
     specs = engine.config.tier_specs()
     if not specs or engine.kv is None:
         return None
-    from kvserve.model.loader import default_cache_root
+    from kvserve.paths import default_cache_root
     weights = fingerprint_path(engine.model_path, default_cache_root() / "fingerprints")
     storage = engine.storage
     namespace = tier_namespace(weights=weights, dtype=engine.dtype,

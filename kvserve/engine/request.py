@@ -9,8 +9,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kvserve.engine.detokenizer import TextBuffer
-from kvserve.engine.sampler import Logprob
-from kvserve.outputs import RequestMetrics
+from kvserve.outputs import Logprob, RequestMetrics
 from kvserve.sampling_params import SamplingParams
 
 

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvserve.outputs import Logprob
 from kvserve.sampling_params import SamplingParams
 
 _NEG_INF = float("-inf")
@@ -25,15 +26,6 @@ class SamplingError(ValueError):
         super().__init__(f"rows {rows} of the logits are NaN or have no finite value after "
                          "the sampling parameters were applied: no token can be drawn")
         self.rows = rows
-
-
-@dataclass
-class Logprob:
-    """Log-probability of one token, its rank (1 = most likely) and its text."""
-
-    logprob: float
-    rank: int | None = None
-    decoded_token: str | None = None
 
 
 @dataclass

@@ -10,8 +10,6 @@ from kvserve.engine.request import Request, RequestStatus
 from kvserve.kv.manager import KVCacheManager
 from kvserve.kv.swap import SwapSpace
 
-PREEMPTION_MODES = ("recompute", "swap", "auto")
-
 
 @dataclass
 class SchedulerOutput:

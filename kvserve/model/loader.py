@@ -19,6 +19,7 @@ from safetensors.torch import load_file, save_file
 from kvserve.model.config import ModelConfig
 from kvserve.model.gguf_blocks import Int4Groups, Int8Groups, KeptTensor, decode
 from kvserve.model.names import model_display_name
+from kvserve.paths import default_cache_root
 
 logger = logging.getLogger("kvserve")
 
@@ -160,12 +161,6 @@ def is_gguf(path: str | Path) -> bool:
     """True when `path` is a file with a .gguf suffix."""
     path = Path(path)
     return path.is_file() and path.suffix.lower() == ".gguf"
-
-
-def default_cache_root() -> Path:
-    """kvserve's cache folder: `$XDG_CACHE_HOME/kvserve`, else `~/.cache/kvserve`."""
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "kvserve"
 
 
 def cache_dir_for(path: str | Path, cache_root: str | Path | None = None) -> Path:

@@ -43,6 +43,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvserve.model.gguf_blocks import Int4Groups, Int8Groups, KeptTensor, affine, int4_groups
+from kvserve.model.graph_code import private_copy
 
 WEIGHT_FORMATS = ("float32", "bfloat16", "float16", "int8", "int4")
 GGUF_FORMAT = "gguf"     # each GGUF tensor in the layout of its own block type (gguf_blocks.py)
@@ -251,19 +252,13 @@ class QuantLinear(KeptLinear):
         q = torch.round(groups / scale.float()[..., None]).clamp(-127, 127).to(torch.int8)
         self.register_buffer("row_q8", q.permute(1, 2, 0).contiguous())             # [K/G, G, N]
         self.register_buffer("row_scale", scale.t().contiguous())                   # [K/G, N]
-        self.row_kernel = torch.compile(_private_copy(_q8_row), dynamic=False, fullgraph=True)
+        self.row_kernel = torch.compile(private_copy(_q8_row), dynamic=False, fullgraph=True)
         self.row_kernel(self.weight.new_zeros(1, self.in_features, dtype=torch.float32), self.row_q8, self.row_scale)
 
 def _q8_row(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """x [1, K] times the group-wise int8 weight q [K/G, G, N] (scales [K/G, N]) -> [1, N] float32."""
     groups, size, n = q.shape
     return ((q.float() * x.view(groups, size, 1)).sum(1) * scale.float()).sum(0, keepdim=True)
-
-
-def _private_copy(fn):
-    """`fn` with a code object of its own (torch.compile keeps graphs per code object)."""
-    from kvserve.model.regions import _private
-    return _private(fn)
 
 
 @torch.library.custom_op("kvserve::int4_weight_t", mutates_args=())

@@ -14,16 +14,15 @@ arithmetic outweighs the calls.
 from __future__ import annotations
 
 import copy
-import itertools
 import logging
 import os
-import types
 
 import torch
 from tqdm.auto import tqdm
 
 from kvserve.attention import OBSERVERS
 from kvserve.model import quant
+from kvserve.model.graph_code import private_copy
 
 log = logging.getLogger("kvserve")
 
@@ -104,7 +103,7 @@ class Regions:
 
     def __init__(self, compiled: bool = False):
         self.compiled = compiled
-        wrap = (lambda f: _compile(_private(f))) if compiled else (lambda f: f)
+        wrap = (lambda f: _compile(private_copy(f))) if compiled else (lambda f: f)
         self.first, self.between, self.last = wrap(_first), wrap(_between), wrap(_last)
         self.one_token = _compile_static(_one_token_stack) if compiled else None
         self.one_token_paged = _compile_static(_one_token_paged_stack) if compiled else None
@@ -137,22 +136,11 @@ class Regions:
 EAGER = Regions(False)
 
 
-_copies = itertools.count()
-
-
-def _private(fn):
-    """`fn` with a code object of its own: torch.compile keeps graphs per code object, so each
-    engine looks up its own graphs only (others' would each add their guard checks to every call:
-    a third engine in the process slowed the first one's decode step from 27 to 38 ms)."""
-    code = fn.__code__.replace(co_name=f"{fn.__name__}_{next(_copies)}")
-    return types.FunctionType(code, fn.__globals__, code.co_name, fn.__defaults__, fn.__closure__)
-
-
 def _compile_static(fn):
     """One static graph; guards on the modules skipped (a Regions' layers never change: the dynamo
     cache lookup was 1.3 ms of a one-token call) and no size asserts on its hundreds of inputs
     (0.7 ms a call)."""
-    return torch.compile(_private(fn), dynamic=False, fullgraph=True,
+    return torch.compile(private_copy(fn), dynamic=False, fullgraph=True,
                          options={"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe,
                                   "size_asserts": False})
 
