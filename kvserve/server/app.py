@@ -185,7 +185,8 @@ def build_app(engine: LLMEngine, *, served_model_name: str | None = None,
     app.state.kvserve = state
     app.add_middleware(ApiKeyMiddleware, api_keys=api_keys)
     _add_error_handlers(app)
-    _add_routes(app, state)
+    _add_info_routes(app, state)
+    _add_generation_routes(app, state)
     add_dashboard_routes(app, hub)
     return app
 
@@ -314,7 +315,8 @@ async def add_requests(state: ServerState, prompts: list, params: SamplingParams
 # ---- routes ---------------------------------------------------------------------------
 
 
-def _add_routes(app: FastAPI, state: ServerState) -> None:
+def _add_info_routes(app: FastAPI, state: ServerState) -> None:
+    """/health, /version, /v1/models, /metrics."""
     aengine = state.async_engine
 
     @app.api_route("/health", methods=["GET", "HEAD"])
@@ -343,6 +345,10 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
             snapshot = {}
         return Response(state.metrics.render(snapshot), media_type=CONTENT_TYPE_LATEST)
 
+
+def _add_generation_routes(app: FastAPI, state: ServerState) -> None:
+    """/v1/completions and /v1/chat/completions: streamed (server-sent events) or whole."""
+
     @app.post("/v1/completions")
     async def completions(request: Request):
         req = parse_model(P.CompletionRequest, await read_json(request, state.max_body_bytes))
@@ -357,7 +363,7 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
         params = output_kind(params)
         streams = await add_requests(state, prompts, params, [f"{rid}-{i}" for i in range(len(prompts))])
         if req.stream:
-            return EventStreamResponse(_completion_events(state, req, params, rid, streams), streams)
+            return EventStreamResponse(_events(CompletionChunks(state, params, rid), streams, req.include_usage), streams)
         finals = await _collect(request, streams)
         return _completion_response(state, params, rid, finals).model_dump()
 
@@ -376,7 +382,7 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
         params = output_kind(params)
         streams = await add_requests(state, [prompt], params, [rid])
         if req.stream:
-            return EventStreamResponse(_chat_events(state, req, params, rid, streams[0]), streams)
+            return EventStreamResponse(_events(ChatChunks(state, params, rid), streams, req.include_usage), streams)
         final = (await _collect(request, streams))[0]
         return _chat_response(state, params, rid, final).model_dump()
 
@@ -547,78 +553,82 @@ async def _merge(streams: list[RequestStream]) -> AsyncIterator[tuple[int, Reque
             s.close()
 
 
-async def _completion_events(state: ServerState, req: P.CompletionRequest, params: SamplingParams,
-                             rid: str, streams: list[RequestStream]) -> AsyncIterator[str]:
-    created = int(time.time())
+class CompletionChunks:
+    """How /v1/completions streams: text choices with the completions logprobs format."""
+
+    def __init__(self, state: ServerState, params: SamplingParams, rid: str):
+        self.state, self.params, self.rid, self.created = state, params, rid, int(time.time())
+
+    def opening(self) -> list:
+        return []
+
+    def choice(self, index: int, c: CompletionOutput, d: StreamedChoice) -> P.CompletionChoice | None:
+        logprobs = None
+        if self.params.logprobs is not None:
+            logprobs = _completion_logprobs(self.state, c, 0, len(c.token_ids), self.params.logprobs, d.offset)
+            d.offset += sum(len(t) for t in logprobs.tokens)
+        if not (c.text or d.done or (logprobs is not None and logprobs.tokens)):
+            return None
+        return P.CompletionChoice(index=index, text=c.text, logprobs=logprobs,
+                                  finish_reason=c.finish_reason, stop_reason=c.stop_reason)
+
+    def chunk(self, choices: list, usage: P.UsageInfo | None = None) -> str:
+        return _event(P.CompletionResponse(id=self.rid, created=self.created, model=self.state.model_name,
+                                           choices=choices, usage=usage))
+
+
+class ChatChunks(CompletionChunks):
+    """How /v1/chat/completions streams: a first chunk naming the role, then content deltas."""
+
+    def opening(self) -> list:
+        return [P.ChatStreamChoice(index=i, delta=P.DeltaMessage(role="assistant", content=""))
+                for i in range(self.params.n)]
+
+    def choice(self, index: int, c: CompletionOutput, d: StreamedChoice) -> P.ChatStreamChoice | None:
+        logprobs = None
+        if self.params.logprobs is not None:
+            logprobs = _chat_logprobs(self.state, c, 0, len(c.token_ids), self.params.logprobs)
+        if not (c.text or d.done or (logprobs is not None and logprobs.content)):
+            return None
+        delta = P.DeltaMessage(content=c.text) if c.text or not d.done else P.DeltaMessage()
+        return P.ChatStreamChoice(index=index, delta=delta, logprobs=logprobs,
+                                  finish_reason=c.finish_reason, stop_reason=c.stop_reason)
+
+    def chunk(self, choices: list, usage: P.UsageInfo | None = None) -> str:
+        return _event(P.ChatCompletionChunk(id=self.rid, created=self.created, model=self.state.model_name,
+                                            choices=choices, usage=usage))
+
+
+async def _events(chunks: CompletionChunks, streams: list[RequestStream], include_usage: bool) -> AsyncIterator[str]:
+    """Server-sent events for the requests of one response, in `chunks`' format: the engine's delta
+    outputs as choices (choice i * n + j for request i's sequence j), the usage, then [DONE]; an
+    engine failure ends the stream with an error event."""
+    n = chunks.params.n
     deltas: dict[int, StreamedChoice] = {}
     finals: dict[int, RequestOutput] = {}
     try:
+        opening = chunks.opening()
+        if opening:
+            yield chunks.chunk(opening)
         async for i, out in _merge(streams):
             choices = []
             for c in out.outputs:
-                index = i * params.n + c.index
-                d = deltas.setdefault(index, StreamedChoice())
+                d = deltas.setdefault(i * n + c.index, StreamedChoice())
                 if d.done:
                     continue
-                text = c.text
                 d.done, d.tokens = c.finish_reason is not None, d.tokens + len(c.token_ids)
-                logprobs = None
-                if params.logprobs is not None:
-                    logprobs = _completion_logprobs(state, c, 0, len(c.token_ids), params.logprobs, d.offset)
-                    d.offset += sum(len(t) for t in logprobs.tokens)
-                if text or d.done or (logprobs is not None and logprobs.tokens):
-                    choices.append(P.CompletionChoice(index=index, text=text, logprobs=logprobs,
-                                                      finish_reason=c.finish_reason, stop_reason=c.stop_reason))
+                choice = chunks.choice(i * n + c.index, c, d)
+                if choice is not None:
+                    choices.append(choice)
             if out.finished:
                 finals[i] = out
             if choices:
-                yield _event(P.CompletionResponse(id=rid, created=created, model=state.model_name,
-                                                  choices=choices))
-        if req.include_usage:
-            usage = _usage([finals[i] for i in sorted(finals)], list(deltas.values()))
-            yield _event(P.CompletionResponse(id=rid, created=created, model=state.model_name,
-                                              choices=[], usage=usage))
-    except (EngineDeadError, RequestFailedError) as exc:
-        yield _error_event(exc)
-    yield "data: [DONE]\n\n"
-
-
-async def _chat_events(state: ServerState, req: P.ChatCompletionRequest, params: SamplingParams,
-                       rid: str, stream: RequestStream) -> AsyncIterator[str]:
-    created = int(time.time())
-
-    def chunk(choices: list[P.ChatStreamChoice], usage: P.UsageInfo | None = None) -> str:
-        return _event(P.ChatCompletionChunk(id=rid, created=created, model=state.model_name,
-                                            choices=choices, usage=usage))
-
-    deltas = {i: StreamedChoice() for i in range(params.n)}
-    final = None
-    try:
-        yield chunk([P.ChatStreamChoice(index=i, delta=P.DeltaMessage(role="assistant", content=""))
-                     for i in range(params.n)])
-        async for out in stream:
-            choices = []
-            for c in out.outputs:
-                d = deltas[c.index]
-                if d.done:
-                    continue
-                text = c.text
-                d.done, d.tokens = c.finish_reason is not None, d.tokens + len(c.token_ids)
-                logprobs = None
-                if params.logprobs is not None:
-                    logprobs = _chat_logprobs(state, c, 0, len(c.token_ids), params.logprobs)
-                if text or d.done or (logprobs is not None and logprobs.content):
-                    delta = P.DeltaMessage(content=text) if text or not d.done else P.DeltaMessage()
-                    choices.append(P.ChatStreamChoice(index=c.index, delta=delta, logprobs=logprobs,
-                                                      finish_reason=c.finish_reason, stop_reason=c.stop_reason))
-            if out.finished:
-                final = out
-            if choices:
-                yield chunk(choices)
-        if req.include_usage and final is not None:
-            yield chunk([], _usage([final], list(deltas.values())))
+                yield chunks.chunk(choices)
+        if include_usage and finals:
+            yield chunks.chunk([], _usage([finals[i] for i in sorted(finals)], list(deltas.values())))
     except (EngineDeadError, RequestFailedError) as exc:
         yield _error_event(exc)
     finally:
-        stream.close()
+        for stream in streams:
+            stream.close()
     yield "data: [DONE]\n\n"
