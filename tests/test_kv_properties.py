@@ -17,7 +17,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from kvserve.kv.hashing import hash_full_blocks, namespace_hash
 from kvserve.kv.manager import NULL_BLOCK, KVCacheManager
-from kvserve.kv.spec import KVGroup, KVSpec, first_needed_block
+from kvserve.kv.spec import KVGroup, KVSpec
 from kvserve.kv.storage import KVStorage
 
 NS = namespace_hash("props-model", "int64", "kv-properties")
@@ -105,7 +105,7 @@ class KVManagerMachine(RuleBasedStateMachine):
         return 0 if spec.kind != "sliding" else max(0, n - spec.window + 1)
 
     def _start(self, g: int, n: int) -> int:
-        return first_needed_block(self.specs[g], n, self.bs)
+        return self.specs[g].first_needed_block(n, self.bs)
 
     def _refs(self) -> list[int]:
         return [b.ref_cnt for b in self.m.pool.blocks]

@@ -76,7 +76,7 @@ class GatheredBackend:
         self.spec = group.spec
         self.layers = group.layers
         self.block_size = storage.block_size
-        self.window = self.spec.window if self.spec.kind == "sliding" else None
+        self.window = self.spec.visible_window
 
     # ---- metadata ----------------------------------------------------------------------------
     def prepare(self, step: StepBatch, g: int, table: torch.Tensor) -> GroupMetadata:
@@ -225,7 +225,7 @@ def select_backend(storage: KVStorage, group: KVGroup, observed: bool, kind: str
         fast = _kernel_backend(storage, group, kind)
         if fast is not None:
             return fast
-    native = group.spec.kind != "mla" and all(
+    native = group.spec.per_head and all(
         storage.native_kv(layer) is not None and storage.rotation(layer) is None for layer in group.layers)
     if native and not observed:
         return PagedBackend(storage, group, use_kernel=kind == "auto")

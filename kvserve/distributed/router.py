@@ -63,7 +63,7 @@ class PromptHasher:
 
 def hit_groups(kv) -> tuple[int, ...]:
     """The KV groups of a KVCacheManager whose every block a prefix hit needs (not sliding-window ones)."""
-    return tuple(g for g, group in enumerate(kv.groups) if group.spec.kind != "sliding") or (0,)
+    return tuple(g for g, group in enumerate(kv.groups) if not group.spec.keeps_window) or (0,)
 
 
 # ---- the index ----------------------------------------------------------------------------

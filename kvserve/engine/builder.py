@@ -357,13 +357,8 @@ class CachePlanner:
         """Blocks one sequence holding `kv_len` tokens per layer (default: the most one max_model_len
         sequence holds) needs, over all KV groups."""
         kv_len = kv_len or self.kv_len_bound()
-        total = 0
-        for g in self.groups:
-            n = -(-kv_len // block_size)
-            if g.spec.kind == "sliding":
-                n = min(n, -(-g.spec.window // block_size) + 1)
-            total += n
-        return total + (1 if any(g.spec.kind == "sliding" for g in self.groups) else 0)
+        total = sum(g.spec.blocks_held(kv_len, block_size) for g in self.groups)
+        return total + (1 if any(g.spec.keeps_window for g in self.groups) else 0)   # the null block
 
     def prefill_chunk(self, policy) -> int:
         """Most prompt tokens a request under `policy` runs per step: max_num_batched_tokens, or fewer for

@@ -39,7 +39,6 @@ from kvserve.kv.policies import KVPolicy, snapkv_scores
 from kvserve.kv.spec import KVGroup
 from kvserve.kv.storage import KVStorage
 
-EVICTABLE = ("full", "mla")  # attention kinds whose entries policies drop (sliding layers keep their window)
 SCORE_CHUNK = 256  # prefill queries per math-path softmax (bounds the [heads, chunk, context] tensor)
 
 
@@ -88,7 +87,7 @@ class Evictor(KeepAll):
                              "use float16/bfloat16, fp8 or int8 with a kv_policy")
         self.kv, self.storage, self.groups = kv, storage, groups
         self.layer_group = {g.layers[0]: i for i, g in enumerate(groups)}
-        self.targets = [i for i, g in enumerate(groups) if g.spec.kind in EVICTABLE]  # layers policies evict
+        self.targets = [i for i, g in enumerate(groups) if not g.spec.keeps_window]  # sliding layers keep their window
         self.target_set = set(self.targets)
         self.observed_groups = frozenset(self.targets)
         self.has_other = len(self.targets) < len(groups)
@@ -96,7 +95,7 @@ class Evictor(KeepAll):
         cfg = model.config
         self.num_heads = cfg.num_heads
         # SnapKV averages scores over the query heads that share a key: all of them under MLA
-        self.num_kv_heads = 1 if any(g.spec.kind == "mla" for g in groups) else cfg.num_kv_heads
+        self.num_kv_heads = 1 if any(g.spec.latent for g in groups) else cfg.num_kv_heads
         self.states: dict[str, _State] = {}
         self.num_evicted_entries = 0
         self.num_evictions = 0
@@ -118,7 +117,7 @@ class Evictor(KeepAll):
         if not all(hasattr(a, "shift_keys") for a in self.attn):
             raise ValueError(f"kv_policy {policy.spec()!r} re-indexes positions, which needs RoPE keys that can "
                              "be re-rotated on every layer; use h2o or snapkv with this model")
-        if any(self.groups[g].spec.kind != "sliding" for g in range(len(self.groups)) if g not in self.target_set):
+        if any(not self.groups[g].spec.keeps_window for g in range(len(self.groups)) if g not in self.target_set):
             raise ValueError(f"kv_policy {policy.spec()!r}: every layer must be full or sliding-window attention")
 
     def add(self, req: Request, policy: KVPolicy) -> None:

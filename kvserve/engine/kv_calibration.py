@@ -116,7 +116,7 @@ def _load(path: Path) -> dict:
 
 def choose_high_precision_heads(engine, groups: list[KVGroup], cfg) -> dict[int, list[int]]:
     """{pool slot: KV heads kept in kv_cache_head_precision_dtype}: the most sensitive share."""
-    if groups[0].spec.kind == "mla":
+    if groups[0].spec.latent:
         raise ValueError("kv_cache_head_precision needs a model with per-head attention (not MLA)")
     base = canonical_kv_dtype(cfg.kv_cache_dtype)
     k_name = canonical_kv_dtype(cfg.kv_cache_dtype_k or base)

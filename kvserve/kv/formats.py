@@ -461,7 +461,7 @@ def build_kv_format(groups: list[KVGroup], dtype: torch.dtype, block_size: int, 
 
 def _slot_format(spec, dtype, names, rotation, high_heads, high) -> SlotFormat:
     shapes = spec.entry_shapes
-    if spec.kind == "mla":
+    if spec.latent:
         if names[0] != names[1]:
             raise ValueError("an MLA cache keeps one latent per token: give one kv_cache_dtype, not K and V formats")
         if names[0] in KIVI_BITS or rotation or high_heads:

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from kvserve.kv.block_pool import BlockPool
 from kvserve.kv.eviction import KeepAll
 from kvserve.kv.hashing import DEFAULT_HASH_ALGO, BlockHash, digest_fn, hash_full_blocks
-from kvserve.kv.spec import KVGroup, KVSpec, first_needed_block
+from kvserve.kv.spec import KVGroup, KVSpec
 
 NULL_BLOCK = 0  # with sliding groups, block 0 is reserved to stand in for freed window blocks
 DEFAULT_PIN_FRACTION = 0.5  # share of the pool retention pins may hold
@@ -62,7 +62,7 @@ class KVCacheManager:
                  hash_algo: str = DEFAULT_HASH_ALGO, pin_fraction: float = DEFAULT_PIN_FRACTION):
         self.block_size = block_size
         self.groups = groups or [KVGroup(KVSpec("full"), [])]
-        self.has_sliding = any(g.spec.kind == "sliding" for g in self.groups)
+        self.has_sliding = any(g.spec.keeps_window for g in self.groups)
         self.pool = BlockPool(num_blocks, reserved=1 if self.has_sliding else 0)
         self.pool.pin_limit = int(pin_fraction * self.pool.num_usable)
         self.retention: dict[str, _Retention] = {}  # req_id -> its pin, for requests with retention
@@ -106,13 +106,7 @@ class KVCacheManager:
 
     def max_blocks_for_tokens(self, num_tokens: int) -> int:
         """Blocks a lone sequence of `num_tokens` tokens holds at most, over all groups."""
-        total = 0
-        for g in self.groups:
-            n = self.blocks_for_tokens(num_tokens)
-            if g.spec.kind == "sliding":
-                n = min(n, self.blocks_for_tokens(g.spec.window) + 1)
-            total += n
-        return total
+        return sum(g.spec.blocks_held(num_tokens, self.block_size) for g in self.groups)
 
     def usage(self) -> float:
         """Fraction of usable blocks owned by some request (0-1)."""
@@ -147,14 +141,14 @@ class KVCacheManager:
     def _full_run(self, found: list[list[int | None]], n: int) -> int:
         run = n
         for g, blocks in enumerate(found):
-            if self.groups[g].spec.kind != "sliding":
+            if not self.groups[g].spec.keeps_window:
                 run = min(run, next((i for i, b in enumerate(blocks) if b is None), n))
         return run
 
     def _hits_at(self, found, h: int) -> list[list[int]] | None:
         out = []
         for g, blocks in enumerate(found):
-            start = first_needed_block(self.groups[g].spec, h * self.block_size, self.block_size)
+            start = self.groups[g].spec.first_needed_block(h * self.block_size, self.block_size)
             tail = blocks[start:h]
             if any(b is None for b in tail):
                 return None
@@ -401,11 +395,11 @@ class KVCacheManager:
         where = dict(zip(missing, self.lower.locate([keys[gi] for gi in missing])))
         h = self._tier_run(found, where, n)
         need = [(g, i) for g, i in missing if i < h and where[(g, i)] is not None
-                and i >= first_needed_block(self.groups[g].spec, h * self.block_size, self.block_size)]
+                and i >= self.groups[g].spec.first_needed_block(h * self.block_size, self.block_size)]
         if not need:
             return False
         keep = [b for g, blocks in enumerate(found)
-                for b in blocks[first_needed_block(self.groups[g].spec, h * self.block_size, self.block_size):h]
+                for b in blocks[self.groups[g].spec.first_needed_block(h * self.block_size, self.block_size):h]
                 if b is not None and b != self.null and self.pool.blocks[b].ref_cnt == 0]
         self.pool.touch(keep)  # the device hits must survive the allocation below
         fresh: list[int] = []
@@ -431,11 +425,11 @@ class KVCacheManager:
             return found[g][i] is not None or where.get((g, i)) is not None
         h = n
         for g, grp in enumerate(self.groups):
-            if grp.spec.kind != "sliding":
+            if not grp.spec.keeps_window:
                 h = min(h, next((i for i in range(n) if not have(g, i)), n))
         while h > 0 and not all(
                 have(g, i) for g, grp in enumerate(self.groups)
-                for i in range(first_needed_block(grp.spec, h * self.block_size, self.block_size), h)):
+                for i in range(grp.spec.first_needed_block(h * self.block_size, self.block_size), h)):
             h -= 1
         return h
 
@@ -469,7 +463,7 @@ class KVCacheManager:
     def _free_skipped(self, state: _ReqState, num_computed: int) -> None:
         """Sliding groups drop blocks wholly outside the window of every future query."""
         for g, table in enumerate(state.tables):
-            end = min(first_needed_block(self.groups[g].spec, num_computed, self.block_size), len(table))
+            end = min(self.groups[g].spec.first_needed_block(num_computed, self.block_size), len(table))
             dropped = [b for b in table[:end] if b != self.null]
             if dropped:
                 self.pool.free(dropped)

@@ -24,9 +24,42 @@ class KVSpec:
             raise ValueError("a sliding KV spec needs a window >= 1")
 
     @property
+    def keeps_window(self) -> bool:
+        """True when a layer keeps only its last `window` tokens (a sliding layer): a prefix hit does
+        not need its earlier blocks, and eviction policies leave it alone."""
+        return self.kind == "sliding"
+
+    @property
+    def latent(self) -> bool:
+        """True for one MLA latent per token (no per-head K and V)."""
+        return self.kind == "mla"
+
+    @property
+    def per_head(self) -> bool:
+        """True when a token stores K and V per KV head (full or sliding attention)."""
+        return not self.latent
+
+    @property
+    def visible_window(self) -> int | None:
+        """How many of the latest tokens a query sees (None: all of them)."""
+        return self.window if self.keeps_window else None
+
+    def blocks_held(self, num_tokens: int, block_size: int) -> int:
+        """Blocks a lone sequence of `num_tokens` tokens holds at most in a layer of this spec: all
+        of them, or a window's worth plus the one it starts in."""
+        n = -(-num_tokens // block_size)
+        return min(n, -(-self.window // block_size) + 1) if self.keeps_window else n
+
+    def first_needed_block(self, num_computed: int, block_size: int) -> int:
+        """Blocks before this index hold only tokens no future query can see (sliding layers)."""
+        if not self.keeps_window:
+            return 0
+        return max(0, (num_computed - self.window + 1) // block_size)
+
+    @property
     def entry_shapes(self) -> list[tuple[int, ...]]:
         """Shapes of the per-token tensors: K and V, or one MLA latent (+ rope key)."""
-        if self.kind == "mla":
+        if self.latent:
             return [(self.latent_dim + self.rope_dim,)]
         return [(self.num_kv_heads, self.head_dim)] * 2
 
@@ -66,11 +99,3 @@ def group_layers(specs: list[KVSpec], size: int | None = None) -> list[KVGroup]:
     for spec, layers in by_spec.items():
         groups.extend(KVGroup(spec, layers[i:i + size]) for i in range(0, len(layers), size))
     return groups
-
-
-def first_needed_block(spec: KVSpec, num_computed: int, block_size: int) -> int:
-    """Blocks before this index hold only tokens no future query of a sliding layer can see."""
-    if spec.kind != "sliding":
-        return 0
-    first_useful = num_computed - spec.window + 1
-    return max(0, first_useful // block_size)

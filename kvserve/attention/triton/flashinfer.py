@@ -22,7 +22,7 @@ WORKSPACE_BYTES = 128 << 20
 
 def flashinfer_backend(storage: KVStorage, group: KVGroup):
     """A FlashInferBackend for the group, or None (not installed, not CUDA, not native 16-bit)."""
-    if importlib.util.find_spec("flashinfer") is None or group.spec.kind != "full":
+    if importlib.util.find_spec("flashinfer") is None or not group.spec.per_head or group.spec.keeps_window:
         return None
     kv = storage.native_kv(group.layers[0])
     ok = all(storage.native_kv(layer) is not None and storage.rotation(layer) is None for layer in group.layers)
