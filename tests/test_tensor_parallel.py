@@ -153,3 +153,10 @@ def test_cli_has_the_flag():
     add_engine_args(p)
     args = p.parse_args(["--tensor-parallel-size", "2"])
     assert args.tensor_parallel_size == 2 and args.tensor_parallel_timeout == 300.0
+
+
+def test_an_engine_built_without_its_ranks_says_how(checkpoints):
+    from kvserve.config import EngineConfig
+    from kvserve.engine.engine import LLMEngine
+    with pytest.raises(ValueError, match=r"tensor_parallel_size=2 needs the ranks started .* through LLM\(\.\.\.\)"):
+        LLMEngine(EngineConfig(model=checkpoints["llama"], tensor_parallel_size=2, **OPTIONS))
