@@ -25,7 +25,7 @@ from kvserve.kv.formats import KVCacheFormat, build_kv_format, split_budget
 from kvserve.kv.hashing import namespace_hash
 from kvserve.kv.manager import KVCacheManager
 from kvserve.kv.policies import parse_policy
-from kvserve.kv.spec import group_layers
+from kvserve.kv.spec import group_layers, null_blocks
 from kvserve.kv.storage import KVStorage
 from kvserve.model import weight_cache
 from kvserve.model.config import ModelConfig
@@ -357,8 +357,7 @@ class CachePlanner:
         """Blocks one sequence holding `kv_len` tokens per layer (default: the most one max_model_len
         sequence holds) needs, over all KV groups."""
         kv_len = kv_len or self.kv_len_bound()
-        total = sum(g.spec.blocks_held(kv_len, block_size) for g in self.groups)
-        return total + (1 if any(g.spec.keeps_window for g in self.groups) else 0)   # the null block
+        return sum(g.spec.blocks_held(kv_len, block_size) for g in self.groups) + null_blocks(self.groups)
 
     def prefill_chunk(self, policy) -> int:
         """Most prompt tokens a request under `policy` runs per step: max_num_batched_tokens, or fewer for

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from kvserve.kv.block_pool import BlockPool
 from kvserve.kv.eviction import KeepAll
 from kvserve.kv.hashing import DEFAULT_HASH_ALGO, BlockHash, digest_fn, hash_full_blocks
-from kvserve.kv.spec import KVGroup, KVSpec
+from kvserve.kv.spec import KVGroup, KVSpec, null_blocks
 
 NULL_BLOCK = 0  # with sliding groups, block 0 is reserved to stand in for freed window blocks
 DEFAULT_PIN_FRACTION = 0.5  # share of the pool retention pins may hold
@@ -63,7 +63,7 @@ class KVCacheManager:
         self.block_size = block_size
         self.groups = groups or [KVGroup(KVSpec("full"), [])]
         self.has_sliding = any(g.spec.keeps_window for g in self.groups)
-        self.pool = BlockPool(num_blocks, reserved=1 if self.has_sliding else 0)
+        self.pool = BlockPool(num_blocks, reserved=null_blocks(self.groups))
         self.pool.pin_limit = int(pin_fraction * self.pool.num_usable)
         self.retention: dict[str, _Retention] = {}  # req_id -> its pin, for requests with retention
         self.null = NULL_BLOCK if self.has_sliding else -1

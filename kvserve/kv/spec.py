@@ -99,3 +99,8 @@ def group_layers(specs: list[KVSpec], size: int | None = None) -> list[KVGroup]:
     for spec, layers in by_spec.items():
         groups.extend(KVGroup(spec, layers[i:i + size]) for i in range(0, len(layers), size))
     return groups
+
+
+def null_blocks(groups: list[KVGroup]) -> int:
+    """Blocks the pool reserves: one null block where a sliding group's dropped entries point."""
+    return 1 if any(g.spec.keeps_window for g in groups) else 0

@@ -471,7 +471,8 @@ def _gemma3_gguf_fields(config: ModelConfig, meta: GGUFMetadata) -> dict[str, An
         scalar = float(config.head_dim)
     return {
         "sliding_window": int(window) if window else None,
-        "layer_types": _gguf_layer_types(meta, config.num_layers),
+        "layer_types": gguf_layer_types(meta.prefix, config.num_layers,
+                                        meta.arch("attention.sliding_window_pattern", None)),
         "rope_local_theta": float(meta.arch("rope.freq_base_swa", GEMMA3_GGUF_LOCAL_THETA)),
         "query_pre_attn_scalar": scalar,
         "attn_logit_softcapping": _optional_float(meta.arch("attn_logit_softcapping", None)),
@@ -481,10 +482,6 @@ def _gemma3_gguf_fields(config: ModelConfig, meta: GGUFMetadata) -> dict[str, An
         "norm_offset": 1.0,
         "sandwich_norms": True,
     }
-
-
-def _gguf_layer_types(meta: GGUFMetadata, num_layers: int) -> list[str]:
-    return gguf_layer_types(meta.prefix, num_layers, meta.arch("attention.sliding_window_pattern", None))
 
 
 def gguf_layer_types(arch: str, num_layers: int, pattern) -> list[str]:
