@@ -172,7 +172,7 @@ def test_a_hybrid_sliding_model_decodes_in_the_one_token_graph_like_eager(monkey
     monkeypatch.setenv(EAGER_ENV, "0")
     llm = LLM("gemma3-270m", weights="int4", kv_cache_memory="64MiB", max_model_len=1024, compile_mode="blocking")
     runner = llm.engine.runner
-    assert runner.native_pools is not None and len(set(runner.native_pools[-1])) == len(runner.backends) > 1
+    assert runner.captured is not None and len(set(runner.captured.groups)) == len(runner.backends) > 1
     calls = []
     real = llm.engine.model.model.regions.one_token_paged
     monkeypatch.setattr(llm.engine.model.model.regions, "one_token_paged",
@@ -220,8 +220,8 @@ def test_shared_pool_slots_are_written_in_place_by_the_one_token_graph(tiny_hybr
     and the eager engine's greedy tokens."""
     eager, compiled = tiny_hybrid
     runner = compiled.engine.runner
-    assert runner.native_pools is not None and len(runner.backends) > 1
-    _, pools, kv_index, _ = runner.native_pools
+    assert runner.captured is not None and len(runner.backends) > 1
+    pools, kv_index = runner.captured.pools, runner.captured.kv_index
     layers = compiled.engine.model_config.num_layers
     assert len({id(t) for t in _pools(compiled)}) == len(pools) < 2 * layers   # slots shared by groups
     assert [id(pools[i]) for kv in kv_index for i in kv] == [id(t) for t in _pools(compiled)]
@@ -250,10 +250,22 @@ def test_no_prompt_length_or_context_recompiles_after_the_warm_up(tiny_hybrid):
 
     from kvserve.model.regions import ROW_BOUNDS
     eager, compiled = tiny_hybrid
-    greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=2)
     before = counters["stats"]["unique_graphs"]
     for n in sorted({2, 5, *ROW_BOUNDS, *(b + 1 for b in ROW_BOUNDS), 170}):
         prompt = {"prompt_token_ids": [(7 * i + n) % 200 + 3 for i in range(n)]}
-        got = compiled.generate(prompt, greedy, use_tqdm=False)[0].outputs[0].token_ids
-        assert list(got) == list(eager.generate(prompt, greedy, use_tqdm=False)[0].outputs[0].token_ids), n
+        got = compiled.generate(prompt, greedy, use_tqdm=False)[0].outputs[0]
+        _agree_up_to_a_tie(eager.generate(prompt, greedy, use_tqdm=False)[0].outputs[0], got, n)
     assert counters["stats"]["unique_graphs"] == before
+
+
+def _agree_up_to_a_tie(want, got, label, tol: float = 0.02) -> None:
+    """Greedy tokens equal; where they part, the eager engine itself was at a tie (a random-weight
+    model's log-probs are nearly flat, and bfloat16 kernels that fuse differently round them
+    differently by a few thousandths): the compiled token is its runner-up within `tol` nats."""
+    a, b = list(want.token_ids), list(got.token_ids)
+    n = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
+    if n is None:
+        return
+    lps = {t: lp.logprob for t, lp in want.logprobs[n].items()}
+    assert b[n] in lps and max(lps.values()) - lps[b[n]] < tol, (label, n, a, b, lps)

@@ -77,7 +77,7 @@ def _stream(llm, prompt_ids, n, monkeypatch):
     """(greedy tokens of one stream, graphs compiled after its first decode step, calls of the
     one-token graph: over the paged pools, or with attention as an opaque op)."""
     regions = llm.engine.model.model.regions
-    name = "one_token_paged" if llm.engine.runner.native_pools is not None else "one_token"
+    name = "one_token_paged" if llm.engine.runner.captured is not None else "one_token"
     real, calls = getattr(regions, name), []
     monkeypatch.setattr(regions, name, lambda *a: calls.append(1) or real(*a))
     engine = llm.engine

@@ -7,6 +7,7 @@ import torch
 
 from kvserve.attention.backends import (
     NO_CACHE,
+    AttentionBackends,
     GatheredBackend,
     NoCacheBackend,
     PagedBackend,
@@ -18,15 +19,19 @@ from kvserve.attention.metadata import (
     AttentionMetadata,
     Context,
     DecodeChunks,
-    GroupMetadata,
+    DecodeRange,
+    GatheredMetadata,
+    OneTokenInputs,
+    PagedMetadata,
     PrefillSpan,
     window_mask,
 )
 from kvserve.attention.paged import paged_decode, plan_chunks
 
-__all__ = ["MHA", "MLA", "NO_CACHE", "OBSERVERS", "AttentionMetadata", "Context", "DecodeChunks", "GatheredBackend",
-           "GroupMetadata", "NoCacheBackend", "PagedBackend", "PrefillSpan", "StepBatch", "attend", "attention",
-           "paged_decode", "plan_chunks", "select_backend", "window_mask"]
+__all__ = ["MHA", "MLA", "NO_CACHE", "OBSERVERS", "AttentionBackends", "AttentionMetadata", "Context", "DecodeChunks",
+           "DecodeRange", "GatheredBackend", "GatheredMetadata", "NoCacheBackend", "OneTokenInputs", "PagedBackend",
+           "PagedMetadata", "PrefillSpan", "StepBatch", "attend", "attention", "paged_decode", "plan_chunks",
+           "select_backend", "window_mask"]
 
 # Callbacks (layer, q, k, v, scale, window) that see every `attend` call: KV calibration uses this.
 OBSERVERS: list = []
@@ -36,8 +41,9 @@ _MHA = MHA()
 
 def attention(layer: int, q: torch.Tensor, new: list[torch.Tensor], meta: AttentionMetadata, scale: float,
               window: int | None, math) -> torch.Tensor:
-    """Write the layer's new entries (K and V, or a latent) and attend with its backend."""
-    return meta.backend_of(layer).forward(layer, q, new, meta, scale, window, math)
+    """Write the layer's new entries (K and V, or a latent) and attend with its group's backend (no
+    cache: over the span's own rows)."""
+    return (meta.backends or NO_CACHE).attend(layer, q, new, meta, scale, window, math)
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, meta: AttentionMetadata,

@@ -25,7 +25,10 @@ from kvserve.attention.metadata import (
     AttentionMetadata,
     Context,
     DecodeChunks,
-    GroupMetadata,
+    DecodeRange,
+    GatheredMetadata,
+    PagedMetadata,
+    PrefillSpan,
     window_mask,
 )
 from kvserve.attention.paged import paged_decode, plan_chunks
@@ -50,10 +53,11 @@ class StepBatch:
 
 
 class NoCacheBackend:
-    """No KV cache: each span attends over its own new rows (causal, or a sliding window)."""
+    """No KV cache: each span attends over its own new rows (causal, or a sliding window). The
+    attention of a step whose metadata has no backends."""
 
-    def forward(self, layer: int, q, new: list[torch.Tensor], meta: AttentionMetadata, scale: float,
-                window: int | None, math) -> torch.Tensor:
+    def attend(self, layer: int, q, new: list[torch.Tensor], meta: AttentionMetadata, scale: float,
+               window: int | None, math) -> torch.Tensor:
         out = q.new_empty(math.out_shape(q, new))
         for span in meta.prefills:
             rows = slice(span.start, span.start + span.num_tokens)
@@ -79,8 +83,10 @@ class GatheredBackend:
         self.window = self.spec.visible_window
 
     # ---- metadata ----------------------------------------------------------------------------
-    def prepare(self, step: StepBatch, g: int, table: torch.Tensor) -> GroupMetadata:
-        md = GroupMetadata(slot_mapping=self._slot_mapping(step, g, table))
+    metadata = GatheredMetadata   # the type `prepare` builds
+
+    def prepare(self, step: StepBatch, g: int, table: torch.Tensor):
+        md = self.metadata(slot_mapping=self._slot_mapping(step, g, table))
         if step.num_decodes:
             self._prepare_decodes(md, step, g, table)
         for r in range(step.num_decodes, len(step.counts)):
@@ -99,7 +105,7 @@ class GatheredBackend:
         start = (end - self.window).clamp(min=0) if self.window else torch.zeros_like(end)
         return start, end
 
-    def _prepare_decodes(self, md: GroupMetadata, step: StepBatch, g: int, table: torch.Tensor) -> None:
+    def _prepare_decodes(self, md: GatheredMetadata, step: StepBatch, g: int, table: torch.Tensor) -> None:
         start, end = self._decode_range(step, g)
         bs = self.block_size
         width = max(1, -(-(max(step.cache_lens[g][:step.num_decodes]) + 1) // bs))
@@ -123,22 +129,22 @@ class GatheredBackend:
         return idx, window_mask(torch.arange(q0, ctx, device=idx.device), p, window)
 
     # ---- attention ---------------------------------------------------------------------------
-    def forward(self, layer: int, q, new: list[torch.Tensor], meta: AttentionMetadata, scale: float,
-                window: int | None, math) -> torch.Tensor:
+    def forward(self, layer: int, q, new: list[torch.Tensor], meta: AttentionMetadata, md: GatheredMetadata,
+                scale: float, window: int | None, math) -> torch.Tensor:
+        """Write the layer's new entries at their slots and attend with `md`, this group's metadata."""
         rot = self.storage.rotation(layer) if math.rotates else None
         if rot is not None:  # orthonormal: q k^T unchanged; the cache sees k H and v H (formats.py)
             q, new = q @ rot, [x @ rot for x in new]
-        md = meta.group(layer)
         self.storage.write(layer, md.slot_mapping, *new)
         out = q.new_empty(math.out_shape(q, new))
         for ctx in self._contexts(layer, meta, md, new, window):
             attend = math.decode if ctx.batched else math.prefill
             out[ctx.rows] = attend(q[ctx.rows], ctx.entries, ctx.mask, scale)
-            if meta.score_hook is not None:
-                meta.score_hook(layer, ctx, q[ctx.rows], math.score_keys(ctx.entries), scale)
+            if md.scores is not None:
+                md.scores(layer, ctx, q[ctx.rows], math.score_keys(ctx.entries), scale)
         return out if rot is None else out @ rot.mT
 
-    def _contexts(self, layer, meta, md: GroupMetadata, new, window) -> list[Context]:
+    def _contexts(self, layer, meta, md: GatheredMetadata, new, window) -> list[Context]:
         storage = self.storage
         own = storage.has_own_block_view(layer)  # KIVI: a query sees its own block's keys exact
         out = []
@@ -159,23 +165,26 @@ class PagedBackend(GatheredBackend):
     """Native K/V: decode rows read the pools by block id: in place through the CPU kernel
     (`use_kernel`, attention/cpu/), or whole blocks gathered by torch (attention/paged.py)."""
 
+    metadata = PagedMetadata
+
     def __init__(self, storage: KVStorage, group: KVGroup, use_kernel: bool = False):
         super().__init__(storage, group)
         self.blocks_per_chunk = max(1, DECODE_CHUNK_TOKENS // self.block_size)
         self._buffers: dict[tuple, torch.Tensor] = {}
         self.kernel = use_kernel and _cpu_kernel_reads(storage, group)
 
-    def _prepare_decodes(self, md: GroupMetadata, step: StepBatch, g: int, table: torch.Tensor) -> None:
+    def _prepare_decodes(self, md: PagedMetadata, step: StepBatch, g: int, table: torch.Tensor) -> None:
         start, end = self._decode_range(step, g)
         width = max(1, -(-(max(step.cache_lens[g][:step.num_decodes]) + 1) // self.block_size))
-        md.decode_range = (table[:step.num_decodes, :width], start, end)
+        md.decode = DecodeRange(table[:step.num_decodes, :width], start, end)
         if not self.kernel:
             self._chunks(md)
 
-    def _chunks(self, md: GroupMetadata) -> DecodeChunks:
+    def _chunks(self, md: PagedMetadata) -> DecodeChunks:
         """The torch path's block chunks, planned once per step."""
         if md.chunks is None:
-            md.chunks = plan_chunks(*md.decode_range, self.block_size, self.blocks_per_chunk)
+            d = md.decode
+            md.chunks = plan_chunks(d.tables, d.start, d.end, self.block_size, self.blocks_per_chunk)
             pool = self.storage.native_kv(self.layers[0])[0]
             md.chunks.workspace = [self._buffer(i, pool, md.chunks.blocks.numel()) for i in range(2)]
         return md.chunks
@@ -190,16 +199,16 @@ class PagedBackend(GatheredBackend):
             self._buffers[i] = buf
         return buf[:n]
 
-    def forward(self, layer: int, q, new: list[torch.Tensor], meta: AttentionMetadata, scale: float,
-                window: int | None, math) -> torch.Tensor:
-        md = meta.group(layer)
+    def forward(self, layer: int, q, new: list[torch.Tensor], meta: AttentionMetadata, md: PagedMetadata,
+                scale: float, window: int | None, math) -> torch.Tensor:
         self.storage.write(layer, md.slot_mapping, *new)
         out = q.new_empty(math.out_shape(q, new))
         d = meta.num_decodes
         if d:
             k_pool, v_pool = self.storage.native_kv(layer)
             if self.kernel and cpu_kernel.reads(q.dtype, k_pool.dtype):
-                cpu_kernel.paged_decode(q[:d], k_pool, v_pool, *md.decode_range, scale, out=out[:d])
+                r = md.decode
+                cpu_kernel.paged_decode(q[:d], k_pool, v_pool, r.tables, r.start, r.end, scale, out=out[:d])
             else:
                 out[:d] = paged_decode(q[:d], k_pool, v_pool, self._chunks(md), scale)
         for span, idx, mask in zip(meta.prefills, md.prefill_idx, md.prefill_mask):
@@ -230,6 +239,54 @@ def select_backend(storage: KVStorage, group: KVGroup, observed: bool, kind: str
     if native and not observed:
         return PagedBackend(storage, group, use_kernel=kind == "auto")
     return GatheredBackend(storage, group)
+
+
+class AttentionBackends:
+    """The step's attention: one backend per KV group, each layer routed to its group's. `metadata`
+    builds a step's AttentionMetadata (every group's part by that group's backend); the model's
+    layers reach `attend` through it."""
+
+    def __init__(self, backends: list, layer_group: dict[int, int], observed: frozenset[int] = frozenset()):
+        self.backends = backends
+        self.layer_group = layer_group
+        self.observed = observed   # groups whose attention scores KV eviction watches
+        self._of_layer = {layer: (backends[g], g) for layer, g in layer_group.items()}
+
+    @classmethod
+    def select(cls, storage: KVStorage, groups: list[KVGroup], kind: str = "auto",
+               observed: frozenset[int] = frozenset()) -> AttentionBackends:
+        """Each group's backend by `select_backend`, once."""
+        chosen = [select_backend(storage, group, g in observed, kind) for g, group in enumerate(groups)]
+        return cls(chosen, dict(storage.layer_group), observed)
+
+    def metadata(self, step: StepBatch, tables: list[torch.Tensor], prefills: list[PrefillSpan],
+                 scores=None) -> AttentionMetadata:
+        """The step's metadata over the groups' block tables [R, W] (batch order); `scores`, KV
+        eviction's callback for this step, goes to the groups it watches."""
+        groups = [b.prepare(step, g, tables[g]) for g, b in enumerate(self.backends)]
+        if scores is not None:
+            for g in self.observed:
+                groups[g].scores = scores
+        return AttentionMetadata(step.num_decodes, prefills, self, groups)
+
+    def attend(self, layer: int, q, new: list[torch.Tensor], meta: AttentionMetadata, scale: float,
+               window: int | None, math) -> torch.Tensor:
+        backend, g = self._of_layer[layer]
+        return backend.forward(layer, q, new, meta, meta.groups[g], scale, window, math)
+
+    @property
+    def paged(self) -> bool:
+        """True when every group is read by PagedBackend (the captured one-token step's condition)."""
+        return all(type(b) is PagedBackend for b in self.backends)
+
+    def names(self, detail: bool = False) -> list[str]:
+        """The backend class of each KV group (for logs and tests); with `detail`, how PagedBackend
+        decodes (the C++ CPU kernel or torch's ops)."""
+        names = [type(b).__name__ for b in self.backends]
+        if detail:
+            names = [f"{n} ({'CPU kernel' if b.kernel else 'torch ops'})" if isinstance(b, PagedBackend) else n
+                     for n, b in zip(names, self.backends)]
+        return names
 
 
 def _kernel_backend(storage: KVStorage, group: KVGroup, kind: str):

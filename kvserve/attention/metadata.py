@@ -33,17 +33,67 @@ class DecodeChunks:
 
 
 @dataclass
-class GroupMetadata:
-    """Where one KV group's layers write and read this step."""
+class SlotMetadata:
+    """Where one KV group's new tokens are written this step (every backend's metadata has it)."""
 
     slot_mapping: torch.Tensor                 # [num_tokens] slots of the new tokens
-    decode_idx: torch.Tensor | None = None     # [num_decodes, L] slots each decode attends over (padded)
-    decode_mask: torch.Tensor | None = None    # [num_decodes, 1, 1, L] bool
+
+
+@dataclass
+class SpanMetadata(SlotMetadata):
+    """And the slots each prefill span attends over, with their visibility."""
+
     prefill_idx: list[torch.Tensor] = field(default_factory=list)          # per span: [ctx_g] slots
     prefill_mask: list[torch.Tensor | None] = field(default_factory=list)  # per span: [n, ctx_g] or None = causal
-    chunks: DecodeChunks | None = None         # PagedBackend (torch path): the decode rows' blocks
-    # PagedBackend: the decode rows' block tables [B, W] and the [start, end) [B] each attends over
-    decode_range: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+
+
+@dataclass
+class GatheredMetadata(SpanMetadata):
+    """GatheredBackend's: the slots each decode row attends over too."""
+
+    decode_idx: torch.Tensor | None = None     # [num_decodes, L] slots each decode attends over (padded)
+    decode_mask: torch.Tensor | None = None    # [num_decodes, 1, 1, L] bool
+    # KV eviction (engine/eviction.py), for groups whose attention scores it watches: called as
+    # scores(layer, ctx, q[ctx.rows], keys, scale) for every context, so H2O / SnapKV can see the
+    # attention their requests' cached entries receive.
+    scores: Callable | None = None
+
+
+@dataclass
+class DecodeRange:
+    """The decode rows' block tables and the positions [start, end) each attends over."""
+
+    tables: torch.Tensor    # [B, W] block ids
+    start: torch.Tensor     # [B]
+    end: torch.Tensor       # [B]
+
+
+@dataclass
+class PagedMetadata(SpanMetadata):
+    """PagedBackend's: decode rows read the pools by block id."""
+
+    decode: DecodeRange | None = None
+    chunks: DecodeChunks | None = None         # the torch path's blocks of the decode rows, planned once a step
+
+
+@dataclass
+class OneTokenInputs:
+    """What the captured one-token step (engine/captured_step.py) runs a single decode token with:
+    the fixed parts (the attention op, the distinct pool tensors, each layer's (K, V) index among
+    them and its KV group) and this step's (per group: the token's slot, the visible blocks and the
+    visible positions among them)."""
+
+    decode: Callable
+    pools: tuple[torch.Tensor, ...]
+    kv_index: tuple[tuple[int, int], ...]
+    slots: tuple[torch.Tensor, ...]
+    blocks: tuple[torch.Tensor, ...]
+    spans: tuple[torch.Tensor, ...]
+    groups: tuple[int, ...]
+
+    def args(self) -> tuple:
+        """The graph's inputs after (layers, x, positions), in its argument order."""
+        return self.decode, self.pools, self.kv_index, self.slots, self.blocks, self.spans, self.groups
 
 
 @dataclass
@@ -56,31 +106,20 @@ class Context:
     batched: bool                 # True for the decode batch
 
 
-def _no_cache(layer: int):
-    from kvserve.attention.backends import NO_CACHE
-    return NO_CACHE
-
-
 @dataclass
 class AttentionMetadata:
     """What attention needs to know about the flat batch (decode rows come first)."""
 
     num_decodes: int = 0
     prefills: list[PrefillSpan] = field(default_factory=list)
-    groups: list[GroupMetadata] | None = None  # None: no cache, every span attends over its own rows
-    # The backend of each layer, chosen once at start-up (ModelRunner); by default no cache.
-    backend_of: Callable[[int], object] = _no_cache
-    layer_group: dict[int, int] = field(default_factory=dict)
-    # KV eviction (engine/eviction.py): called as score_hook(layer, ctx, q[ctx.rows], keys, scale) for
-    # every context, so H2O / SnapKV can see the attention their requests' cached entries receive.
-    score_hook: object | None = None
-    # A single decode token over native paged K/V in every layer: (pools per layer, then per group
-    # slot, blocks, bias, then each layer's group) for the compiled one-token stack, which writes
-    # and reads the cache itself (model/regions.py); None: attention goes through the backends.
-    one_token: tuple | None = None
-
-    def group(self, layer: int) -> GroupMetadata:
-        return self.groups[self.layer_group[layer]]
+    # The step's attention: the KV groups' backends (attention/backends.py AttentionBackends, chosen
+    # once at start-up) and each group's metadata, built by its backend. None: no cache, every span
+    # attends over its own rows.
+    backends: object | None = None
+    groups: list | None = None
+    # A single decode token over native paged K/V in every layer: the captured step's inputs (it
+    # writes and reads the cache itself, model/regions.py); None: attention goes through the backends.
+    one_token: OneTokenInputs | None = None
 
 
 def window_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None) -> torch.Tensor:

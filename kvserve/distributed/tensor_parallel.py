@@ -27,7 +27,7 @@ from types import SimpleNamespace
 
 import torch
 
-from kvserve.attention import AttentionMetadata, PrefillSpan, StepBatch, select_backend
+from kvserve.attention import AttentionBackends, AttentionMetadata, PrefillSpan, StepBatch
 from kvserve.distributed.group import Group, follower_store, leader_store
 from kvserve.distributed.sharding import (
     check_model,
@@ -188,12 +188,9 @@ class Follower:
         self.model = self.loaded.model
         planner = ShardPlanner(SimpleNamespace(config=config, device=self.device), self.loaded, group)
         self.kv, self.storage = planner.build()
-        self.backends, self.layer_group = [], {}
+        self.attn = None
         if self.kv is not None:
-            self.backends = [select_backend(self.storage, g, False, config.attention_backend)
-                             for g in self.kv.groups]
-            self.layer_group = dict(self.storage.layer_group)
-            self.layer_backend = {layer: self.backends[g] for layer, g in self.layer_group.items()}
+            self.attn = AttentionBackends.select(self.storage, self.kv.groups, config.attention_backend)
 
     def serve(self) -> None:
         """Run steps until rank 0 sends None."""
@@ -215,9 +212,7 @@ class Follower:
             if dev.type != "cpu":
                 step = StepBatch(step.num_decodes, step.counts, step.token_req.to(dev), step.token_off.to(dev),
                                  step.cache_lens, [t.to(dev) for t in step.cache_len_t])
-            meta.groups = [b.prepare(step, g, msg.tables[g].to(dev)) for g, b in enumerate(self.backends)]
-            meta.backend_of = self.layer_backend.__getitem__
-            meta.layer_group = self.layer_group
+            meta = self.attn.metadata(step, [t.to(dev) for t in msg.tables], msg.prefills)
         self.model(msg.input_ids.to(dev), msg.positions.to(dev), meta)
 
 

@@ -162,7 +162,7 @@ class StartupCompile:
         model.model.regions = parts.regions
         if parts.head is not None:
             model.lm_head = parts.head
-        runner.native_pools = runner.native_pools_for(parts.regions)
+        runner.use_regions(parts.regions)
         self.state = "compiled"
         log.info("start-up: compile/warm-up %.2f s (%s); steps now run the compiled graphs", self.seconds, self.mode)
 
@@ -194,8 +194,8 @@ class StartupCompile:
         regions = compiled_regions(model)
         if regions is None:
             return None
-        pools = runner.native_pools_for(regions)
-        warm_up(regions, model, device, runner.warm_up_plan(pools) if pools is not None else None, show_progress)
+        captured = runner.capture(regions)
+        warm_up(regions, model, device, captured.warm_up_inputs() if captured is not None else None, show_progress)
         parts = CompiledParts(regions, _head_with_row_kernel(model.lm_head))
         if self.cache is not None:
             self.cache.save()

@@ -96,16 +96,15 @@ class LLMEngine:
         self.page_bytes_per_token = self.kv_format.page_bytes_per_token
         self.kv, self.storage = planner.build()
         self.pool_plan, self.kv_residual_rows = planner.plan, planner.residual_rows
-        runner = ModelRunner if self.tp is None else self.tp.runner
-        self.runner = runner(self.model, self.kv, self.storage, self.device, cfg.max_num_seqs,
-                             self.max_model_len, cfg.attention_backend)
         # The KV manager's eviction strategy: keep everything, or engine/eviction.py's Evictor under
         # a kv_policy (it needs one layer per KV group)
         self.evictor = self.kv.eviction if self.kv is not None else KeepAll()
         if self.kv_policy is not None and self.kv is not None:
             self.evictor = Evictor(self.kv, self.storage, self.model, self.kv_groups)
             self.evictor.check(self.kv_policy)
-        self.runner.use_eviction(self.evictor)
+        runner = ModelRunner if self.tp is None else self.tp.runner
+        self.runner = runner(self.model, self.kv, self.storage, self.device, cfg.max_num_seqs,
+                             self.max_model_len, cfg.attention_backend, self.evictor)
         self.swap = build_swap(cfg, self.storage, self.kv)   # host swap pool (swap_space GiB)
         self.tiers = build_tiers(self)                        # prefix store below the device (kv_tiers)
         self.kv_events = build_publisher(cfg.kv_events, cfg.kv_events_replay, self.kv)  # None unless kv_events

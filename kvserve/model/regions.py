@@ -3,7 +3,7 @@ attention calls (output projection, residuals, norms, MLP, the next layer's norm
 and rotary embedding) as one region, run eagerly or compiled.
 
 Compiled, a step of one token (batch-1 decode) runs the whole stack as one `torch.compile` graph
-in which each layer's attention is an opaque op (`kvserve::stack_attend`: the backend reads and
+in which each layer's attention is an opaque op (`stack_attend_op`, one per compiled Regions: the backend reads and
 writes the paged cache eagerly, with the step's metadata): one graph call per step instead of one
 per layer, which is most of the host time of a small model's step. Steps of more tokens run
 per region: every region of a model is one graph shared by all its layers (the layer's weights
@@ -14,6 +14,7 @@ arithmetic outweighs the calls.
 from __future__ import annotations
 
 import copy
+import itertools
 import logging
 import os
 
@@ -51,12 +52,35 @@ def _last(layer, x, o):
     return layer.post_attention(x, o)
 
 
-def _one_token_stack(layers, x, positions):
-    """The whole stack for one token, attention by the opaque op (compiled as one graph)."""
+class StepSlot:
+    """The layers and metadata of the one-token stack graph running now, for its attention op."""
+
+    def __init__(self):
+        self.layers = None
+        self.meta = None
+
+
+_OP_NUMBERS = itertools.count()   # each compiled Regions registers its own attention op
+
+
+def stack_attend_op(step: StepSlot):
+    """A custom op for the one-token graph: layer `layer`'s attention (cache write and read, run
+    eagerly) with the layers and metadata `step` holds while the graph runs. One op per Regions: an
+    op's arguments cannot carry Python objects, so each reads its own slot."""
+    def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int) -> torch.Tensor:
+        return step.layers[layer].self_attn.attend(q, k, v, step.meta)
+
+    op = torch.library.custom_op(f"kvserve::stack_attend_{next(_OP_NUMBERS)}", attend, mutates_args=())
+    op.register_fake(lambda q, k, v, layer: q.new_empty((*q.shape[:2], v.shape[-1])))
+    return op
+
+
+def _one_token_stack(layers, x, positions, attend):
+    """The whole stack for one token, attention by the opaque op `attend` (compiled as one graph)."""
     q, k, v = _first(layers[0], x, positions)
     last = len(layers) - 1
     for i, layer in enumerate(layers):
-        o = torch.ops.kvserve.stack_attend(q, k, v, i)
+        o = attend(q, k, v, i)
         if i == last:
             return _last(layer, x, o)
         x, (q, k, v) = _between(layer, layers[i + 1], x, o, positions)
@@ -81,22 +105,6 @@ def _one_token_paged_stack(layers, x, positions, decode, pools, kv_index, slots,
     return x
 
 
-# (layers, metadata) of the one-token stack running now, for its attention ops
-_STEP: list = []
-
-
-@torch.library.custom_op("kvserve::stack_attend", mutates_args=())
-def stack_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int) -> torch.Tensor:
-    """Layer `layer`'s attention (cache write and read, run eagerly) inside the one-token graph."""
-    layers, meta = _STEP[-1]
-    return layers[layer].self_attn.attend(q, k, v, meta)
-
-
-@stack_attend.register_fake
-def _(q, k, v, layer):
-    return q.new_empty((*q.shape[:2], v.shape[-1]))
-
-
 class Regions:
     """The dense regions of a decoder stack; `compiled` wraps each with torch.compile, and adds the
     one-token stack graph."""
@@ -107,17 +115,15 @@ class Regions:
         self.first, self.between, self.last = wrap(_first), wrap(_between), wrap(_last)
         self.one_token = _compile_static(_one_token_stack) if compiled else None
         self.one_token_paged = _compile_static(_one_token_paged_stack) if compiled else None
+        self.step = StepSlot()   # what the one-token graph's attention op reads
+        self.attend = stack_attend_op(self.step) if compiled else None
 
     def run(self, layers, x: torch.Tensor, positions: torch.Tensor, meta) -> torch.Tensor:
         """x through every layer: layer i's attention, then the region up to layer i + 1's."""
         if self.one_token is not None and x.shape[0] == 1:
             if meta.one_token is not None and not OBSERVERS:
                 return self._paged(layers, x, positions, meta.one_token)
-            _STEP.append((layers, meta))
-            try:
-                return self.one_token(layers, x, positions)
-            finally:
-                _STEP.pop()
+            return self._one_token(layers, x, positions, meta)
         q, k, v = self.first(layers[0], x, positions)
         last = len(layers) - 1
         for i, layer in enumerate(layers):
@@ -127,10 +133,18 @@ class Regions:
             x, (q, k, v) = self.between(layer, layers[i + 1], x, o, positions)
         return x
 
-    def _paged(self, layers, x, positions, plan):
+    def _one_token(self, layers, x, positions, meta):
+        step = self.step
+        step.layers, step.meta = layers, meta
+        try:
+            return self.one_token(layers, x, positions, self.attend)
+        finally:
+            step.layers = step.meta = None
+
+    def _paged(self, layers, x, positions, inputs):
         for layer in layers:
             vars(layer.self_attn)["kv_rows"] += 1   # an int in the module's dict (nn.Module.__setattr__ costs 8 us)
-        return self.one_token_paged(layers, x, positions, *plan)   # ModelRunner.one_token_plan
+        return self.one_token_paged(layers, x, positions, *inputs.args())   # engine/captured_step.py
 
 
 EAGER = Regions(False)
@@ -182,19 +196,18 @@ def shadow_layers(layers) -> torch.nn.ModuleList:
 
 
 @torch.inference_mode()
-def warm_up(regions: Regions, model: torch.nn.Module, device: torch.device, paged_plan=None,
+def warm_up(regions: Regions, model: torch.nn.Module, device: torch.device, paged_inputs=None,
             show_progress: bool = True) -> None:
     """Compile each of `regions`' graphs now (forwards without a cache through shadow layers), not on a
-    request's first step; with `paged_plan` (ModelRunner.warm_up_plan: pools shaped like the engine's,
-    not the engine's) the one-token paged graph too. The live model is only read."""
+    request's first step; with `paged_inputs` (CapturedStep.warm_up_inputs: pools shaped like the
+    engine's, not the engine's) the one-token paged graph too. The live model is only read."""
     from kvserve.attention import AttentionMetadata, PrefillSpan
     layers = shadow_layers(model.model.layers)
     for n in tqdm(WARMUP_TOKENS, desc="compiling the model's regions", disable=not show_progress, unit="shape"):
         meta = AttentionMetadata(prefills=[PrefillSpan(0, n, n)])
         regions.run(layers, _hidden(model, n, device), torch.arange(n, device=device), meta)
-    if paged_plan is not None:
-        meta = AttentionMetadata(num_decodes=1)
-        meta.one_token = paged_plan
+    if paged_inputs is not None:
+        meta = AttentionMetadata(num_decodes=1, one_token=paged_inputs)
         regions.run(layers, _hidden(model, 1, device), torch.zeros(1, dtype=torch.long, device=device), meta)
 
 

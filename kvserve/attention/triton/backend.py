@@ -8,10 +8,12 @@ torch backends do. Chosen by `select_backend` (kvserve/attention/backends.py).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from kvserve.attention.backends import GatheredBackend, StepBatch
-from kvserve.attention.metadata import AttentionMetadata, GroupMetadata
+from kvserve.attention.metadata import AttentionMetadata, SlotMetadata
 from kvserve.attention.triton.decode import paged_decode
 from kvserve.attention.triton.extend import paged_extend
 from kvserve.attention.triton.source import KVSource, source_of
@@ -41,14 +43,22 @@ def supports(storage: KVStorage, group: KVGroup) -> bool:
     return all(layer_sources(storage, layer) is not None for layer in group.layers)
 
 
+@dataclass
+class TritonMetadata(SlotMetadata):
+    """The block tables and lengths the kernels take (int32): no gathered slot lists or masks."""
+
+    decode: tuple | None = None    # (tables [B, W], start [B], end [B]) of the decode rows
+    extend: tuple | None = None    # (tables, q_start, q_len, ctx_len, longest) of the prefill chunks
+
+
 class TritonBackend(GatheredBackend):
     """Paged decode, extend and write kernels over the group's storage (see the module docstring)."""
 
     # ---- metadata ----------------------------------------------------------------------------
-    def prepare(self, step: StepBatch, g: int, table: torch.Tensor) -> GroupMetadata:
-        """Slots of the new tokens, and the block tables and lengths the kernels take: no gathered
-        slot lists or masks (the kernels walk the tables and mask by position)."""
-        md = GroupMetadata(slot_mapping=self._slot_mapping(step, g, table))
+    def prepare(self, step: StepBatch, g: int, table: torch.Tensor) -> TritonMetadata:
+        """Slots of the new tokens, and the block tables and lengths the kernels take (they walk the
+        tables and mask by position)."""
+        md = TritonMetadata(slot_mapping=self._slot_mapping(step, g, table))
         d = step.num_decodes
         counts = step.counts
         if d:
@@ -61,19 +71,18 @@ class TritonBackend(GatheredBackend):
                          (step.cache_len_t[g][d:len(counts)] + news).to(i32), max(counts[d:]))
         return md
 
-    def _prepare_decodes(self, md: GroupMetadata, step: StepBatch, g: int, table: torch.Tensor) -> None:
+    def _prepare_decodes(self, md: TritonMetadata, step: StepBatch, g: int, table: torch.Tensor) -> None:
         start, end = self._decode_range(step, g)
         width = max(1, -(-(max(step.cache_lens[g][:step.num_decodes]) + 1) // self.block_size))
         i32 = torch.int32  # once per step, not per layer
         md.decode = (table[:step.num_decodes, :width].to(i32).contiguous(), start.to(i32), end.to(i32))
 
     # ---- attention ---------------------------------------------------------------------------
-    def forward(self, layer: int, q, new: list[torch.Tensor], meta: AttentionMetadata, scale: float,
-                window: int | None, math) -> torch.Tensor:
+    def forward(self, layer: int, q, new: list[torch.Tensor], meta: AttentionMetadata, md: TritonMetadata,
+                scale: float, window: int | None, math) -> torch.Tensor:
         rot = self.storage.rotation(layer) if math.rotates else None
         if rot is not None:
             q, new = q @ rot, [x @ rot for x in new]
-        md = meta.group(layer)
         srcs = layer_sources(self.storage, layer)
         self._write(layer, md.slot_mapping, new, srcs)
         k, v = srcs if len(srcs) == 2 else (srcs[0], srcs[0].value_view(math.rank))

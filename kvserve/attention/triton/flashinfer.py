@@ -9,11 +9,12 @@ Each step plans once per group (on its first layer) and every layer runs the pla
 from __future__ import annotations
 
 import importlib.util
+from dataclasses import dataclass
 
 import torch
 
 from kvserve.attention.backends import GatheredBackend, StepBatch
-from kvserve.attention.metadata import AttentionMetadata, GroupMetadata
+from kvserve.attention.metadata import AttentionMetadata, SlotMetadata
 from kvserve.kv.spec import KVGroup
 from kvserve.kv.storage import KVStorage
 
@@ -43,6 +44,15 @@ def _paged(table: torch.Tensor, lens: torch.Tensor, bs: int):
     return indptr, indices, last
 
 
+@dataclass
+class FlashInferMetadata(SlotMetadata):
+    """The paged layout FlashInfer's wrappers plan with, once per step (on the first layer)."""
+
+    fi_decode: tuple | None = None     # (indptr, indices, last page lengths) of the decode rows
+    fi_prefill: tuple | None = None    # (q indptr, indptr, indices, last page lengths) of the prefill chunks
+    fi_planned: bool = False
+
+
 class FlashInferBackend(GatheredBackend):
     """Decode and prefill through FlashInfer's batch wrappers over the pool, in place."""
 
@@ -55,20 +65,17 @@ class FlashInferBackend(GatheredBackend):
         self.decoder = flashinfer.BatchDecodeWithPagedKVCacheWrapper(space, "NHD")
         self.prefiller = flashinfer.BatchPrefillWithPagedKVCacheWrapper(space, "NHD")
 
-    def prepare(self, step: StepBatch, g: int, table: torch.Tensor) -> GroupMetadata:
-        md = GroupMetadata(slot_mapping=self._slot_mapping(step, g, table))
+    def prepare(self, step: StepBatch, g: int, table: torch.Tensor) -> FlashInferMetadata:
+        md = FlashInferMetadata(slot_mapping=self._slot_mapping(step, g, table))
         d, counts = step.num_decodes, step.counts
         lens = step.cache_len_t[g][:len(counts)] + torch.tensor(counts, device=table.device)
         md.fi_decode = _paged(table[:d], lens[:d], self.block_size) if d else None
         if len(counts) > d:
             news = torch.tensor([0, *counts[d:]], device=table.device)
             md.fi_prefill = (torch.cumsum(news, 0).to(torch.int32), *_paged(table[d:], lens[d:], self.block_size))
-        else:
-            md.fi_prefill = None
-        md.fi_planned = False
         return md
 
-    def _plan(self, md: GroupMetadata, q: torch.Tensor, kv: torch.Tensor, scale: float) -> None:
+    def _plan(self, md: FlashInferMetadata, q: torch.Tensor, kv: torch.Tensor, scale: float) -> None:
         hq, d = q.shape[1], q.shape[2]
         hkv, bs = kv.shape[2], kv.shape[1]
         common = dict(window_left=(self.window - 1) if self.window else -1, sm_scale=scale)
@@ -79,9 +86,8 @@ class FlashInferBackend(GatheredBackend):
                                 kv_data_type=kv.dtype, **common)
         md.fi_planned = True
 
-    def forward(self, layer: int, q, new: list[torch.Tensor], meta: AttentionMetadata, scale: float,
-                window: int | None, math) -> torch.Tensor:
-        md = meta.group(layer)
+    def forward(self, layer: int, q, new: list[torch.Tensor], meta: AttentionMetadata, md: FlashInferMetadata,
+                scale: float, window: int | None, math) -> torch.Tensor:
         self.storage.write(layer, md.slot_mapping, *new)
         k_pool, v_pool = self.storage.native_kv(layer)
         if not md.fi_planned:
