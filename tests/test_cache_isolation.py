@@ -16,7 +16,7 @@ import uuid
 import httpx
 import pytest
 from test_server_hardening import serving
-from test_tiers import attach, run_request, small_cache
+from test_tiers import run_request, tiered_cache
 
 from kvserve import LLM, SamplingParams
 from kvserve.config import EngineConfig
@@ -89,9 +89,8 @@ def test_a_forked_child_keeps_its_parents_salt():
 
 
 def test_a_tier_entry_under_one_salt_is_not_found_under_another():
-    kv, storage = small_cache()
     tier = CpuTier(1 << 20)
-    attach(kv, storage, [tier])
+    kv, storage, _ = tiered_cache([tier])
     kv.set_salt("a", "tenant-a")
     run_request(kv, storage, "a", PROMPT, seed=1)
     kv.reset_prefix_cache(offload=True)                  # a's blocks now live only in the tier

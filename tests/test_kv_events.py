@@ -189,8 +189,7 @@ def test_manager_reports_each_kv_group_under_the_chain_hash():
 
     groups = [KVGroup(KVSpec("full", 1, 1), [0]), KVGroup(KVSpec("sliding", 1, 1, window=64), [1])]
     ns = namespace_hash("events-test")
-    kv = KVCacheManager(9, 4, ns, groups=groups)
-    kv.events = KVEventQueue()
+    kv = KVCacheManager(9, 4, ns, groups=groups, events=KVEventQueue())
     ids = list(range(100, 112))  # 3 full blocks of 4
     assert kv.allocate_slots("a", 0, len(ids))
     kv.cache_blocks("a", ids, len(ids))
@@ -212,18 +211,14 @@ def test_blocks_loaded_back_from_a_tier_are_reported_stored_on_the_device():
     from kvserve.kv.manager import KVCacheManager
 
     class EveryBlockInCpuTier:
-        def save(self, evicted):
-            pass
-
         def locate(self, hashes):
             return ["cpu"] * len(hashes)
 
-        def load(self, items):
+        def load(self, items, pending_copies=None):
             return ["cpu"] * len(items)
 
     ns = namespace_hash("events-tier-test")
-    kv = KVCacheManager(8, 4, ns)
-    kv.events, kv.lower = KVEventQueue(), EveryBlockInCpuTier()
+    kv = KVCacheManager(8, 4, ns, lower=EveryBlockInCpuTier(), events=KVEventQueue())
     ids = list(range(200, 213))  # 3 full blocks before the last token
     hits, n = kv.get_computed_blocks("r", ids)
     assert n == 12

@@ -12,7 +12,7 @@ import struct
 import pytest
 import torch
 
-from kvserve.kv.block_pool import BlockPool
+from kvserve.kv.block_pool import BlockPool, BlockPoolListener
 from kvserve.kv.hashing import hash_block, hash_full_blocks, namespace_hash
 from kvserve.kv.manager import KVCacheManager
 from kvserve.kv.spec import KVGroup, KVSpec
@@ -558,3 +558,80 @@ def test_storage_nbytes_mla_and_hybrid_groups():
     hyb = KVStorage(groups, 4, 4, torch.float32)
     assert hyb.nbytes == 2 * 2 * 4 * 4 * 2 * 8 * 4  # 4 layers in 2 groups share 2 storage slots
     assert hyb.nbytes == sum(t.untyped_storage().nbytes() for slot in hyb.slots for t in slot)
+
+
+# ---- pool listeners: handed to the manager at construction ------------------------------------
+class Recorder(BlockPoolListener):
+    """Writes down every call in order."""
+
+    def __init__(self):
+        self.calls = []
+
+    def stored(self, block_id, block_hash, token_ids):
+        self.calls.append(("stored", block_id, block_hash, token_ids))
+
+    def evicted(self, blocks):
+        self.calls.append(("evicted", list(blocks)))
+
+    def pinned(self, block_id, block_hash, token_ids):
+        self.calls.append(("pinned", block_id, block_hash, token_ids))
+
+
+class PinsOnly(BlockPoolListener):
+    """Overrides one method; the others are the interface's no-ops."""
+
+    def __init__(self):
+        self.pins = []
+
+    def pinned(self, block_id, block_hash, token_ids):
+        self.pins.append(block_id)
+
+
+def test_listeners_hear_each_stored_evicted_and_pinned_block():
+    """4 blocks of 2 tokens, no null block: the free queue starts 0, 1, 2, 3; pins may hold 2 blocks."""
+    from kvserve.sampling_params import KVRetention
+    rec, pins = Recorder(), PinsOnly()
+    m = KVCacheManager(4, 2, NS, listeners=[rec, pins])
+    a = [1, 2, 3, 4, 5]                                  # 2 full blocks + 1 token
+    ha = hash_full_blocks(NS, a, 2)
+    assert m.allocate_slots("a", 0, 5)                   # blocks 0, 1, 2 (none cached: nothing evicted)
+    m.cache_blocks("a", a, 5)
+    assert rec.calls == [("stored", 0, ha[0], (1, 2)), ("stored", 1, ha[1], (3, 4))]
+    m.free("a")                                          # tail first: queue 2 (no hash, front), 3, 1, 0
+    rec.calls.clear()
+
+    b = [7, 8, 9, 10, 11, 12, 13]                        # 3 full blocks + 1 token: all 4 blocks
+    hb = hash_full_blocks(NS, b, 2)
+    m.set_retention("b", KVRetention(priority=50), len(b))
+    assert m.get_computed_blocks("b", b) == ([[]], 0)
+    assert m.allocate_slots("b", 0, 7)                   # takes 2, 3, 1, 0: a's cached 1 and 0 go
+    assert m.block_ids("b") == [2, 3, 1, 0]
+    assert rec.calls == [("evicted", [(1, ha[1], (3, 4)), (0, ha[0], (1, 2))])]
+    rec.calls.clear()
+    m.cache_blocks("b", b, 7)                            # 3 blocks stored; 2 of them fit the pin share
+    assert rec.calls == [("stored", 2, hb[0], (7, 8)), ("stored", 3, hb[1], (9, 10)),
+                         ("stored", 1, hb[2], (11, 12)),
+                         ("pinned", 2, hb[0], (7, 8)), ("pinned", 3, hb[1], (9, 10))]
+    assert pins.pins == [2, 3] and m.pool.pin_counts["refused"] == 1
+    rec.calls.clear()
+    m.cache_blocks("b", b, 7)                            # nothing new: nothing told
+    assert m.reset_prefix_cache(offload=True) == 0       # b holds every block: no hash is dropped
+    assert rec.calls == []
+
+    m.free("b")                                          # tail first: 0 (no hash) front, 1 back; 3, 2 pinned
+    assert m.reset_prefix_cache(offload=True) == 3       # the pins end: 3 and 2 join the queue after 1
+    assert rec.calls == [("evicted", [(1, hb[2], (11, 12)), (3, hb[1], (9, 10)), (2, hb[0], (7, 8))])]
+    assert m.pool.num_cached == 0 and pins.pins == [2, 3]
+
+
+def test_a_reset_without_offload_tells_no_listener():
+    rec = Recorder()
+    m = KVCacheManager(4, 2, NS, listeners=[rec])
+    b = [7, 8, 9, 10, 11, 12, 13]
+    assert m.allocate_slots("b", 0, 7)                   # blocks 0, 1, 2, 3
+    m.cache_blocks("b", b, 7)
+    m.free("b")
+    rec.calls.clear()
+    assert m.reset_prefix_cache() == 3 and m.pool.num_cached == 0
+    assert rec.calls == []
+    assert m.allocate_slots("c", 0, 8) and rec.calls == []   # the forgotten blocks are reused silently

@@ -165,13 +165,12 @@ def test_retention_from_a_dict():
 
 
 def test_pinned_blocks_reach_a_write_back_tier_when_pinned():
-    from test_tiers import attach, run_request, small_cache
+    from test_tiers import run_request, tiered_cache
 
     from kvserve.kv.tiers import CpuTier
 
-    kv, storage = small_cache()  # 8 blocks, 4 may be pinned
     back = CpuTier(1 << 20)
-    bridge = attach(kv, storage, [back])
+    kv, storage, bridge = tiered_cache([back])  # 8 blocks, 4 may be pinned
     run_request(kv, storage, "plain", list(range(900, 909)), seed=0)  # 2 full blocks, no pin
     kv.set_retention("a", KVRetention(), 13)
     run_request(kv, storage, "a", list(range(100, 113)), seed=1)       # 3 full blocks, pinned

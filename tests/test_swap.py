@@ -175,8 +175,7 @@ def test_kivi_still_filling_block_moves_with_its_residual_row():
     from kvserve.kv.formats import build_kv_format
     groups = [KVGroup(KVSpec("full", num_kv_heads=3, head_dim=64), [0, 1])]
     fmt = build_kv_format(groups, torch.float32, 32, "kivi4")
-    st = KVStorage(groups, 8, 32, torch.float32, "cpu", fmt, residual_rows=4)
-    st.block_is_free = lambda b: False
+    st = KVStorage(groups, 8, 32, torch.float32, "cpu", fmt, residual_rows=4, block_is_free=lambda b: False)
     g = torch.Generator().manual_seed(0)
 
     def kv(n):

@@ -19,7 +19,7 @@ import torch
 
 from kvserve import LLM, SamplingParams
 from kvserve.kv.hashing import namespace_hash
-from kvserve.kv.manager import KVCacheManager
+from kvserve.kv.manager import KVCacheManager, new_pool
 from kvserve.kv.spec import KVGroup, KVSpec
 from kvserve.kv.storage import KVStorage
 from kvserve.kv.tiers import (
@@ -145,11 +145,17 @@ def test_redis_tier_bound_is_redis_lru(make_redis):
 
 
 # ---- the bridge: save on eviction, load on a device miss, never serve a bad entry ------------
-def small_cache(num_blocks=8, block_size=4, groups=None):
+def tiered_cache(tiers, num_blocks=8, block_size=4, groups=None, queue_blocks=None):
+    """A KV manager and storage over one pool, with a bridge to `tiers` below (built as the engine's
+    builder does: pool, storage, bridge, manager); `queue_blocks` bounds each writer's queue."""
     groups = groups or [KVGroup(KVSpec("full", num_kv_heads=2, head_dim=3), [0, 1])]
-    kv = KVCacheManager(num_blocks, block_size, namespace_hash("unit", "tiers"), groups=groups)
-    storage = KVStorage(groups, num_blocks, block_size, torch.float32)
-    return kv, storage
+    pool = new_pool(num_blocks, groups)
+    storage = KVStorage(groups, num_blocks, block_size, torch.float32, block_is_free=pool.is_free)
+    options = {"queue_bytes": queue_blocks * storage.bytes_per_block} if queue_blocks else {}
+    bridge = TierBridge(tiers, storage, "ns", pool, **options) if tiers else None
+    kv = KVCacheManager(num_blocks, block_size, namespace_hash("unit", "tiers"), groups=groups, pool=pool,
+                        listeners=[bridge] if bridge else [], lower=bridge)
+    return kv, storage, bridge
 
 
 def fill(storage: KVStorage, blocks: list[int], seed: int) -> None:
@@ -172,17 +178,9 @@ def run_request(kv: KVCacheManager, storage: KVStorage, rid: str, tokens: list[i
     return num_hit, tables, contents
 
 
-def attach(kv, storage, tiers, **options):
-    bridge = TierBridge(tiers, storage, "ns", before_write=lambda: storage.copy_blocks(kv.take_pending_copies()),
-                        **options)
-    bridge.attach(kv)
-    return bridge
-
-
 def test_evicted_blocks_come_back_from_the_tier_bit_exact():
-    kv, storage = small_cache()
     tier = CpuTier(1 << 20)
-    attach(kv, storage, [tier])
+    kv, storage, _ = tiered_cache([tier])
     prompt = list(range(100, 117))                        # 4 full blocks + 1 token
     _, tables, contents = run_request(kv, storage, "a", prompt, seed=1)
     run_request(kv, storage, "b", list(range(500, 532)), seed=2)  # 8 blocks: evicts all of a's
@@ -198,9 +196,8 @@ def test_evicted_blocks_come_back_from_the_tier_bit_exact():
 
 
 def test_corrupt_entry_is_dropped_and_the_prefix_stops_there(tmp_path):
-    kv, storage = small_cache()
     tier = DiskTier(tmp_path, 1 << 20, write_policy="write_back")
-    bridge = attach(kv, storage, [tier])
+    kv, storage, bridge = tiered_cache([tier])
     prompt = list(range(100, 117))
     run_request(kv, storage, "a", prompt, seed=1)
     kv.reset_prefix_cache(offload=True)
@@ -221,9 +218,8 @@ def _chain_hash(kv: KVCacheManager, tokens: list[int], index: int) -> bytes:
 def test_hybrid_groups_load_only_the_window_of_sliding_layers():
     full = KVGroup(KVSpec("full", num_kv_heads=2, head_dim=3), [0])
     sliding = KVGroup(KVSpec("sliding", num_kv_heads=2, head_dim=3, window=6), [1])
-    kv, storage = small_cache(num_blocks=24, groups=[full, sliding])
     tier = CpuTier(1 << 20)
-    attach(kv, storage, [tier])
+    kv, storage, _ = tiered_cache([tier], num_blocks=24, groups=[full, sliding])
     prompt = list(range(100, 121))                        # 5 full blocks + 1 token
     run_request(kv, storage, "a", prompt, seed=1)
     kv.reset_prefix_cache(offload=True)
@@ -237,10 +233,9 @@ def test_hybrid_groups_load_only_the_window_of_sliding_layers():
 
 # ---- write policies --------------------------------------------------------------------------
 def test_write_through_stores_blocks_when_registered_write_back_on_eviction(tmp_path):
-    kv, storage = small_cache()
     back, through = CpuTier(1 << 20), DiskTier(tmp_path, 1 << 20)
     assert (back.write_policy, through.write_policy) == ("write_back", "write_through")  # the defaults
-    bridge = attach(kv, storage, [back, through])
+    kv, storage, bridge = tiered_cache([back, through])
     prompt = list(range(100, 117))                        # 4 full blocks + 1 token
     _, tables, contents = run_request(kv, storage, "a", prompt, seed=1)
     bridge.write_through()                                # what the engine does after each step
@@ -278,9 +273,8 @@ class SlowTier:
 
 
 def test_full_write_queue_drops_and_counts_instead_of_blocking():
-    kv, storage = small_cache(num_blocks=16)
     tier = SlowTier()
-    bridge = attach(kv, storage, [tier], queue_bytes=2 * storage.bytes_per_block)
+    kv, storage, bridge = tiered_cache([tier], num_blocks=16, queue_blocks=2)
     prompt = list(range(100, 117))                        # 4 full blocks
     run_request(kv, storage, "a", prompt, seed=1)
     t0 = time.perf_counter()
@@ -300,7 +294,7 @@ def test_full_write_queue_drops_and_counts_instead_of_blocking():
 EXIT_WITHOUT_CLOSE = """
 import sys, time
 sys.path.insert(0, sys.argv[2])
-from test_tiers import attach, run_request, small_cache
+from test_tiers import run_request, tiered_cache
 from kvserve.kv.tiers import DiskTier
 
 class SlowDisk(DiskTier):
@@ -308,8 +302,7 @@ class SlowDisk(DiskTier):
         time.sleep(0.5)
         super().put_many(items)
 
-kv, storage = small_cache()
-bridge = attach(kv, storage, [SlowDisk(sys.argv[1], 1 << 20)])
+kv, storage, bridge = tiered_cache([SlowDisk(sys.argv[1], 1 << 20)])
 run_request(kv, storage, "a", list(range(100, 117)), seed=1)
 bridge.write_through()
 print(bridge.writers[0].pending_blocks)   # still queued when the script ends

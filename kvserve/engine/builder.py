@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from kvserve.config import DTYPES, EngineConfig
-from kvserve.engine.eviction import extend_positions
+from kvserve.engine.eviction import Evictor, extend_positions
 from kvserve.engine.memory import (
     PoolPlan,
     check_fits,
@@ -21,9 +21,10 @@ from kvserve.engine.memory import (
     measure_activation_peak,
     plan_pool,
 )
+from kvserve.engine.offload import build_tiers
 from kvserve.kv.formats import KVCacheFormat, build_kv_format, split_budget
 from kvserve.kv.hashing import namespace_hash
-from kvserve.kv.manager import KVCacheManager
+from kvserve.kv.manager import KVCacheManager, new_pool
 from kvserve.kv.policies import parse_policy
 from kvserve.kv.spec import group_layers, null_blocks
 from kvserve.kv.storage import KVStorage
@@ -297,6 +298,7 @@ class CachePlanner:
         self.format = self._kv_format(engine)   # kv/formats.py: how K/V are stored, what a token costs
         self.residual_rows = 0
         self.plan: PoolPlan | None = None
+        self.tiers = None   # the TierBridge build() puts below the manager, when kv_tiers asks for one
 
     @property
     def block_size(self) -> int:
@@ -406,21 +408,37 @@ class CachePlanner:
                               *([f"weights={lm.weight_format}{lm.weight_digest}"] if lm.quantized else []),
                               algo=self.config.prefix_caching_hash_algo)
 
-    def build(self) -> tuple[KVCacheManager | None, KVStorage | None]:
-        """Plan the pool and build the KV manager and storage over it (None, None without a cache)."""
+    def build(self, events=None, *, tiers: bool = False,
+              eviction: bool = False) -> tuple[KVCacheManager | None, KVStorage | None]:
+        """Plan the pool and build the KV manager and storage over it (None, None without a cache).
+
+        The pool comes first: the storage asks it which blocks are free, the tiers check it before
+        writing, the manager runs on it. `events`: the KV events queue; `tiers`: build the tiers of
+        `kv_tiers` (kept in `self.tiers`) below the manager; `eviction`: the manager evicts under
+        the kv_policy (engine/eviction.py). A tensor-parallel follower's pool asks for neither."""
         cfg = self.config
         if cfg.kv_cache_mode == "none":
             return None, None
         plan = self.plan_pool()
+        pool = new_pool(plan.num_blocks, self.groups, cfg.kv_pin_fraction)
+        storage = KVStorage(self.groups, plan.num_blocks, plan.block_size, self.loaded.dtype, self.device,
+                            self.format, self.residual_rows, block_is_free=pool.is_free)
+        self.tiers = build_tiers(self, storage, pool, events) if tiers else None
         kv = KVCacheManager(
             plan.num_blocks, plan.block_size, self.namespace(),
             enable_prefix_caching=cfg.enable_prefix_caching and cfg.kv_cache_mode == "paged",
-            groups=self.groups, hash_algo=cfg.prefix_caching_hash_algo, pin_fraction=cfg.kv_pin_fraction)
-        storage = KVStorage(self.groups, plan.num_blocks, plan.block_size, self.loaded.dtype, self.device,
-                            self.format, self.residual_rows)
-        storage.block_is_free = lambda b: kv.pool.blocks[b].ref_cnt == 0
-        kv.residual_rows = self.residual_rows or None  # the scheduler admits this many filling blocks
+            groups=self.groups, hash_algo=cfg.prefix_caching_hash_algo, pin_fraction=cfg.kv_pin_fraction,
+            pool=pool, listeners=[self.tiers] if self.tiers is not None else [], lower=self.tiers,
+            events=events, eviction=self._eviction(storage) if eviction else None,
+            residual_rows=self.residual_rows or None)  # the scheduler admits this many filling blocks
         return kv, storage
+
+    def _eviction(self, storage: KVStorage):
+        """The manager's eviction strategy under the kv_policy (it needs one layer per KV group), or None."""
+        if self.policy is None:
+            return None
+        model, groups = self.loaded.model, self.groups
+        return lambda kv: Evictor(kv, storage, model, groups)
 
     def log(self, storage: KVStorage | None) -> None:
         """The pool at start-up: blocks, tokens, bytes, format and concurrency at max_model_len."""

@@ -16,10 +16,10 @@ import torch
 from kvserve.config import EngineConfig
 from kvserve.engine.builder import CachePlanner, load_model
 from kvserve.engine.compile import startup_compile
-from kvserve.engine.eviction import Evictor, request_policy
+from kvserve.engine.eviction import request_policy
 from kvserve.engine.metrics import EngineStats, percentile
 from kvserve.engine.model_runner import ModelRunner
-from kvserve.engine.offload import build_swap, build_tiers, offload_metrics
+from kvserve.engine.offload import build_swap, offload_metrics
 from kvserve.engine.output_processor import OutputProcessor
 from kvserve.engine.request import Request, RequestStatus
 from kvserve.engine.sampler import Sampler, SamplingError, SamplingInput
@@ -94,23 +94,34 @@ class LLMEngine:
         self.kv_policy, self.kv_groups, self.kv_format = planner.policy, planner.groups, planner.format
         self.kv_bytes_per_token = self.kv_format.bytes_per_token
         self.page_bytes_per_token = self.kv_format.page_bytes_per_token
-        self.kv, self.storage = planner.build()
+        # KV events first: the KV manager and the tiers are built with the publisher's queue
+        self.kv_events = build_publisher(cfg.kv_events, cfg.kv_events_replay) if cfg.kv_cache_mode != "none" else None
+        self.kv, self.storage = self._build_kv(planner)
+        self.tiers = planner.tiers                            # prefix store below the device (kv_tiers)
         self.pool_plan, self.kv_residual_rows = planner.plan, planner.residual_rows
         # The KV manager's eviction strategy: keep everything, or engine/eviction.py's Evictor under
-        # a kv_policy (it needs one layer per KV group)
+        # a kv_policy (the manager was built with it)
         self.evictor = self.kv.eviction if self.kv is not None else KeepAll()
         if self.kv_policy is not None and self.kv is not None:
-            self.evictor = Evictor(self.kv, self.storage, self.model, self.kv_groups)
             self.evictor.check(self.kv_policy)
         runner = ModelRunner if self.tp is None else self.tp.runner
         self.runner = runner(self.model, self.kv, self.storage, self.device, cfg.max_num_seqs,
                              self.max_model_len, cfg.attention_backend, self.evictor)
         self.swap = build_swap(cfg, self.storage, self.kv)   # host swap pool (swap_space GiB)
-        self.tiers = build_tiers(self)                        # prefix store below the device (kv_tiers)
-        self.kv_events = build_publisher(cfg.kv_events, cfg.kv_events_replay, self.kv)  # None unless kv_events
         max_batch = cfg.max_num_batched_tokens if self.kv is not None else self.max_model_len
         self.scheduler = Scheduler(self.kv, cfg.max_num_seqs, max_batch, self.swap, cfg.preemption_mode)
         planner.log(self.storage)
+
+    def _build_kv(self, planner):
+        """The KV manager and storage (with the tiers, eviction and the events queue); the
+        publisher is closed when building fails."""
+        events = self.kv_events.events if self.kv_events is not None else None
+        try:
+            return planner.build(events, tiers=True, eviction=True)
+        except BaseException:
+            if self.kv_events is not None:
+                self.kv_events.close()
+            raise
 
     # ---- requests ------------------------------------------------------------------
     def make_request(self, prompt: PromptType, params: SamplingParams | None = None,

@@ -103,7 +103,6 @@ class Evictor(KeepAll):
         self.num_entries_moved = 0
         self.num_blocks_unshared = 0   # shared (forks, prefix hits) blocks copied before eviction wrote them
         self.num_deferred = 0          # evictions put off a step: no free block to unshare into
-        kv.eviction = self
 
     # ---- requests ----------------------------------------------------------------------------
     def check(self, policy: KVPolicy) -> None:
@@ -301,7 +300,7 @@ class Evictor(KeepAll):
                   if b != null and self._shared(b)]
         if len(shared) > pool.num_free:
             return False
-        fresh = [b.block_id for b in pool.allocate(len(shared))]
+        fresh = self.kv.allocate_blocks(len(shared))
         copies = [(tables[g][i], b) for (g, i), b in zip(shared, fresh)]
         self.storage.copy_blocks(copies)
         pool.free([old for old, _ in copies])

@@ -5,7 +5,14 @@ from __future__ import annotations
 import logging
 
 from kvserve.kv.swap import SwapSpace
-from kvserve.kv.tiers import TIER_KINDS, TierBridge, fingerprint_path, make_tier, tier_namespace
+from kvserve.kv.tiers import (
+    TIER_KINDS,
+    TierBridge,
+    TierEvents,
+    fingerprint_path,
+    make_tier,
+    tier_namespace,
+)
 
 log = logging.getLogger("kvserve")
 
@@ -35,21 +42,21 @@ def kv_format_name(config, storage) -> str:
     return f"{fmt.description}|{slots}"
 
 
-def build_tiers(engine) -> TierBridge | None:
-    """The prefix-store tiers of `kv_tiers`, attached below the engine's KV cache manager."""
-    specs = engine.config.tier_specs()
-    if not specs or engine.kv is None:
+def build_tiers(planner, storage, pool, events=None) -> TierBridge | None:
+    """The prefix-store tiers of `kv_tiers` over `storage` and the device `pool` (None without any);
+    `events`: the KV events queue the tiers report into."""
+    config = planner.config
+    specs = config.tier_specs()
+    if not specs:
         return None
     from kvserve.paths import default_cache_root
-    weights = fingerprint_path(engine.model_path, default_cache_root() / "fingerprints")
-    storage = engine.storage
-    namespace = tier_namespace(weights=weights, dtype=engine.dtype,
-                               kv_format=kv_format_name(engine.config, storage),
-                               block_size=engine.kv.block_size, layer_specs=engine.kv_groups,
-                               layout=storage.block_layout(), hash_algo=engine.kv.hash_algo)
-    bridge = TierBridge([make_tier(s) for s in specs], storage, namespace,
-                        before_write=lambda: storage.copy_blocks(engine.kv.take_pending_copies()))
-    bridge.attach(engine.kv)
+    weights = fingerprint_path(planner.loaded.path, default_cache_root() / "fingerprints")
+    hash_algo = config.prefix_caching_hash_algo
+    namespace = tier_namespace(weights=weights, dtype=planner.loaded.dtype,
+                               kv_format=kv_format_name(config, storage), block_size=storage.block_size,
+                               layer_specs=planner.groups, layout=storage.block_layout(), hash_algo=hash_algo)
+    tier_events = TierEvents(events, namespace, hash_algo) if events is not None else None
+    bridge = TierBridge([make_tier(s, tier_events) for s in specs], storage, namespace, pool, events=tier_events)
     log.info("KV tiers: %s (namespace %s)", ", ".join(f"{t.name} {t.write_policy}" for t in bridge.tiers),
              namespace)
     return bridge

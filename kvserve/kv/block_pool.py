@@ -6,6 +6,10 @@ the LRU queue, in a queue per priority, and is reused only when no unpinned free
 reservation: it never makes an allocation fail. Pins expire lazily (a heap of expiry times is
 checked when blocks are allocated or pinned); an expired pin's block rejoins the LRU queue at the
 tail, as if freed then. At most `pin_limit` blocks are pinned at once; pins beyond it are refused.
+
+The pool calls no one. What happens to its cached blocks (a block stored under a hash, cached blocks
+evicted for reuse, a block pinned) the KV manager that owns it tells its `BlockPoolListener`s: the
+pool's methods return or fill in what they did (`allocate(n, evicted)`, `register`, `pin`).
 """
 
 from __future__ import annotations
@@ -19,6 +23,22 @@ from dataclasses import dataclass
 
 from kvserve.kv.block_stats import TimeHistogram
 from kvserve.kv.hashing import BlockHash
+
+Evicted = list[tuple[int, BlockHash, tuple[int, ...]]]  # (block id, pool key, token ids) per block
+
+
+class BlockPoolListener:
+    """What a KV manager reports about its pool's cached blocks; each method does nothing by default."""
+
+    def stored(self, block_id: int, block_hash: BlockHash, token_ids: tuple[int, ...]) -> None:
+        """A full block was registered under `block_hash` (its contents are final)."""
+
+    def evicted(self, blocks: Evicted) -> None:
+        """Cached blocks lose their hashes for reuse (or a reset that offloads); their memory still
+        holds the data until the caller returns."""
+
+    def pinned(self, block_id: int, block_hash: BlockHash, token_ids: tuple[int, ...]) -> None:
+        """A cached block was newly pinned by a retention request."""
 
 
 @dataclass
@@ -38,7 +58,7 @@ class Block:
 class BlockPool:
     """Hands out blocks; freed blocks keep their hash until reallocated (LRU order)."""
 
-    def __init__(self, num_blocks: int, reserved: int = 0):
+    def __init__(self, num_blocks: int, reserved: int = 0, pin_limit: int = 0):
         if num_blocks - reserved < 1:
             raise ValueError(f"num_blocks must leave >= 1 usable block, got {num_blocks} ({reserved} reserved)")
         self.num_blocks = num_blocks
@@ -49,11 +69,6 @@ class BlockPool:
         self.free_queue: OrderedDict[int, None] = OrderedDict((i, None) for i in range(reserved, num_blocks))
         self.cached: dict[BlockHash, int] = {}
         self.num_evicted = 0
-        # Called with the cached blocks a reuse is about to overwrite, while their memory still
-        # holds the data: [(block_id, block_hash, token_ids)] (the tiers write them down).
-        self.on_evict: Callable[[list[tuple[int, BlockHash, tuple[int, ...]]]], None] | None = None
-        # Called with each block newly registered under a hash (write-through tiers store it).
-        self.on_register: Callable[[int, BlockHash, tuple[int, ...]], None] | None = None
         # Block timings: lifetime = allocation until its contents are dropped (freed without a hash,
         # or evicted while cached); reuse gap = freed until a prefix hit takes it again (KVCacheManager).
         self.clock: Callable[[], float] = time.monotonic
@@ -63,11 +78,9 @@ class BlockPool:
         self.pinned_free: dict[int, OrderedDict[int, None]] = {}
         self.num_pinned_free = 0
         self.num_pinned = 0
-        self.pin_limit = 0
+        self.pin_limit = pin_limit
         self._expiry: list[tuple[float, int]] = []
         self.pin_counts = {"taken": 0, "refused": 0, "expired": 0, "evicted": 0}
-        # Called with each block newly pinned (tiers that write back store it now).
-        self.on_pin: Callable[[int, BlockHash, tuple[int, ...]], None] | None = None
 
     @property
     def num_usable(self) -> int:
@@ -89,25 +102,28 @@ class BlockPool:
         """Blocks registered in the hash map (owned or free)."""
         return len(self.cached)
 
-    def allocate(self, n: int) -> list[Block]:
-        """Take `n` blocks from the front of the free queue (evicting their hashes)."""
+    def is_free(self, block_id: int) -> bool:
+        """True when no request holds the block."""
+        return self.blocks[block_id].ref_cnt == 0
+
+    def allocate(self, n: int, evicted: Evicted | None = None) -> list[Block]:
+        """Take `n` blocks from the front of the free queue (evicting their hashes); the cached
+        blocks among them are appended to `evicted` when it is given."""
         if n > self.num_free:
             raise RuntimeError(f"asked for {n} blocks, only {self.num_free} free")
-        out, evicted = [], []
+        out = []
         now = self.clock() if n else 0.0
         if n:
             self.expire(now)
         for _ in range(n):
             block_id = self.free_queue.popitem(last=False)[0] if self.free_queue else self._pop_pinned()
             block = self.blocks[block_id]
-            if block.block_hash is not None and self.on_evict is not None:
+            if block.block_hash is not None and evicted is not None:
                 evicted.append((block_id, block.block_hash, block.token_ids))
             self._forget_hash(block, now)
             block.ref_cnt = 1
             block.allocated_at = now
             out.append(block)
-        if evicted:
-            self.on_evict(evicted)
         return out
 
     def touch(self, block_ids: list[int]) -> None:
@@ -154,19 +170,18 @@ class BlockPool:
         block.block_hash = block_hash
         block.token_ids = token_ids
         self.cached[block_hash] = block_id
-        if self.on_register is not None:
-            self.on_register(block_id, block_hash, token_ids)
         return True
 
-    def reset_cache(self, offload: bool = False) -> int:
-        """Forget every hash of free blocks, pinned ones too (handing them to `on_evict` first if `offload`)."""
+    def reset_cache(self, evicted: Evicted | None = None) -> int:
+        """Forget every hash of free blocks, pinned ones too; the blocks are appended to `evicted`
+        when it is given. Returns how many hashes were forgotten."""
         for queue in list(self.pinned_free.values()):
             for block_id in list(queue):
                 self._unpin(self.blocks[block_id])
         dropped = [(b, self.blocks[b].block_hash, self.blocks[b].token_ids) for b in self.free_queue
                    if self.blocks[b].block_hash is not None]
-        if offload and dropped and self.on_evict is not None:
-            self.on_evict(dropped)
+        if evicted is not None:
+            evicted.extend(dropped)
         now = self.clock()
         for block_id, _, _ in dropped:
             self._forget_hash(self.blocks[block_id], now)
@@ -196,8 +211,6 @@ class BlockPool:
             self.num_pinned += 1
             self.pin_counts["taken"] += 1
             block.pin_priority, block.pin_expires = priority, expires_at
-            if self.on_pin is not None:
-                self.on_pin(block_id, block.block_hash, block.token_ids)
         elif expires_at > block.pin_expires or priority > block.pin_priority:
             block.pin_priority = max(block.pin_priority, priority)
             block.pin_expires = max(block.pin_expires, expires_at)

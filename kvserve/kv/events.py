@@ -233,12 +233,9 @@ class KVEventPublisher:
         self._ctx.term()
 
 
-def build_publisher(endpoint: str | None, replay_endpoint: str | None, kv) -> KVEventPublisher | None:
-    """A publisher on `endpoint` whose queue the KV manager `kv` records into (None when events are off)."""
-    if endpoint is None or kv is None:
+def build_publisher(endpoint: str | None, replay_endpoint: str | None) -> KVEventPublisher | None:
+    """A publisher on `endpoint` (None when events are off); the KV manager and the tiers are built
+    with its queue (`publisher.events`)."""
+    if endpoint is None:
         return None
-    publisher = KVEventPublisher(endpoint, replay_endpoint)
-    kv.events = publisher.events
-    if getattr(kv, "lower", None) is not None:   # the tiers below the device (kv/tiers.py TierBridge)
-        kv.lower.publish_to(publisher.events)
-    return publisher
+    return KVEventPublisher(endpoint, replay_endpoint)

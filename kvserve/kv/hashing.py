@@ -72,3 +72,9 @@ def hash_full_blocks(
         prev = _chain(digest, prev, token_ids[b * block_size:(b + 1) * block_size], extra)
         hashes.append(prev)
     return hashes
+
+
+def split_key(key: BlockHash, algo: str = DEFAULT_HASH_ALGO) -> tuple[BlockHash, int]:
+    """(chained hash, KV group) of a pool key: the hash, + 2 bytes of group past group 0."""
+    n = len(digest_fn(algo)(b""))
+    return key[:n], int.from_bytes(key[n:], "little")

@@ -1,8 +1,11 @@
 """KVCacheManager: per-request block tables (one per KV group) over one shared BlockPool.
 
-Optional lower tiers (`manager.lower`, see kv/tiers.py `TierBridge`) extend the prefix cache
-below the device: evicted cached blocks are handed to `lower.save`, and a lookup that misses on
-the device asks `lower.locate` / `lower.load` to bring blocks back into fresh device blocks.
+Everything the manager works with is handed to it when it is built: the pool (or its size), the
+listeners it tells about the pool's cached blocks (kv/block_pool.py `BlockPoolListener`: stored,
+evicted, pinned), an optional lower tier (kv/tiers.py `TierBridge`) that extends the prefix cache
+below the device (a lookup that misses on the device asks `lower.locate` / `lower.load` to bring
+blocks back into fresh device blocks; the bridge is also a listener, which writes blocks down),
+the KV events queue (kv/events.py) and a factory of its eviction strategy.
 
 A request's cache salt (`set_salt`) goes into its first block's hash, so salted requests share
 blocks only with requests of the same salt; the tiers key blocks by the same hashes.
@@ -16,17 +19,25 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from kvserve.kv.block_pool import BlockPool
+from kvserve.kv.block_pool import BlockPool, BlockPoolListener, Evicted
 from kvserve.kv.eviction import KeepAll
-from kvserve.kv.hashing import DEFAULT_HASH_ALGO, BlockHash, digest_fn, hash_full_blocks
+from kvserve.kv.hashing import DEFAULT_HASH_ALGO, BlockHash, digest_fn, hash_full_blocks, split_key
 from kvserve.kv.spec import KVGroup, KVSpec, null_blocks
 
 NULL_BLOCK = 0  # with sliding groups, block 0 is reserved to stand in for freed window blocks
 DEFAULT_PIN_FRACTION = 0.5  # share of the pool retention pins may hold
 
 log = logging.getLogger("kvserve")
+
+
+def new_pool(num_blocks: int, groups: list[KVGroup] | None = None,
+             pin_fraction: float = DEFAULT_PIN_FRACTION) -> BlockPool:
+    """The pool a KVCacheManager of these groups runs on (the null block reserved for sliding groups)."""
+    reserved = null_blocks(groups or [])
+    return BlockPool(num_blocks, reserved, pin_limit=int(pin_fraction * (num_blocks - reserved)))
 
 
 @dataclass
@@ -55,16 +66,28 @@ class _Retention:
 
 
 class KVCacheManager:
-    """Maps each request to its block tables and keeps the pool consistent."""
+    """Maps each request to its block tables and keeps the pool consistent.
+
+    `pool`: the pool to run on (built with `new_pool`; one is built when None). `listeners` are told
+    what happens to cached blocks, in order. `lower`: locate / load of blocks below the device.
+    `events`: a KVEventQueue for the device's KV events. `eviction`: called with the manager, it
+    returns the eviction strategy (KeepAll when None). `residual_rows`: the still-filling blocks a
+    KIVI format keeps (None: no limit)."""
 
     def __init__(self, num_blocks: int, block_size: int, namespace: BlockHash,
                  enable_prefix_caching: bool = True, groups: list[KVGroup] | None = None,
-                 hash_algo: str = DEFAULT_HASH_ALGO, pin_fraction: float = DEFAULT_PIN_FRACTION):
+                 hash_algo: str = DEFAULT_HASH_ALGO, pin_fraction: float = DEFAULT_PIN_FRACTION, *,
+                 pool: BlockPool | None = None, listeners: Sequence[BlockPoolListener] = (),
+                 lower=None, events=None, eviction: Callable[[KVCacheManager], object] | None = None,
+                 residual_rows: int | None = None):
         self.block_size = block_size
         self.groups = groups or [KVGroup(KVSpec("full"), [])]
         self.has_sliding = any(g.spec.keeps_window for g in self.groups)
-        self.pool = BlockPool(num_blocks, reserved=null_blocks(self.groups))
-        self.pool.pin_limit = int(pin_fraction * self.pool.num_usable)
+        self.pool = pool if pool is not None else new_pool(num_blocks, self.groups, pin_fraction)
+        if self.pool.num_blocks != num_blocks or self.pool.reserved != null_blocks(self.groups):
+            raise ValueError(f"the pool has {self.pool.num_blocks} blocks ({self.pool.reserved} reserved), "
+                             f"the manager wants {num_blocks} ({null_blocks(self.groups)} reserved)")
+        self.listeners = list(listeners)
         self.retention: dict[str, _Retention] = {}  # req_id -> its pin, for requests with retention
         self.null = NULL_BLOCK if self.has_sliding else -1
         self.namespace = namespace
@@ -76,19 +99,18 @@ class KVCacheManager:
         self.pending_copies: list[tuple[int, int]] = []  # (src, dst) copies to run before the next forward
         self.stats = PrefixCacheStats()
         self.num_cow_copies = 0
-        self.lower = None                      # TierBridge-like: save / locate / load (kv/tiers.py)
+        self.lower = lower                     # TierBridge-like: locate / load (kv/tiers.py)
         self.loaded_from: dict[int, str] = {}  # block id -> tier it was loaded from, until first used
-        self.pool.on_evict = self._on_evict
-        # The eviction strategy (kv/eviction.py; engine/eviction.py's Evictor under a kv_policy). An
-        # evicting request's group g holds num_computed - offsets[g] entries and publishes no blocks
-        # (they would not hold the hashed tokens); hit_limit bounds its prefix-cache hits.
-        self.eviction = KeepAll()
+        self.events = events  # KVEventQueue (kv/events.py) when KV events are on
         # KIVI formats keep each still-filling block in one of a fixed number of residual rows
         # (kv/storage.py). `residual_rows`: how many (None: the format keeps none, no limit);
         # `rows_held`: the rows the requests' latest steps need, summed over requests.
-        self.residual_rows: int | None = None
+        self.residual_rows = residual_rows
         self.rows_held = 0
-        self.events = None  # KVEventQueue (kv/events.py) when KV events are on
+        # The eviction strategy (kv/eviction.py; engine/eviction.py's Evictor under a kv_policy). An
+        # evicting request's group g holds num_computed - offsets[g] entries and publishes no blocks
+        # (they would not hold the hashed tokens); hit_limit bounds its prefix-cache hits.
+        self.eviction = eviction(self) if eviction is not None else KeepAll()
 
     # ---- queries -------------------------------------------------------------------
     @property
@@ -189,15 +211,16 @@ class KVCacheManager:
         self.salts.pop(req_id, None)
 
     def reset_prefix_cache(self, offload: bool = False) -> int:
-        """Forget hashes of all free blocks (owned blocks keep theirs); `offload` writes them down first."""
-        events, self.events = self.events, None  # reported below, once
-        before = set(self.pool.cached) if events is not None else ()
-        try:
-            return self.pool.reset_cache(offload=offload and self.lower is not None)
-        finally:
-            self.events = events
-            if events is not None:
-                self._report_reset(before)
+        """Forget hashes of all free blocks (owned blocks keep theirs); `offload` hands them to the
+        listeners as evicted (the tiers write them down)."""
+        before = set(self.pool.cached) if self.events is not None else ()
+        dropped: Evicted | None = [] if offload else None
+        n = self.pool.reset_cache(dropped)
+        if dropped:
+            self._evicted(dropped, report=False)  # the reset is reported below, once
+        if self.events is not None:
+            self._report_reset(before)
+        return n
 
     # ---- allocation ----------------------------------------------------------------
     def allocate_slots(self, req_id: str, num_computed_tokens: int, num_new_tokens: int,
@@ -227,7 +250,7 @@ class KVCacheManager:
         for g, table in enumerate(state.tables):
             if cows[g]:
                 self._copy_on_write(table, done[g] // self.block_size)
-            table.extend(b.block_id for b in self.pool.allocate(needs[g]))
+            table.extend(self.allocate_blocks(needs[g]))
         if any(computed):
             state.num_registered = max(len(c) for c in computed)
         return True
@@ -250,8 +273,7 @@ class KVCacheManager:
         for i in range(state.num_registered, num_full):
             tokens = tuple(token_ids[i * bs:(i + 1) * bs])
             for g, table in enumerate(state.tables):
-                if (i < len(table) and table[i] != self.null
-                        and self.pool.register(table[i], self._key(g, state.block_hashes[i]), tokens)):
+                if i < len(table) and table[i] != self.null and self._store(table[i], g, state, i, tokens):
                     stored[g].append(i)
         state.num_registered = num_full
         if self.events is not None:
@@ -267,11 +289,22 @@ class KVCacheManager:
             for table in state.tables:
                 b = table[i] if i < len(table) else self.null
                 if b != self.null and self.pool.blocks[b].block_hash is not None:
-                    refused += not self.pool.pin(b, ret.priority, ret.expires_at)
+                    refused += not self._pin_block(b, ret)
         state.num_pinned = max(state.num_pinned, end)
         if refused:
             log.debug("request %s: %d prefix blocks not pinned, the pin share (%d blocks) is full",
                       req_id, refused, self.pool.pin_limit)
+
+    def _pin_block(self, block_id: int, ret: _Retention) -> bool:
+        """Pin one block; the listeners hear of it when the pin is new."""
+        taken = self.pool.pin_counts["taken"]
+        if not self.pool.pin(block_id, ret.priority, ret.expires_at):
+            return False
+        if self.pool.pin_counts["taken"] > taken:
+            block = self.pool.blocks[block_id]
+            for listener in self.listeners:
+                listener.pinned(block_id, block.block_hash, block.token_ids)
+        return True
 
     def free(self, req_id: str) -> None:
         """Release the request's blocks, tail first so tails are evicted first."""
@@ -308,7 +341,7 @@ class KVCacheManager:
             raise ValueError(f"request {req_id!r} already holds blocks")
         if need > self.pool.num_free:
             return None
-        fresh = iter(b.block_id for b in self.pool.allocate(need))
+        fresh = iter(self.allocate_blocks(need))
         tables = [[next(fresh) if used else self.null for used in g] for g in layout]
         self.reqs[req_id] = _ReqState(tables)
         return tables
@@ -332,18 +365,36 @@ class KVCacheManager:
     def _offsets(self, req_id: str) -> list[int] | None:
         return self.eviction.offsets(req_id)
 
+    def allocate_blocks(self, n: int) -> list[int]:
+        """Take `n` free blocks (the listeners hear of the cached ones among them first)."""
+        evicted: Evicted = []
+        blocks = [b.block_id for b in self.pool.allocate(n, evicted)]
+        if evicted:
+            self._evicted(evicted)
+        return blocks
+
     def take_pending_copies(self) -> list[tuple[int, int]]:
         """Block copies (src, dst) the storage must run before the next forward."""
         copies, self.pending_copies = self.pending_copies, []
         return copies
 
-    # ---- lower tiers -----------------------------------------------------------------
-    def _on_evict(self, evicted: list[tuple[int, BlockHash, tuple[int, ...]]]) -> None:
+    # ---- what the listeners hear ---------------------------------------------------------
+    def _store(self, block_id: int, g: int, state: _ReqState, i: int, tokens: tuple[int, ...]) -> bool:
+        """Register block i of group g under its hash; True (and the listeners told) if it was."""
+        key = self._key(g, state.block_hashes[i])
+        if not self.pool.register(block_id, key, tokens):
+            return False
+        for listener in self.listeners:
+            listener.stored(block_id, key, tokens)
+        return True
+
+    def _evicted(self, evicted: Evicted, report: bool = True) -> None:
+        """Cached blocks leave the device cache: the listeners write them down, events report them."""
         for block_id, _, _ in evicted:
             self.loaded_from.pop(block_id, None)
-        if self.lower is not None:
-            self.lower.save(evicted)
-        if self.events is not None:
+        for listener in self.listeners:
+            listener.evicted(evicted)
+        if report and self.events is not None:
             self._report_removed([key for _, key, _ in evicted])
 
     # ---- KV events (kv/events.py) ----------------------------------------------------
@@ -373,8 +424,7 @@ class KVCacheManager:
 
     def split_key(self, key: BlockHash) -> tuple[BlockHash, int]:
         """(chained hash, KV group) of a pool key: the hash, + 2 bytes of group past group 0."""
-        n = len(digest_fn(self.hash_algo)(b""))
-        return key[:n], int.from_bytes(key[n:], "little")
+        return split_key(key, self.hash_algo)
 
     def _report_reset(self, before: set[BlockHash]) -> None:
         """AllBlocksCleared when no block stays cached; else BlockRemoved for the keys that went."""
@@ -406,11 +456,12 @@ class KVCacheManager:
         try:
             if len(need) > self.pool.num_free:
                 return False
-            fresh = [b.block_id for b in self.pool.allocate(len(need))]
+            fresh = self.allocate_blocks(len(need))
             bs = self.block_size
             items = [(keys[gi], tuple(token_ids[gi[1] * bs:(gi[1] + 1) * bs]), b) for gi, b in zip(need, fresh)]
-            for (g, i), (key, tokens, block_id), src in zip(need, items, self.lower.load(items)):
-                if src is not None and self.pool.register(block_id, key, tokens):
+            loaded = self.lower.load(items, self.take_pending_copies)
+            for (g, i), (key, tokens, block_id), src in zip(need, items, loaded):
+                if src is not None and self._store(block_id, g, state, i, tokens):
                     self.loaded_from[block_id] = src
                     if self.events is not None:
                         self._report_stored(g, [i], state.block_hashes, token_ids)
@@ -494,7 +545,7 @@ class KVCacheManager:
 
     def _copy_on_write(self, table: list[int], index: int) -> None:
         old = table[index]
-        new = self.pool.allocate(1)[0].block_id
+        new = self.allocate_blocks(1)[0]
         self.pending_copies.append((old, new))
         self.num_cow_copies += 1
         self.pool.free([old])

@@ -10,6 +10,7 @@ in full-precision residual rows (see formats.py for why and how).
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -40,8 +41,12 @@ class KVStorage:
 
     def __init__(self, groups: list[KVGroup], num_blocks: int, block_size: int,
                  dtype: torch.dtype, device: torch.device | str = "cpu",
-                 kv_format: KVCacheFormat | None = None, residual_rows: int = 0):
+                 kv_format: KVCacheFormat | None = None, residual_rows: int = 0,
+                 block_is_free: Callable[[int], bool] | None = None):
+        """`block_is_free`: block id -> True when no request holds it (the pool's `is_free`); the
+        residual rows of such blocks are given back when rows run short."""
         self.num_blocks = num_blocks
+        self.block_is_free = block_is_free
         self.block_size = block_size
         self.dtype = dtype
         self.format = (kv_format or build_kv_format(groups, dtype, block_size)).to(device)
@@ -85,7 +90,6 @@ class KVStorage:
         self.row_of_block = torch.full((self.num_blocks,), -1, dtype=torch.long, device=device)
         self.free_rows = list(range(rows - 1, -1, -1))
         self.num_rows = rows
-        self.block_is_free = None  # set by the engine: block id -> True when no request holds it
         # Blocks quantized during the current layer keep their row until the next write, so that
         # queries in such a block still see its keys exact (own block) while others see them packed.
         self.sealed = torch.zeros(self.num_blocks, dtype=torch.bool, device=device)

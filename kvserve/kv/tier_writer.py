@@ -40,9 +40,11 @@ class WriteBatch:
 
 
 class TierWriter:
-    """Stores queued batches in `tier` on a daemon thread; the queue holds at most `max_bytes` of blocks."""
+    """Stores queued batches in `tier` on a daemon thread; the queue holds at most `max_bytes` of blocks.
+    `on_stored(batch, indices)` is told, on the writer thread, which of a batch's blocks it wrote."""
 
-    def __init__(self, tier, max_bytes: int = DEFAULT_QUEUE_BYTES):
+    def __init__(self, tier, max_bytes: int = DEFAULT_QUEUE_BYTES,
+                 on_stored: Callable[[WriteBatch, list[int]], None] | None = None):
         self.tier = tier
         self.max_bytes = max_bytes
         self.pending_bytes = 0
@@ -52,7 +54,7 @@ class TierWriter:
         self._thread: threading.Thread | None = None
         self._stop = False
         self._warned = False
-        self.on_stored: Callable[[WriteBatch, list[int]], None] | None = None  # (batch, indices written)
+        self.on_stored = on_stored
 
     def room(self, bytes_per_block: int) -> int:
         """How many more blocks of this size the queue takes now."""

@@ -7,14 +7,16 @@ layout). Entries are self-describing and checksummed (CRC-32 over header and pay
 expected key, tokens, dtypes, shapes and length): a corrupt or truncated entry is dropped,
 counted and never served.
 
-`TierBridge` connects the tiers to a KVCacheManager (`manager.lower`) and its KVStorage. Each tier
-has a write policy: a `write_through` tier gets every block the pool registers under a hash (the
-block is full and final), copied on the step thread and stored by a background writer
-(kv/tier_writer.py); a `write_back` tier gets the cached blocks the pool is about to overwrite
-(`save`, while their memory still holds the data), and also each block a retention pin takes,
-through the same background writers (`pinned`). A prefix lookup that misses on the device asks
-the bridge which tiers hold the next blocks (`locate`) and loads them into fresh device blocks
-(`load`).
+`TierBridge` connects the tiers to the device pool and its KVStorage: it is built with both and
+handed to the KVCacheManager as its lower tier and one of its pool listeners
+(kv/block_pool.py `BlockPoolListener`). Each tier has a write policy: a `write_through` tier gets
+every block the pool stores under a hash (the block is full and final), copied on the step thread
+and stored by a background writer (kv/tier_writer.py); a `write_back` tier gets the cached blocks
+the pool is about to overwrite (`evicted`, while their memory still holds the data), and also each
+block a retention pin takes, through the same background writers (`pinned`). A prefix lookup that
+misses on the device asks the bridge which tiers hold the next blocks (`locate`) and loads them
+into fresh device blocks (`load`). `TierEvents`, built before the tiers, turns what each tier
+gains and loses into KV events.
 """
 
 from __future__ import annotations
@@ -36,7 +38,8 @@ from pathlib import Path
 import torch
 
 from kvserve.extras import require
-from kvserve.kv.hashing import BlockHash
+from kvserve.kv.block_pool import BlockPoolListener, Evicted
+from kvserve.kv.hashing import DEFAULT_HASH_ALGO, BlockHash, split_key
 from kvserve.kv.tier_writer import (
     DEFAULT_QUEUE_BYTES,
     FLUSH_TIMEOUT,
@@ -192,11 +195,12 @@ class CpuTier:
     """Host-memory entries, bounded in bytes, least recently used dropped first."""
 
     name = "cpu"
-    on_evict: Callable[[str], None] | None = None   # told each key the bound pushes out
 
-    def __init__(self, capacity: int, write_policy: str = "write_back"):
+    def __init__(self, capacity: int, write_policy: str = "write_back",
+                 on_evict: Callable[[str], None] | None = None):
         self.capacity = capacity
         self.write_policy = write_policy
+        self.on_evict = on_evict   # told each key the bound pushes out
         self.entries: OrderedDict[str, bytes] = OrderedDict()
         self.usage_bytes = 0
         self.stats = TierStats()
@@ -250,9 +254,10 @@ class DiskTier:
 
     name = "disk"
     SUFFIX = ".kvb"
-    on_evict: Callable[[str], None] | None = None   # told each key the bound pushes out
 
-    def __init__(self, root: str | os.PathLike, capacity: int, write_policy: str = "write_through"):
+    def __init__(self, root: str | os.PathLike, capacity: int, write_policy: str = "write_through",
+                 on_evict: Callable[[str], None] | None = None):
+        self.on_evict = None       # the start-up scan drops entries no event ever named
         self.root = Path(root)
         self.capacity = capacity
         self.write_policy = write_policy
@@ -262,6 +267,7 @@ class DiskTier:
         self.index: OrderedDict[Path, int] = OrderedDict()  # path -> size, least recent first
         self.usage_bytes = 0
         self._scan()
+        self.on_evict = on_evict   # told each key the bound pushes out
 
     def _scan(self) -> None:
         found = []
@@ -449,68 +455,87 @@ class RedisTier:
         self._call(self.client.delete, self.PREFIX + key)
 
 
-def make_tier(spec: TierSpec):
-    """Build the tier a TierSpec names (write_through for disk and redis, write_back for cpu, unless named)."""
+def make_tier(spec: TierSpec, events: TierEvents | None = None):
+    """Build the tier a TierSpec names (write_through for disk and redis, write_back for cpu, unless
+    named); a bounded tier tells `events` each entry its bound drops."""
     if spec.write_policy not in (None, *WRITE_POLICIES):
         raise ValueError(f"unknown KV tier write policy {spec.write_policy!r}; use one of {WRITE_POLICIES}")
     policy = {"write_policy": spec.write_policy} if spec.write_policy else {}
+    on_evict = None if events is None else lambda key: events.evicted(spec.kind, key)
     if spec.kind == "cpu":
-        return CpuTier(spec.capacity, **policy)
+        return CpuTier(spec.capacity, **policy, on_evict=on_evict)
     if spec.kind == "disk":
-        return DiskTier(spec.location, spec.capacity, **policy)
+        return DiskTier(spec.location, spec.capacity, **policy, on_evict=on_evict)
     if spec.kind == "redis":
         return RedisTier(spec.location, **policy)
     raise ValueError(f"unknown KV tier kind {spec.kind!r}; use one of {TIER_KINDS}")
 
 
-# ---- the bridge between the device pool and the tiers -----------------------------------------
-Evicted = list[tuple[int, BlockHash, tuple[int, ...]]]  # (block id, pool key, token ids) per block
-
-
+# ---- KV events of the tiers ------------------------------------------------------------------
 @dataclass
-class TierBridge:
+class TierEvents:
+    """BlockStored / BlockRemoved events of every tier (medium = the tier's name) into `queue` (a
+    KVEventQueue). The Redis tier's own LRU evictions are not seen (Redis drops keys by itself)."""
+
+    queue: object
+    namespace: str
+    hash_algo: str = DEFAULT_HASH_ALGO
+
+    def stored(self, medium: str, blocks: Evicted) -> None:
+        """One BlockStored per block written to a tier (blocks of a batch need not form one chain)."""
+        from kvserve.kv.events import BlockStored
+        for _, key, tokens in blocks:
+            block_hash, g = split_key(key, self.hash_algo)
+            self.queue.add(BlockStored([block_hash], None, list(tokens), len(tokens), medium=medium, group=g))
+
+    def evicted(self, medium: str, key: str) -> None:
+        """A tier's bound dropped the entry under tier key `key`."""
+        if not key.startswith(self.namespace + "/"):
+            return  # another engine's entry (a shared directory)
+        from kvserve.kv.events import BlockRemoved
+        block_hash, g = split_key(bytes.fromhex(key[len(self.namespace) + 1:]), self.hash_algo)
+        self.queue.add(BlockRemoved([block_hash], medium=medium, group=g))
+
+
+# ---- the bridge between the device pool and the tiers -----------------------------------------
+@dataclass
+class TierBridge(BlockPoolListener):
     """Writes blocks down to the tiers (through or back, per tier) and loads prefix blocks back (see module doc)."""
 
     tiers: list
     storage: object                       # KVStorage: block_layout / read_blocks / write_blocks
     namespace: str
-    before_write: Callable[[], None] = lambda: None  # flush pending copies before overwriting blocks
+    pool: object                          # the device BlockPool: a block still holds the hash it was queued under
     queue_bytes: int = DEFAULT_QUEUE_BYTES           # per write-through tier
+    events: TierEvents | None = None                 # when KV events are on
     layout: Layout = field(init=False)
     writers: list[TierWriter] = field(init=False)    # one per write_through tier
     pin_writers: list[TierWriter] = field(init=False)  # one per write_back tier: pinned blocks
-    pool: object = field(default=None, init=False)   # BlockPool, once attached
     _fresh: Evicted = field(default_factory=list, init=False)   # registered since the last write_through
     _pinned: Evicted = field(default_factory=list, init=False)  # pinned since the last write_through
     _loaded: dict = field(default_factory=dict, init=False)     # block id -> (pool key, tier) of a load
     _warned: set = field(default_factory=set, init=False)
     _located: dict = field(default_factory=dict, init=False)  # hash -> index of the tier that has it
-    events: object = field(default=None, init=False)  # KVEventQueue (kv/events.py) when KV events are on
-    split_key: Callable = field(default=None, init=False)  # pool key -> (chained hash, group), from the manager
 
     def __post_init__(self):
         self.layout = self.storage.block_layout()
-        self.writers = [TierWriter(t, self.queue_bytes) for t in self.tiers if t.write_policy == "write_through"]
-        self.pin_writers = [TierWriter(t, self.queue_bytes) for t in self.tiers if t.write_policy == "write_back"]
+        self.writers = [self._writer(t) for t in self.tiers if t.write_policy == "write_through"]
+        self.pin_writers = [self._writer(t) for t in self.tiers if t.write_policy == "write_back"]
         if self.writers or self.pin_writers:  # pending writes reach their tier at exit, or when the bridge is collected
             weakref.finalize(self, close_writers, self.writers + self.pin_writers)
 
-    def attach(self, kv) -> None:
-        """Sit below a KVCacheManager: it saves evicted blocks here, loads its misses from here, and
-        every block its pool registers is written through."""
-        kv.lower = self
-        self.pool = kv.pool
-        self.split_key = kv.split_key
-        if self.writers:
-            kv.pool.on_register = self.registered
-        if self.pin_writers:
-            kv.pool.on_pin = self.pinned
+    def _writer(self, tier) -> TierWriter:
+        on_stored = None
+        if self.events is not None:
+            def on_stored(batch, idx, events=self.events):
+                events.stored(tier.name, [batch.blocks[i] for i in idx])
+        return TierWriter(tier, self.queue_bytes, on_stored)
 
     def key(self, block_hash: BlockHash) -> str:
         """The tier key of one pool key (chained hash + group) in this namespace."""
         return f"{self.namespace}/{block_hash.hex()}"
 
-    def save(self, evicted: Evicted) -> None:
+    def evicted(self, evicted: Evicted) -> None:
         """Write blocks the device is about to reuse to each write_back tier that lacks them (data still intact)."""
         tiers = [t for t in self.tiers if t.write_policy == "write_back"]
         if not tiers:
@@ -532,8 +557,10 @@ class TierBridge:
                 self._report_stored(tier, [evicted[i] for i in idx])
 
     # ---- write-through ---------------------------------------------------------------
-    def registered(self, block_id: int, block_hash: BlockHash, token_ids: tuple[int, ...]) -> None:
+    def stored(self, block_id: int, block_hash: BlockHash, token_ids: tuple[int, ...]) -> None:
         """The pool registered a full block: remember it for the next `write_through`."""
+        if not self.writers:
+            return
         key_src = self._loaded.pop(block_id, None)
         if key_src is not None and key_src[0] == block_hash and all(w.tier is key_src[1] for w in self.writers):
             return  # just loaded from the only write-through tier: it is there already
@@ -541,6 +568,8 @@ class TierBridge:
 
     def pinned(self, block_id: int, block_hash: BlockHash, token_ids: tuple[int, ...]) -> None:
         """The pool pinned a block: remember it for the write_back tiers at the next `write_through`."""
+        if not self.pin_writers:
+            return
         self._pinned.append((block_id, block_hash, token_ids))
 
     def write_through(self) -> None:
@@ -583,32 +612,9 @@ class TierBridge:
         """One entry per block from `read_blocks` tensors of those blocks."""
         return [pack_entry(h, tokens, self.layout, row) for (_, h, tokens), row in zip(blocks, pack_rows(tensors))]
 
-    # ---- KV events (kv/events.py): what each tier gains and loses, medium = the tier's name ----
-    def publish_to(self, events) -> None:
-        """Record BlockStored / BlockRemoved events of every tier into `events` (a KVEventQueue).
-        The Redis tier's own LRU evictions are not seen (Redis drops keys by itself)."""
-        self.events = events
-        for w in self.writers + self.pin_writers:
-            w.on_stored = lambda batch, idx, tier=w.tier: self._report_stored(tier, [batch.blocks[i] for i in idx])
-        for tier in self.tiers:
-            if hasattr(tier, "on_evict"):
-                tier.on_evict = lambda key, tier=tier: self._report_evicted(tier, key)
-
     def _report_stored(self, tier, blocks: Evicted) -> None:
-        """One BlockStored per block written to `tier` (blocks of a batch need not form one chain)."""
-        if self.events is None:
-            return
-        from kvserve.kv.events import BlockStored
-        for _, key, tokens in blocks:
-            block_hash, g = self.split_key(key)
-            self.events.add(BlockStored([block_hash], None, list(tokens), len(tokens), medium=tier.name, group=g))
-
-    def _report_evicted(self, tier, key: str) -> None:
-        if self.events is None or not key.startswith(self.namespace + "/"):
-            return  # another engine's entry (a shared directory)
-        from kvserve.kv.events import BlockRemoved
-        block_hash, g = self.split_key(bytes.fromhex(key[len(self.namespace) + 1:]))
-        self.events.add(BlockRemoved([block_hash], medium=tier.name, group=g))
+        if self.events is not None:
+            self.events.stored(tier.name, blocks)
 
     def flush(self, timeout: float | None = FLUSH_TIMEOUT) -> bool:
         """Wait for every queued write-through write; False if `timeout` passed first."""
@@ -638,8 +644,11 @@ class TierBridge:
             todo = [i for i in todo if where[i] is None]
         return where
 
-    def load(self, items: list[tuple[BlockHash, tuple[int, ...], int]]) -> list[str | None]:
-        """Load (hash, tokens, device block id) from the first tier with a valid entry; source per item."""
+    def load(self, items: list[tuple[BlockHash, tuple[int, ...], int]],
+             pending_copies: Callable[[], list[tuple[int, int]]] | None = None) -> list[str | None]:
+        """Load (hash, tokens, device block id) from the first tier with a valid entry; source per item.
+        `pending_copies`: the device's block copies due before the next forward, run before the
+        loaded blocks are written (a copy's source may be among the blocks written)."""
         sources: list[str | None] = [None] * len(items)
         ids, rows = [], []
         for n, (block_hash, tokens, block_id) in enumerate(items):
@@ -652,7 +661,8 @@ class TierBridge:
                     self._loaded[block_id] = (block_hash, tier)
                     break
         if ids:
-            self.before_write()
+            if pending_copies is not None:
+                self.storage.copy_blocks(pending_copies())
             self.storage.write_blocks(ids, unpack_rows(torch.stack(rows), self.layout))
         return sources
 
