@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 import re
 from dataclasses import dataclass, field, replace
 
@@ -15,7 +14,7 @@ COMPILE_MODES = ("background", "blocking")   # when the model compiles (engine/c
 PREEMPTION_MODES = ("recompute", "swap", "auto")   # what the scheduler does with a preempted request
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DTYPE_NAMES = tuple(DTYPES)
-DEFAULT_BLOCK_SIZE = 16  # tokens per KV block unless given (KIVI formats: 32)
+EAGER_ENV = "KVSERVE_ENFORCE_EAGER"   # =1: every engine of the process runs eagerly (model/regions.py reads it)
 CPU_DEFAULT_KV_CACHE_MEMORY = 1 << 30  # like vLLM's CPU backend: a fixed KV space unless told
 AUTO_GGUF_REASON = ("weights=auto on CPU: every GGUF tensor keeps its own block format (Q8_0 / Q5_* / Q6_K as exact "
                     "int8 groups, Q4_* as int4 groups: docs/WEIGHTS.md); dtype='float32' gives the float32 oracle")
@@ -164,7 +163,8 @@ class EngineConfig:
                                          "collective before the engine fails", group="distributed")
 
     def validate(self) -> None:
-        """Raise ValueError naming the first bad field."""
+        """Raise ValueError naming the first bad field; a check of the config's own values only (the
+        options a subsystem understands are checked by it: engine/options.py runs them all)."""
         if self.kv_cache_mode not in KV_CACHE_MODES:
             raise ValueError(f"kv_cache_mode must be one of {KV_CACHE_MODES}, got {self.kv_cache_mode!r}")
         if self.dtype != "auto" and self.dtype not in DTYPES:
@@ -177,19 +177,19 @@ class EngineConfig:
             raise ValueError(f"bf16_weight_copy must be 'auto', 'on' or 'off', got {self.bf16_weight_copy!r}")
         if self.device not in ("auto", "cpu") and not self.device.startswith("cuda"):
             raise ValueError(f"device must be 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}")
-        self._validate_kv_format()  # first: it picks the default block_size
+        self._validate_head_precision()
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"{name} must be >= 1, got {value}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
         u = self.gpu_memory_utilization
         if u is not None and not 0 < u <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {u}")
-        if self.kv_cache_memory is not None:
-            self.kv_cache_memory = parse_bytes(self.kv_cache_memory)
-            if self.kv_cache_memory <= 0:
-                raise ValueError(f"kv_cache_memory must be > 0 bytes, got {self.kv_cache_memory}")
+        memory = self.kv_cache_memory_bytes()
+        if memory is not None and memory <= 0:
+            raise ValueError(f"kv_cache_memory must be > 0 bytes, got {memory}")
         if not 0 <= self.kv_pin_fraction <= 1:
             raise ValueError(f"kv_pin_fraction is a share of the KV pool: give a number in [0, 1], "
                              f"got {self.kv_pin_fraction}")
@@ -197,13 +197,18 @@ class EngineConfig:
         self._validate_kv_policy()
         self._validate_kv_events()
         self._validate_tensor_parallel()
-        from kvserve.kv.hashing import digest_fn
-        digest_fn(self.prefix_caching_hash_algo)  # names the choices, or says to pip install xxhash
+
+    def kv_cache_memory_bytes(self) -> int | None:
+        """kv_cache_memory in bytes (None when not given)."""
+        return None if self.kv_cache_memory is None else parse_bytes(self.kv_cache_memory)
+
+    def _validate_head_precision(self) -> None:
+        h = self.kv_cache_head_precision
+        if h is not None and not 0 < h <= 1:
+            raise ValueError(f"kv_cache_head_precision is the share of KV heads kept in "
+                             f"kv_cache_head_precision_dtype: give a number in (0, 1], got {h}")
 
     def _validate_kv_events(self) -> None:
-        from kvserve.kv.events import check_endpoint
-        check_endpoint("kv_events", self.kv_events)
-        check_endpoint("kv_events_replay", self.kv_events_replay)
         if self.kv_events_replay is not None and self.kv_events is None:
             raise ValueError("kv_events_replay replays the batches kv_events publishes: give kv_events too")
         if self.kv_events is not None and (self.kv_cache_mode == "none" or not self.enable_prefix_caching):
@@ -218,11 +223,7 @@ class EngineConfig:
         # the options tensor parallel runs are checked where it is built (distributed/tensor_parallel.py)
 
     def _validate_kv_policy(self) -> None:
-        if self.kv_policy is None:
-            return
-        from kvserve.kv.policies import parse_policy
-        parse_policy(self.kv_policy)
-        if self.kv_cache_mode != "paged":
+        if self.kv_policy is not None and self.kv_cache_mode != "paged":
             raise ValueError(f"kv_policy needs kv_cache_mode='paged' (per-layer block tables), got {self.kv_cache_mode!r}")
 
     def _validate_offload(self) -> None:
@@ -232,54 +233,16 @@ class EngineConfig:
             raise ValueError(f"swap_space must be >= 0 GiB, got {self.swap_space}")
         if self.preemption_mode == "swap" and not self.swap_space:
             raise ValueError("preemption_mode='swap' needs swap_space > 0 (GiB of host memory)")
-        specs = self.tier_specs()
-        kinds = [s.kind for s in specs]
-        if len(set(kinds)) != len(kinds):
-            raise ValueError(f"kv_tiers may name each kind (cpu, disk, redis) once, got {self.kv_tiers}")
-        if specs and (self.kv_cache_mode != "paged" or not self.enable_prefix_caching):
+        if self.tier_names() and (self.kv_cache_mode != "paged" or not self.enable_prefix_caching):
             raise ValueError("kv_tiers extend the prefix cache: they need kv_cache_mode='paged' and prefix caching on")
+
+    def tier_names(self) -> list[str]:
+        """kv_tiers as a list (one tier may be given as a string)."""
+        return [self.kv_tiers] if isinstance(self.kv_tiers, str) else list(self.kv_tiers or [])
 
     def tier_specs(self) -> list:
         """kv_tiers parsed into kvserve.kv.tiers.TierSpec (ValueError naming a bad entry)."""
-        if isinstance(self.kv_tiers, str):
-            self.kv_tiers = [self.kv_tiers]
-        return [parse_tier_spec(t) for t in self.kv_tiers or []]
-
-    def _validate_kv_format(self) -> None:
-        from kvserve.kv.formats import KIVI_BITS, KIVI_GROUP, canonical_kv_dtype, is_quantized
-        self.kv_cache_dtype = canonical_kv_dtype(self.kv_cache_dtype)
-        names = [self.kv_cache_dtype]
-        for field_name in ("kv_cache_dtype_k", "kv_cache_dtype_v"):
-            value = getattr(self, field_name)
-            if value is not None:
-                setattr(self, field_name, canonical_kv_dtype(value))
-                names.append(getattr(self, field_name))
-        self.kv_cache_head_precision_dtype = canonical_kv_dtype(self.kv_cache_head_precision_dtype)
-        if isinstance(self.kv_cache_dtype_skip_layers, str):
-            self.kv_cache_dtype_skip_layers = [int(x) for x in self.kv_cache_dtype_skip_layers.split(",") if x.strip()]
-        self.kv_cache_dtype_skip_layers = tuple(int(x) for x in self.kv_cache_dtype_skip_layers)
-        h = self.kv_cache_head_precision
-        if h is not None and not 0 < h <= 1:
-            raise ValueError(f"kv_cache_head_precision is the share of KV heads kept in "
-                             f"kv_cache_head_precision_dtype: give a number in (0, 1], got {h}")
-        if h is not None and not any(is_quantized(n) for n in names):
-            raise ValueError("kv_cache_head_precision needs a quantized kv_cache_dtype (fp8, int8, kivi4, kivi2)")
-        if self.kv_cache_rotation and not any(is_quantized(n) for n in names):
-            raise ValueError("kv_cache_rotation only helps a quantized kv_cache_dtype (fp8, int8, kivi4, kivi2)")
-        kivi = [n for n in names if n in KIVI_BITS]
-        if self.block_size is None:
-            self.block_size = KIVI_GROUP if kivi else DEFAULT_BLOCK_SIZE
-            if kivi:
-                logging.getLogger("kvserve").info(
-                    "block_size %d chosen for %s (keys are quantized over groups of %d tokens inside a block)",
-                    KIVI_GROUP, kivi[0], KIVI_GROUP)
-        if kivi and self.kv_cache_mode == "contiguous":
-            raise ValueError(f"{kivi[0]} keeps each still-filling block in full precision: with "
-                             "kv_cache_mode='contiguous' that is the whole sequence; use kv_cache_mode='paged'")
-        if kivi and self.kv_cache_mode == "paged" and self.block_size % KIVI_GROUP:
-            raise ValueError(f"{kivi[0]} quantizes keys per channel over groups of {KIVI_GROUP} tokens inside a "
-                             f"block: block_size must be a multiple of {KIVI_GROUP} (got {self.block_size}); "
-                             f"pass block_size={KIVI_GROUP}")
+        return [parse_tier_spec(t) for t in self.tier_names()]
 
     def torch_device(self) -> torch.device:
         """The device to run on."""
@@ -293,14 +256,14 @@ class EngineConfig:
             return torch.bfloat16 if self.torch_device().type == "cuda" else torch.float32
         return DTYPES[self.dtype]
 
-    def compiles(self, weight_format: str) -> tuple[bool, str]:
-        """(whether the model's regions run compiled, why) for linear weights in `weight_format`."""
-        from kvserve.model.regions import EAGER_ENV, eager_by_env
+    def compiles(self, weight_format: str, eager_by_env: bool = False) -> tuple[bool, str]:
+        """(whether the model's regions run compiled, why) for linear weights in `weight_format`;
+        `eager_by_env`: the process asked for eager engines (EAGER_ENV, read where the engine is built)."""
         if self.enforce_eager:
             return False, "enforce_eager=True"
         if self.tensor_parallel_size > 1:
             return False, "tensor parallel runs eagerly"
-        if eager_by_env():
+        if eager_by_env:
             return False, f"{EAGER_ENV}=1"
         if weight_format == "float32" and self.torch_dtype() == torch.float32:
             return False, "float32 weights and activations (the oracle) run eagerly"

@@ -20,6 +20,7 @@ from test_tiers import run_request, tiered_cache
 
 from kvserve import LLM, SamplingParams
 from kvserve.config import EngineConfig
+from kvserve.engine.options import engine_options
 from kvserve.kv.hashing import hash_full_blocks, namespace_hash
 from kvserve.kv.manager import KVCacheManager
 from kvserve.kv.tiers import CpuTier, tier_namespace
@@ -118,10 +119,10 @@ def test_hash_algorithms_give_different_hashes():
 
 def test_hash_algorithm_is_checked(monkeypatch):
     with pytest.raises(ValueError, match="must be one of.*sha256.*xxhash"):
-        EngineConfig(prefix_caching_hash_algo="md5", dtype="float32").validate()
+        engine_options(EngineConfig(prefix_caching_hash_algo="md5", dtype="float32"))
     monkeypatch.setitem(sys.modules, "xxhash", None)     # as if it were not installed
     with pytest.raises(ValueError, match="pip install xxhash"):
-        EngineConfig(prefix_caching_hash_algo="xxhash", dtype="float32").validate()
+        engine_options(EngineConfig(prefix_caching_hash_algo="xxhash", dtype="float32"))
     with pytest.raises(ValueError, match="pip install xxhash"):
         KVCacheManager(8, 4, NS, hash_algo="xxhash")
 

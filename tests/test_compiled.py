@@ -5,8 +5,9 @@ import pytest
 import torch
 
 from kvserve import LLM, SamplingParams
-from kvserve.config import EngineConfig
-from kvserve.model.regions import EAGER, EAGER_ENV, WARMUP_TOKENS
+from kvserve.config import EAGER_ENV, EngineConfig
+from kvserve.engine.builder import read_environment
+from kvserve.model.regions import EAGER, WARMUP_TOKENS
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):",
            "A KV cache stores the keys and values of every past token so that"]
@@ -66,8 +67,9 @@ def test_what_runs_eagerly(monkeypatch):
     assert EngineConfig(dtype="bfloat16").compiles("bfloat16")[0]
     assert EngineConfig(enforce_eager=True).compiles("int4") == (False, "enforce_eager=True")
     assert not EngineConfig(dtype="float32").compiles("float32")[0]   # the oracle
-    monkeypatch.setenv(EAGER_ENV, "1")
-    assert not EngineConfig().compiles("int4")[0]
+    monkeypatch.setenv(EAGER_ENV, "1")   # read once where the engine is built, passed in as a value
+    env = read_environment()
+    assert env.enforce_eager and EngineConfig().compiles("int4", env.enforce_eager) == (False, f"{EAGER_ENV}=1")
 
 
 def test_enforce_eager_is_a_flag():

@@ -8,6 +8,7 @@ from helpers import all_blocks_free, assert_same_completions
 from kvserve import LLM, SamplingParams
 from kvserve.config import EngineConfig, parse_bytes
 from kvserve.engine.engine import LLMEngine
+from kvserve.engine.options import engine_options
 
 BUDGETS = ["64MiB", "256MiB", "1GiB", "4GiB"]
 # tokens per budget over bfloat16's, for the bundled model (3 KV heads x 64 per layer):
@@ -115,13 +116,11 @@ def test_running_out_of_residual_rows_waits_and_preempts_without_harm(one_at_a_t
 
 def test_block_size_defaults_to_16_and_to_32_for_kivi(caplog):
     plain = EngineConfig(dtype="float32")
-    plain.validate()
-    assert plain.block_size == 16
+    assert engine_options(plain).block_size == 16 and plain.block_size is None   # a copy, normalised
     given = EngineConfig(kv_cache_dtype="kivi2", block_size=64, dtype="float32")
-    given.validate()
-    assert given.block_size == 64
+    assert engine_options(given).block_size == 64
     with pytest.raises(ValueError, match="block_size must be a multiple of 32"):
-        EngineConfig(kv_cache_dtype="kivi4", block_size=16, dtype="float32").validate()
+        engine_options(EngineConfig(kv_cache_dtype="kivi4", block_size=16, dtype="float32"))
     with caplog.at_level(logging.INFO, logger="kvserve"):  # what LLM(kv_cache_dtype="kivi4") builds
         engine = LLMEngine(EngineConfig(kv_cache_dtype="kivi4", kv_cache_memory="16MiB", max_model_len=64, dtype="float32"))
     assert engine.config.block_size == 32 and engine.pool_plan.block_size == 32

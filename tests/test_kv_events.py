@@ -9,6 +9,7 @@ import pytest
 
 from kvserve import LLM, SamplingParams
 from kvserve.config import EngineConfig
+from kvserve.engine.options import engine_options
 from kvserve.kv.events import END_SEQ, KVEventPublisher, decode_batch
 from kvserve.kv.hashing import hash_full_blocks
 
@@ -161,9 +162,9 @@ def test_replay_returns_the_batches_a_late_subscriber_missed(setup):
 
 def test_bad_endpoints_fail_at_start_up_with_a_clear_error():
     with pytest.raises(ValueError, match="kv_events must be a ZeroMQ endpoint"):
-        EngineConfig(kv_events="127.0.0.1:5557").validate()
+        engine_options(EngineConfig(kv_events="127.0.0.1:5557"))
     with pytest.raises(ValueError, match="kv_events_replay must be a ZeroMQ endpoint"):
-        EngineConfig(kv_events="tcp://127.0.0.1:5557", kv_events_replay="http://x").validate()
+        engine_options(EngineConfig(kv_events="tcp://127.0.0.1:5557", kv_events_replay="http://x"))
     with pytest.raises(ValueError, match="give kv_events too"):
         EngineConfig(kv_events_replay="tcp://127.0.0.1:5558").validate()
     with pytest.raises(ValueError, match="prefix caching"):

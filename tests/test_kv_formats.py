@@ -354,8 +354,8 @@ def test_cli_options_reach_the_engine(capsys):
                       kv_cache_dtype_skip_layers="0,29", kv_cache_rotation=True, kv_cache_head_precision=0.25,
                       kv_cache_head_precision_dtype="int8")
     from kvserve.config import EngineConfig
-    cfg = EngineConfig(**engine_kwargs(args))
-    cfg.validate()
+    from kvserve.engine.options import engine_options
+    cfg = engine_options(EngineConfig(**engine_kwargs(args)))
     assert cfg.kv_cache_dtype_skip_layers == (0, 29)
     eval_args = build_parser().parse_args(["eval", "kv-quant", "--formats", "int8,kivi2+skip=0,1,K=int8/V=kivi2"])
     from kvserve.tools.evaluate import parse_format_spec, settings_from_args

@@ -12,7 +12,7 @@ from torch._dynamo.utils import counters
 from kvserve import LLM, SamplingParams
 from kvserve.attention import cpu as cpu_kernel
 from kvserve.attention.paged import one_token_blocks, paged_decode_one
-from kvserve.model.regions import EAGER_ENV
+from kvserve.config import EAGER_ENV
 
 BS, HKV, HQ, D = 16, 2, 6, 32
 # context lengths whose visible blocks cross every size bound: one block, two, Inductor's 4096, past it

@@ -253,6 +253,31 @@ def test_bundled_gguf_shape():
     assert p.weight_bytes_total == shape.weight_bytes > 0 and p.weight_dtype == "as stored (GGUF)"
 
 
+@pytest.mark.parametrize("model", [None, "gemma3-270m"], ids=["smollm2", "gemma3-270m"])
+def test_planner_reads_a_gguf_as_the_engine_does(model):
+    import gguf
+
+    from kvserve.model.config import ModelConfig
+    from kvserve.model.loader import resolve_model_path
+
+    path = resolve_model_path(model)
+    reader = gguf.GGUFReader(path)  # one reader for both: Gemma's vocabulary is slow to parse
+    config = ModelConfig.from_gguf_metadata(reader, "model")
+    shape = presets.shape_from_gguf_reader(reader, path)
+    assert shape.num_layers == config.num_layers
+    assert shape.num_heads == config.num_heads
+    assert shape.num_kv_heads == config.num_kv_heads
+    assert shape.head_dim == config.head_dim
+    assert shape.sliding_window == (config.sliding_window or 0)
+    assert shape.num_local_layers == config.layer_kinds().count("sliding")
+    assert shape.max_context == config.max_position_embeddings
+    assert shape.vocab_size == config.vocab_size and shape.hidden_size == config.hidden_size
+    assert shape.intermediate_size == config.intermediate_size
+    if model is not None:  # 15 sliding layers of window 512, every 6th full
+        assert (shape.sliding_window, shape.num_local_layers) == (512, 15)
+        assert config.layer_kinds()[5::6] == ["full"] * 3
+
+
 def test_planner_equals_engine_pool_for_bundled_model(bundled_model_path):
     from kvserve import LLM
 

@@ -292,8 +292,8 @@ def test_cpu_engines_ask_malloc_to_keep_freed_memory(monkeypatch):
     environment switch turns it off."""
     import platform
 
-    from kvserve.engine.builder import keep_freed_memory
+    from kvserve.engine.builder import keep_freed_memory, read_environment
     if platform.libc_ver()[0] == "glibc":
-        assert keep_freed_memory() is True
+        assert keep_freed_memory(read_environment().malloc_tuning) is True
     monkeypatch.setenv("KVSERVE_MALLOC_TUNING", "0")
-    assert keep_freed_memory() is False
+    assert keep_freed_memory(read_environment().malloc_tuning) is False

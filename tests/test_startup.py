@@ -16,10 +16,10 @@ import torch
 from family_checkpoints import make_tiny_checkpoint
 
 from kvserve import LLM, SamplingParams
-from kvserve.config import EngineConfig
+from kvserve.config import EAGER_ENV, EngineConfig
 from kvserve.engine import compile as startup
 from kvserve.engine.compile import artifact_key
-from kvserve.model.regions import EAGER, EAGER_ENV
+from kvserve.model.regions import EAGER
 
 # float32 activations over int8 weights: compiled, with sums close enough to eager's that greedy
 # tokens agree (16-bit activations on random weights flip near-ties)

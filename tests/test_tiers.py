@@ -548,6 +548,7 @@ def test_server_shutdown_flushes_the_tiers(llm, monkeypatch):
 def test_tier_specs_from_config_and_cli(tmp_path):
     from kvserve.cli import build_parser
     from kvserve.config import EngineConfig, parse_tier_spec
+    from kvserve.engine.options import engine_options
     assert parse_tier_spec("cpu:4GiB") == TierSpec("cpu", 4 << 30)
     assert parse_tier_spec("disk:/a:b/c:20GiB") == TierSpec("disk", 20 << 30, "/a:b/c")
     assert parse_tier_spec("redis://127.0.0.1:6379/0") == TierSpec("redis", None, "redis://127.0.0.1:6379/0")
@@ -565,7 +566,7 @@ def test_tier_specs_from_config_and_cli(tmp_path):
                 for t in ("cpu:1MiB", f"disk:{tmp_path}:1MiB", "cpu:1MiB:write_through", f"disk:{tmp_path}:1MiB:write_back")]
     assert policies == ["write_back", "write_through", "write_through", "write_back"]
     with pytest.raises(ValueError, match="once"):
-        EngineConfig(kv_tiers=["cpu:1GiB", "cpu:2GiB"], dtype="float32").validate()
+        engine_options(EngineConfig(kv_tiers=["cpu:1GiB", "cpu:2GiB"], dtype="float32"))
     with pytest.raises(ValueError, match="prefix caching"):
         EngineConfig(kv_tiers=["cpu:1GiB"], enable_prefix_caching=False, dtype="float32").validate()
     args = build_parser().parse_args(["generate", "hi", "--kv-tier", "cpu:1GiB", "--kv-tier",

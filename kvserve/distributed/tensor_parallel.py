@@ -23,7 +23,6 @@ import time
 import traceback
 import weakref
 from dataclasses import dataclass
-from types import SimpleNamespace
 
 import torch
 
@@ -40,6 +39,7 @@ from kvserve.engine.builder import CachePlanner, LoadedModel, load_tokenizer
 from kvserve.engine.eviction import extend_positions
 from kvserve.engine.memory import check_fits
 from kvserve.engine.model_runner import ModelInput, ModelRunner
+from kvserve.engine.options import engine_options
 from kvserve.model.layers import fuse_projections
 from kvserve.model.loader import load_weights, resolve_model_path
 from kvserve.model.registry import build_model
@@ -113,10 +113,10 @@ def load_shard(config, group: Group, device: torch.device, dtype: torch.dtype, w
 class ShardPlanner(CachePlanner):
     """CachePlanner of one rank: its pool from its own budget, then the smallest block count of all ranks."""
 
-    def __init__(self, engine, loaded: LoadedModel, group: Group, fail=None):
+    def __init__(self, config, loaded: LoadedModel, device: torch.device, group: Group, fail=None):
         self.group = group
         self.fail = fail  # rank 0: TensorParallel.fail, which names a rank that died
-        super().__init__(engine, loaded)
+        super().__init__(config, loaded, device)
 
     def plan_pool(self):
         plan = super().plan_pool()
@@ -186,7 +186,7 @@ class Follower:
         dtype = config.torch_dtype()
         self.loaded = load_shard(config, group, self.device, dtype)
         self.model = self.loaded.model
-        planner = ShardPlanner(SimpleNamespace(config=config, device=self.device), self.loaded, group)
+        planner = ShardPlanner(config, self.loaded, self.device, group)
         self.kv, self.storage = planner.build()
         self.attn = None
         if self.kv is not None:
@@ -218,7 +218,7 @@ class Follower:
 
 def start_ranks(config) -> TensorParallel:
     """Rank 0's handle on ranks 1..size-1 for `config`, its options checked first."""
-    config.validate()
+    config = engine_options(config)
     return TensorParallel(config, config.torch_device(), config.torch_dtype())
 
 
@@ -272,9 +272,9 @@ class TensorParallel:
             raise done["error"]
         return done["group"]
 
-    def planner(self, engine, loaded: LoadedModel) -> ShardPlanner:
+    def planner(self, config, loaded: LoadedModel, device: torch.device) -> ShardPlanner:
         """Rank 0's cache planner."""
-        return ShardPlanner(engine, loaded, self.group, self.fail)
+        return ShardPlanner(config, loaded, device, self.group, self.fail)
 
     def runner(self, *args, **kwargs) -> LeaderRunner:
         """Rank 0's model runner (ModelRunner's arguments)."""

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvserve.config import DTYPES, EngineConfig
+from kvserve.config import DTYPES, EAGER_ENV, EngineConfig
 from kvserve.engine.eviction import Evictor, extend_positions
 from kvserve.engine.memory import (
     PoolPlan,
@@ -82,11 +82,28 @@ class LoadedModel:
         return ids
 
 
-def load_model(config: EngineConfig, device: torch.device, dtype: torch.dtype) -> LoadedModel:
+@dataclass(frozen=True)
+class Environment:
+    """What the process environment asks of its engines, read once where an engine is built."""
+
+    enforce_eager: bool = False   # KVSERVE_ENFORCE_EAGER=1: every engine runs eagerly
+    malloc_tuning: bool = True    # KVSERVE_MALLOC_TUNING=0: leave glibc's malloc as it is
+
+
+def read_environment() -> Environment:
+    """The engine's environment variables, as values."""
+    env = os.environ
+    return Environment(enforce_eager=env.get(EAGER_ENV, "") not in ("", "0"),
+                       malloc_tuning=env.get("KVSERVE_MALLOC_TUNING", "1") != "0")
+
+
+def load_model(config: EngineConfig, device: torch.device, dtype: torch.dtype,
+               env: Environment | None = None) -> LoadedModel:
     """Load weights and tokenizer, build the model, quantize its linear layers if asked."""
     t0 = time.perf_counter()
+    env = env or read_environment()
     if device.type == "cpu":
-        keep_freed_memory()
+        keep_freed_memory(env.malloc_tuning)
     path = resolve_model_path(config.model)
     weight_format, why = config.weight_format(is_gguf(path))
     digest = ""
@@ -115,17 +132,17 @@ def load_model(config: EngineConfig, device: torch.device, dtype: torch.dtype) -
              str(dtype).removeprefix("torch."), why, weight_bytes(model) / 2**20)
     max_model_len = _max_model_len(config, model_config)
     extend_positions(model, max_model_len)
-    compiled = _compile(config, model, device, weight_format)
+    compiled = _compile(config, weight_format, env.enforce_eager)
     return LoadedModel(path, model_config, tokenizer, model, weight_format, dtype, max_model_len, seconds,
                        compiled, digest)
 
 
-def keep_freed_memory() -> bool:
+def keep_freed_memory(enabled: bool = True) -> bool:
     """Ask glibc's malloc to keep freed memory for reuse instead of handing it back to the OS: a step
     allocates and frees the same few-MiB activations every time, and fresh pages cost a fault per
-    4 KiB (as jemalloc or tcmalloc would, without preloading them). KVSERVE_MALLOC_TUNING=0 skips it.
-    True when glibc took both settings."""
-    if os.environ.get("KVSERVE_MALLOC_TUNING", "1") == "0":
+    4 KiB (as jemalloc or tcmalloc would, without preloading them). `enabled` False (the environment's
+    KVSERVE_MALLOC_TUNING=0) skips it. True when glibc took both settings."""
+    if not enabled:
         return False
     try:
         libc = ctypes.CDLL("libc.so.6")
@@ -166,10 +183,10 @@ def _bf16_copies(config: EngineConfig, model: torch.nn.Module, device: torch.dev
     return True
 
 
-def _compile(config: EngineConfig, model: torch.nn.Module, device: torch.device, weight_format: str) -> bool:
+def _compile(config: EngineConfig, weight_format: str, eager_by_env: bool) -> bool:
     """Whether the model's dense regions are to be compiled (model/regions.py); the engine compiles them
     once its KV pool exists (engine/compile.py), the model runs eagerly until then."""
-    wanted, why = config.compiles(weight_format)
+    wanted, why = config.compiles(weight_format, eager_by_env)
     log.info("model regions: %s", why)
     return wanted
 
@@ -285,17 +302,17 @@ def load_tokenizer(path: str) -> Tokenizer | None:
 class CachePlanner:
     """Sizes one engine's KV cache: layer groups, storage format, pool plan, and what one sequence needs.
 
-    `engine` is the engine being built; it already holds its model, tokenizer, device and dtype
-    (per-head precision calibration runs the model)."""
+    Built from the engine's options (engine/options.py's checked copy), the loaded model (its model,
+    tokenizer and dtype: per-head precision calibration runs the model) and the device."""
 
-    def __init__(self, engine, loaded: LoadedModel):
-        cfg = self.config = engine.config
+    def __init__(self, config: EngineConfig, loaded: LoadedModel, device: torch.device):
+        cfg = self.config = config
         self.loaded = loaded
-        self.device = engine.device
+        self.device = device
         self.max_model_len = loaded.max_model_len
         self.policy = parse_policy(cfg.kv_policy) if cfg.kv_policy else None   # engine-wide default
         self.groups = group_layers(loaded.model.kv_specs(), size=1 if self.policy is not None else None)
-        self.format = self._kv_format(engine)   # kv/formats.py: how K/V are stored, what a token costs
+        self.format = self._kv_format()   # kv/formats.py: how K/V are stored, what a token costs
         self.residual_rows = 0
         self.plan: PoolPlan | None = None
         self.tiers = None   # the TierBridge build() puts below the manager, when kv_tiers asks for one
@@ -305,13 +322,13 @@ class CachePlanner:
         """Contiguous layout: one max_model_len "block" per sequence, reserved up front."""
         return self.max_model_len if self.config.kv_cache_mode == "contiguous" else self.config.block_size
 
-    def _kv_format(self, engine) -> KVCacheFormat:
+    def _kv_format(self) -> KVCacheFormat:
         """The KV storage format from the config (calibrating per-head precision if asked)."""
         cfg = self.config
         high = None
         if cfg.kv_cache_head_precision and cfg.kv_cache_mode != "none":
             from kvserve.engine.kv_calibration import choose_high_precision_heads
-            high = choose_high_precision_heads(engine, self.groups, cfg)
+            high = choose_high_precision_heads(self.loaded, self.device, self.groups, cfg)
         kv_dtype, why = cfg.kv_dtype(self.loaded.dtype, self.device)
         fmt = build_kv_format(self.groups, self.loaded.dtype, self.block_size, kv_dtype,
                               cfg.kv_cache_dtype_k, cfg.kv_cache_dtype_v, cfg.kv_cache_dtype_skip_layers,

@@ -20,6 +20,7 @@ from kvserve.engine.eviction import request_policy
 from kvserve.engine.metrics import EngineStats, percentile
 from kvserve.engine.model_runner import ModelRunner
 from kvserve.engine.offload import build_swap, offload_metrics
+from kvserve.engine.options import engine_options
 from kvserve.engine.output_processor import OutputProcessor
 from kvserve.engine.request import Request, RequestStatus
 from kvserve.engine.sampler import Sampler, SamplingError, SamplingInput
@@ -53,7 +54,7 @@ class LLMEngine:
     def __init__(self, config: EngineConfig, tp=None):
         """`tp`: under tensor_parallel_size > 1, rank 0's handle on the other ranks, started by
         kvserve.distributed.tensor_parallel.start_ranks (LLM(...) does it)."""
-        config.validate()
+        config = engine_options(config)   # checked before anything loads, normalised once
         if (config.tensor_parallel_size > 1) != (tp is not None):
             raise ValueError(f"tensor_parallel_size={config.tensor_parallel_size} needs the ranks started "
                              "with it: build the engine through LLM(...), which starts them "
@@ -90,7 +91,8 @@ class LLMEngine:
     def _build_cache(self, loaded) -> None:
         """KV manager, storage, eviction, swap, tiers and the scheduler and runner over them."""
         cfg = self.config
-        self.planner = planner = CachePlanner(self, loaded) if self.tp is None else self.tp.planner(self, loaded)
+        self.planner = planner = (CachePlanner(cfg, loaded, self.device) if self.tp is None
+                                  else self.tp.planner(cfg, loaded, self.device))
         self.kv_policy, self.kv_groups, self.kv_format = planner.policy, planner.groups, planner.format
         self.kv_bytes_per_token = self.kv_format.bytes_per_token
         self.page_bytes_per_token = self.kv_format.page_bytes_per_token

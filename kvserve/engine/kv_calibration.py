@@ -83,17 +83,19 @@ def head_errors(q, k, v, scale, window, k_name: str, v_name: str, block_size: in
     return errors
 
 
-def head_sensitivity(engine, k_name: str, v_name: str, rotation: bool, block_size: int) -> list[list[float]]:
-    """Per layer, per KV head: the error the format causes (loaded from, or saved to, the cache file)."""
+def head_sensitivity(loaded, device, k_name: str, v_name: str, rotation: bool,
+                     block_size: int) -> list[list[float]]:
+    """Per layer, per KV head: the error the format causes (loaded from, or saved to, the cache file);
+    `loaded`: the engine's LoadedModel (model, tokenizer, dtype, path) on `device`."""
     from kvserve.model.loader import cache_dir_for
-    key = f"K={k_name} V={v_name} rotation={rotation} block={block_size} dtype={engine.dtype}"
-    path = Path(cache_dir_for(engine.model_path)) / CALIBRATION_FILE
+    key = f"K={k_name} V={v_name} rotation={rotation} block={block_size} dtype={loaded.dtype}"
+    path = Path(cache_dir_for(loaded.path)) / CALIBRATION_FILE
     saved = _load(path)
     if key in saved:
         return saved[key]["scores"]
     n = CALIBRATION_TOKENS - CALIBRATION_TOKENS % block_size
-    ids = calibration_ids(engine.tokenizer, engine.model_config.vocab_size, n)
-    seen = capture_qkv(engine.model, ids, engine.device)
+    ids = calibration_ids(loaded.tokenizer, loaded.config.vocab_size, n)
+    seen = capture_qkv(loaded.model, ids, device)
     if not seen:
         raise ValueError("kv_cache_head_precision needs a model with per-head attention (not MLA)")
     scores = [head_errors(*seen[layer], k_name, v_name, block_size, rotation) for layer in sorted(seen)]
@@ -114,14 +116,14 @@ def _load(path: Path) -> dict:
         return {}
 
 
-def choose_high_precision_heads(engine, groups: list[KVGroup], cfg) -> dict[int, list[int]]:
+def choose_high_precision_heads(loaded, device, groups: list[KVGroup], cfg) -> dict[int, list[int]]:
     """{pool slot: KV heads kept in kv_cache_head_precision_dtype}: the most sensitive share."""
     if groups[0].spec.latent:
         raise ValueError("kv_cache_head_precision needs a model with per-head attention (not MLA)")
     base = canonical_kv_dtype(cfg.kv_cache_dtype)
     k_name = canonical_kv_dtype(cfg.kv_cache_dtype_k or base)
     v_name = canonical_kv_dtype(cfg.kv_cache_dtype_v or base)
-    scores = head_sensitivity(engine, k_name, v_name, cfg.kv_cache_rotation, cfg.block_size)
+    scores = head_sensitivity(loaded, device, k_name, v_name, cfg.kv_cache_rotation, cfg.block_size)
     slot_scores: dict[tuple[int, int], float] = {}
     for g in groups:  # layers sharing a slot share its format: a slot head is as sensitive as its worst layer
         for j, layer in enumerate(g.layers):

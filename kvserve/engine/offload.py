@@ -42,6 +42,13 @@ def kv_format_name(config, storage) -> str:
     return f"{fmt.description}|{slots}"
 
 
+def check_tiers(specs: list, given) -> None:
+    """ValueError unless each tier kind is named once (`given`: the kv_tiers option, for the message)."""
+    kinds = [s.kind for s in specs]
+    if len(set(kinds)) != len(kinds):
+        raise ValueError(f"kv_tiers may name each kind (cpu, disk, redis) once, got {given}")
+
+
 def build_tiers(planner, storage, pool, events=None) -> TierBridge | None:
     """The prefix-store tiers of `kv_tiers` over `storage` and the device `pool` (None without any);
     `events`: the KV events queue the tiers report into."""

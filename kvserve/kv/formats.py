@@ -57,6 +57,7 @@ precision format, the rest in the aggressive one).
 
 from __future__ import annotations
 
+import logging
 import math
 import mmap
 from dataclasses import dataclass, field
@@ -83,6 +84,7 @@ SCALE_FLOOR = torch.finfo(torch.float16).tiny
 def _vector_scale(xf: torch.Tensor, qmax: float) -> torch.Tensor:
     """absmax / qmax per vector, rounded to the stored float16 (quantize with the scale decode sees)."""
     return (xf.abs().amax(-1, keepdim=True) / qmax).clamp(SCALE_FLOOR, torch.finfo(torch.float16).max).to(SCALE_DTYPE)
+DEFAULT_BLOCK_SIZE = 16  # tokens per KV block unless given (KIVI formats: KIVI_GROUP)
 RESIDUAL_SHARE = 0.05    # most of a KIVI pool's budget its full-precision residual rows may take
 
 
@@ -421,6 +423,60 @@ class KVCacheFormat:
             if s.rotation is not None:
                 s.rotation = s.rotation.to(device)
         return self
+
+
+@dataclass(frozen=True)
+class FormatOptions:
+    """The KV format options of an engine, checked and normalised (canonical names, the block size)."""
+
+    kv_cache_dtype: str
+    kv_cache_dtype_k: str | None
+    kv_cache_dtype_v: str | None
+    kv_cache_dtype_skip_layers: tuple[int, ...]
+    kv_cache_head_precision_dtype: str
+    block_size: int
+
+
+def format_options(kv_cache_dtype: str, kv_cache_dtype_k: str | None, kv_cache_dtype_v: str | None,
+                   skip_layers, rotation: bool, head_precision: float | None, head_precision_dtype: str,
+                   block_size: int | None, kv_cache_mode: str) -> FormatOptions:
+    """Check the format options against each other and the cache mode (ValueError naming the bad one);
+    `block_size` None picks the default (KIVI_GROUP for a KIVI format, else DEFAULT_BLOCK_SIZE)."""
+    base = canonical_kv_dtype(kv_cache_dtype)
+    k_name = canonical_kv_dtype(kv_cache_dtype_k) if kv_cache_dtype_k is not None else None
+    v_name = canonical_kv_dtype(kv_cache_dtype_v) if kv_cache_dtype_v is not None else None
+    names = [n for n in (base, k_name, v_name) if n is not None]
+    high = canonical_kv_dtype(head_precision_dtype)
+    if isinstance(skip_layers, str):
+        skip_layers = [int(x) for x in skip_layers.split(",") if x.strip()]
+    skip = tuple(int(x) for x in skip_layers)
+    quantized = any(is_quantized(n) for n in names)
+    if head_precision is not None and not quantized:
+        raise ValueError("kv_cache_head_precision needs a quantized kv_cache_dtype (fp8, int8, kivi4, kivi2)")
+    if rotation and not quantized:
+        raise ValueError("kv_cache_rotation only helps a quantized kv_cache_dtype (fp8, int8, kivi4, kivi2)")
+    kivi = [n for n in names if n in KIVI_BITS]
+    block_size = _block_size(block_size, kivi)
+    if kivi and kv_cache_mode == "contiguous":
+        raise ValueError(f"{kivi[0]} keeps each still-filling block in full precision: with "
+                         "kv_cache_mode='contiguous' that is the whole sequence; use kv_cache_mode='paged'")
+    if kivi and kv_cache_mode == "paged" and block_size % KIVI_GROUP:
+        raise ValueError(f"{kivi[0]} quantizes keys per channel over groups of {KIVI_GROUP} tokens inside a "
+                         f"block: block_size must be a multiple of {KIVI_GROUP} (got {block_size}); "
+                         f"pass block_size={KIVI_GROUP}")
+    return FormatOptions(base, k_name, v_name, skip, high, block_size)
+
+
+def _block_size(block_size: int | None, kivi: list[str]) -> int:
+    """The block size given, or the default for the formats (logged when KIVI picks it)."""
+    if block_size is not None:
+        return block_size
+    if not kivi:
+        return DEFAULT_BLOCK_SIZE
+    logging.getLogger("kvserve").info(
+        "block_size %d chosen for %s (keys are quantized over groups of %d tokens inside a block)",
+        KIVI_GROUP, kivi[0], KIVI_GROUP)
+    return KIVI_GROUP
 
 
 def build_kv_format(groups: list[KVGroup], dtype: torch.dtype, block_size: int, kv_cache_dtype: str = "auto",

@@ -271,23 +271,15 @@ class ModelConfig:
     def from_gguf_metadata(cls, reader, name: str) -> ModelConfig:
         """Build a ModelConfig from a `gguf.GGUFReader`'s metadata and tensor list."""
         meta = GGUFMetadata(reader)
-        arch = meta.get("general.architecture")
-        num_heads = int(meta.arch("attention.head_count"))
-        hidden = int(meta.arch("embedding_length"))
         tensor_names = {t.name for t in reader.tensors}
         config = cls(
-            architecture=arch,
-            vocab_size=_gguf_vocab_size(reader, meta),
-            hidden_size=hidden,
-            intermediate_size=int(meta.arch("feed_forward_length")),
-            num_layers=int(meta.arch("block_count")),
-            num_heads=num_heads,
-            num_kv_heads=int(meta.arch("attention.head_count_kv", num_heads)),
-            head_dim=int(meta.arch("attention.key_length", hidden // num_heads)),
+            architecture=meta.get("general.architecture"),
+            **gguf_attention_fields(reader, meta),
+            intermediate_size=meta.count("feed_forward_length"),
             rms_norm_eps=float(meta.arch("attention.layer_norm_rms_epsilon")),
             rope_theta=float(meta.arch("rope.freq_base", DEFAULT_ROPE_THETA)),
             rope_scaling=_gguf_rope_scaling(meta),
-            max_position_embeddings=int(meta.arch("context_length")),
+            max_position_embeddings=meta.count("context_length"),
             tie_word_embeddings="output.weight" not in tensor_names,
             bos_token_id=meta.get("tokenizer.ggml.bos_token_id", None),
             eos_token_ids=_gguf_eos_ids(meta),
@@ -297,8 +289,9 @@ class ModelConfig:
             attention_out_bias="blk.0.attn_output.bias" in tensor_names,
             qk_norm="blk.0.attn_q_norm.weight" in tensor_names,
         )
-        if arch == "gemma3":
-            config = dataclasses.replace(config, **_gemma3_gguf_fields(config, meta))
+        family_fields = _GGUF_FAMILY_FIELDS.get(config.architecture)
+        if family_fields is not None:
+            config = dataclasses.replace(config, **family_fields(config, meta))
         return config
 
 
@@ -436,7 +429,7 @@ def _optional_float(value) -> float | None:
 
 
 class GGUFMetadata:
-    """Typed access to a GGUF file's key/value metadata."""
+    """Typed access to a GGUF file's key/value metadata (read lazily, key by key)."""
 
     _MISSING = object()
 
@@ -458,10 +451,45 @@ class GGUFMetadata:
         """Return the architecture-scoped value `<general.architecture>.<suffix>`."""
         return self.get(f"{self.prefix}.{suffix}", default)
 
+    def count(self, suffix: str, default: Any = _MISSING) -> int:
+        """An architecture-scoped count; a per-layer array gives its largest entry (the one that sizes memory)."""
+        value = self.arch(suffix, default)
+        return int(max(value)) if isinstance(value, (list, tuple)) else int(value)
+
+    def length(self, key: str) -> int:
+        """Number of entries of the array under `key`, without decoding them (a vocabulary)."""
+        field = self.fields.get(key)
+        if field is None:
+            raise KeyError(f"GGUF metadata has no key {key!r}; the file may be incomplete or of an unsupported architecture")
+        return len(field.data)
+
+
+def gguf_attention_fields(reader, meta: GGUFMetadata) -> dict[str, Any]:
+    """The decoder's attention shape as ModelConfig fields, for any GGUF architecture."""
+    num_heads = meta.count("attention.head_count")
+    hidden = meta.count("embedding_length")
+    return {
+        "vocab_size": _gguf_vocab_size(reader, meta),
+        "hidden_size": hidden,
+        "num_layers": meta.count("block_count"),
+        "num_heads": num_heads,
+        "num_kv_heads": meta.count("attention.head_count_kv", num_heads),
+        "head_dim": meta.count("attention.key_length", hidden // num_heads),
+    }
+
+
+def gguf_window_fields(meta: GGUFMetadata, num_layers: int) -> dict[str, Any]:
+    """sliding_window (None without one) and layer_types, as llama.cpp reads them."""
+    window = meta.arch("attention.sliding_window", None)
+    pattern = meta.arch("attention.sliding_window_pattern", None)
+    return {
+        "sliding_window": int(window) if window else None,
+        "layer_types": gguf_layer_types(meta.prefix, num_layers, pattern),
+    }
+
 
 def _gemma3_gguf_fields(config: ModelConfig, meta: GGUFMetadata) -> dict[str, Any]:
     """Gemma 3 facts a GGUF leaves implicit, filled in the way llama.cpp does."""
-    window = meta.arch("attention.sliding_window", None)
     scale = meta.arch("attention.scale", None)
     if scale:
         scalar = 1.0 / float(scale) ** 2
@@ -470,9 +498,7 @@ def _gemma3_gguf_fields(config: ModelConfig, meta: GGUFMetadata) -> dict[str, An
     else:
         scalar = float(config.head_dim)
     return {
-        "sliding_window": int(window) if window else None,
-        "layer_types": gguf_layer_types(meta.prefix, config.num_layers,
-                                        meta.arch("attention.sliding_window_pattern", None)),
+        **gguf_window_fields(meta, config.num_layers),
         "rope_local_theta": float(meta.arch("rope.freq_base_swa", GEMMA3_GGUF_LOCAL_THETA)),
         "query_pre_attn_scalar": scalar,
         "attn_logit_softcapping": _optional_float(meta.arch("attn_logit_softcapping", None)),
@@ -494,6 +520,10 @@ def gguf_layer_types(arch: str, num_layers: int, pattern) -> list[str]:
     if not pattern:
         return ["sliding_attention"] * num_layers
     return gemma3_layer_types(num_layers, int(pattern))
+
+
+# GGUF architecture -> the reader of what its files leave implicit (the engine's families only).
+_GGUF_FAMILY_FIELDS = {"gemma3": _gemma3_gguf_fields}
 
 
 def _hf_rope(d: dict[str, Any]) -> tuple[float, dict | None]:
@@ -544,7 +574,7 @@ def _gguf_vocab_size(reader, meta: GGUFMetadata) -> int:
     vocab = meta.arch("vocab_size", None)
     if vocab is not None:
         return int(vocab)
-    return len(meta.get("tokenizer.ggml.tokens"))
+    return meta.length("tokenizer.ggml.tokens")
 
 
 def _gguf_eos_ids(meta: GGUFMetadata) -> list[int]:

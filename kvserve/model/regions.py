@@ -16,7 +16,6 @@ from __future__ import annotations
 import copy
 import itertools
 import logging
-import os
 
 import torch
 from tqdm.auto import tqdm
@@ -36,7 +35,6 @@ ROW_BOUNDS = sorted({quant.GEMV_INT4_ROWS, *quant.GEMV_ROWS.values(), quant.COPY
 WARMUP_TOKENS = tuple(sorted({1, *ROW_BOUNDS, ROW_BOUNDS[-1] + 1}))
 # Graphs kept per region across every engine of the process (torch's default is 8).
 RECOMPILE_LIMIT = 64
-EAGER_ENV = "KVSERVE_ENFORCE_EAGER"
 
 
 def _first(layer, x, positions):
@@ -168,11 +166,6 @@ def supports_regions(model: torch.nn.Module) -> bool:
     layers = getattr(model.model, "layers", ())
     return bool(layers) and all(hasattr(layer, "pre_attention") and hasattr(layer, "post_attention")
                                 for layer in layers)
-
-
-def eager_by_env() -> bool:
-    """KVSERVE_ENFORCE_EAGER=1 runs every engine of the process eagerly (the test suite sets it)."""
-    return os.environ.get(EAGER_ENV, "") not in ("", "0")
 
 
 def compiled_regions(model: torch.nn.Module) -> Regions | None:

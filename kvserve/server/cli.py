@@ -79,6 +79,7 @@ def cmd_serve(args) -> int:
     import uvicorn
 
     from kvserve.config import EngineConfig
+    from kvserve.engine.options import engine_options
     from kvserve.engine_args import engine_kwargs, make_llm
     from kvserve.model.loader import resolve_model_path
     from kvserve.server.app import build_app, check_cache_isolation
@@ -95,7 +96,7 @@ def cmd_serve(args) -> int:
         from kvserve.server.replicas import serve_replicas
         return serve_replicas(args, api_keys)
     log.info("start-up: import %.2f s", seconds_since_launch())
-    EngineConfig(**engine_kwargs(args)).validate()   # bad flags fail now, with exit status 2
+    engine_options(EngineConfig(**engine_kwargs(args)))   # bad flags fail now, with exit status 2
     with phase("model resolve"):
         resolve_model_path(args.model)
 

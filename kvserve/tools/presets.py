@@ -14,7 +14,7 @@ import re
 from dataclasses import dataclass, replace
 
 from kvserve.kv.sizing import KVLayout
-from kvserve.model.config import gguf_layer_types
+from kvserve.model.config import GGUFMetadata, gguf_attention_fields, gguf_window_fields
 from kvserve.model.names import gguf_display_name
 
 GIB = 1 << 30
@@ -301,54 +301,36 @@ def shape_from_gguf(path: str) -> ModelShape:
         reader = gguf.GGUFReader(path)
     except Exception as e:  # the gguf package raises plain ValueError/struct errors
         raise ValueError(f"cannot read {path} as GGUF: {e}") from e
-    meta = {k: f.contents() for k, f in reader.fields.items() if not k.startswith("tokenizer.")}
-    arch = meta.get("general.architecture")
-    if not arch:
+    return shape_from_gguf_reader(reader, path)
+
+
+def shape_from_gguf_reader(reader, path: str) -> ModelShape:
+    """A ModelShape from an open GGUF, read by the engine's GGUF field readers."""
+    meta = GGUFMetadata(reader)
+    if not meta.prefix:
         raise ValueError(f"{path}: GGUF metadata has no general.architecture")
+    try:
+        return _gguf_shape(reader, meta, path)
+    except KeyError as e:
+        raise ValueError(f"{path}: {e.args[0]}") from e
 
-    def arch_get(suffix, default=None):
-        value = meta.get(f"{arch}.{suffix}", default)
-        if value is None:
-            raise ValueError(f"{path}: GGUF metadata has no {arch}.{suffix}")
-        return value
 
-    layers = int(arch_get("block_count"))
-    hidden = int(arch_get("embedding_length"))
-    heads = _max_of(arch_get("attention.head_count"))
-    kv_heads = _max_of(arch_get("attention.head_count_kv", heads))
-    window = int(meta.get(f"{arch}.attention.sliding_window") or 0)
-    kv_rank = int(meta.get(f"{arch}.attention.kv_lora_rank") or 0)
-    vocab = int(meta.get(f"{arch}.vocab_size") or _gguf_vocab(reader))
-    params = sum(int(t.n_elements) for t in reader.tensors)
+def _gguf_shape(reader, meta: GGUFMetadata, path: str) -> ModelShape:
+    attention = gguf_attention_fields(reader, meta)
+    layers = attention["num_layers"]
+    window = gguf_window_fields(meta, layers)
+    kv_rank = meta.count("attention.kv_lora_rank", 0)
     return ModelShape(
-        name=gguf_display_name(meta.get("general.name"), path), num_layers=layers,
-        hidden_size=hidden, num_heads=heads, num_kv_heads=kv_heads,
-        head_dim=int(meta.get(f"{arch}.attention.value_length")
-                     or meta.get(f"{arch}.attention.key_length") or hidden // heads),
-        num_params=float(params), intermediate_size=_max_of(arch_get("feed_forward_length", 0)),
-        vocab_size=vocab, max_context=int(meta.get(f"{arch}.context_length") or 0),
-        sliding_window=window, num_local_layers=_gguf_local_layers(meta, arch, layers, window),
-        kv_lora_rank=kv_rank,
-        rope_dim=int(meta.get(f"{arch}.rope.dimension_count") or 0) if kv_rank else 0,
-        num_experts=int(meta.get(f"{arch}.expert_count") or 0),
-        experts_per_token=int(meta.get(f"{arch}.expert_used_count") or 0),
+        name=gguf_display_name(meta.get("general.name", None), path), num_layers=layers,
+        hidden_size=attention["hidden_size"], num_heads=attention["num_heads"],
+        num_kv_heads=attention["num_kv_heads"],
+        head_dim=meta.count("attention.value_length", 0) or attention["head_dim"],
+        num_params=float(sum(int(t.n_elements) for t in reader.tensors)),
+        intermediate_size=meta.count("feed_forward_length", 0), vocab_size=attention["vocab_size"],
+        max_context=meta.count("context_length", 0),
+        sliding_window=window["sliding_window"] or 0,
+        num_local_layers=window["layer_types"].count("sliding_attention") if window["sliding_window"] else 0,
+        kv_lora_rank=kv_rank, rope_dim=meta.count("rope.dimension_count", 0) if kv_rank else 0,
+        num_experts=meta.count("expert_count", 0), experts_per_token=meta.count("expert_used_count", 0),
         weight_bytes=sum(int(t.n_bytes) for t in reader.tensors), source="gguf",
     )
-
-
-def _max_of(value) -> int:
-    """GGUF stores some per-layer counts as arrays; the largest is the one that sizes memory."""
-    return int(max(value)) if isinstance(value, (list, tuple)) else int(value)
-
-
-def _gguf_vocab(reader) -> int:
-    field = reader.fields.get("tokenizer.ggml.tokens")
-    return len(field.data) if field is not None else 0
-
-
-def _gguf_local_layers(meta: dict, arch: str, layers: int, window: int) -> int:
-    """Layers capped at the window: the pattern if stored, llama.cpp's defaults otherwise."""
-    if not window:
-        return 0
-    types = gguf_layer_types(arch, layers, meta.get(f"{arch}.attention.sliding_window_pattern"))
-    return types.count("sliding_attention")

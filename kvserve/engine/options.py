@@ -1,0 +1,32 @@
+"""The options an engine is built from: EngineConfig's own checks, then each subsystem's check of
+the options it understands, before anything loads; the checked config comes back normalised, once."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from kvserve.config import EngineConfig
+from kvserve.engine.offload import check_tiers
+from kvserve.kv.events import check_endpoint
+from kvserve.kv.formats import format_options
+from kvserve.kv.hashing import digest_fn
+from kvserve.kv.policies import parse_policy
+
+
+def engine_options(config: EngineConfig) -> EngineConfig:
+    """A checked copy of `config` with normalised values (byte sizes, canonical KV format names, the
+    block size, the tier list); ValueError naming the first bad option. `config` is left as it is."""
+    config.validate()
+    fmt = format_options(config.kv_cache_dtype, config.kv_cache_dtype_k, config.kv_cache_dtype_v,
+                         config.kv_cache_dtype_skip_layers, config.kv_cache_rotation,
+                         config.kv_cache_head_precision, config.kv_cache_head_precision_dtype,
+                         config.block_size, config.kv_cache_mode)
+    check_tiers(config.tier_specs(), config.kv_tiers)
+    if config.kv_policy is not None:
+        parse_policy(config.kv_policy)
+    check_endpoint("kv_events", config.kv_events)
+    check_endpoint("kv_events_replay", config.kv_events_replay)
+    digest_fn(config.prefix_caching_hash_algo)  # names the choices, or says to pip install xxhash
+    return dataclasses.replace(config, **dataclasses.asdict(fmt),
+                               kv_cache_memory=config.kv_cache_memory_bytes(),
+                               kv_tiers=config.tier_names() if config.kv_tiers is not None else None)
