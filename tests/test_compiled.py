@@ -88,7 +88,8 @@ def test_batch_one_decode_runs_the_one_token_graph(graphs_and_compiled, eager_in
     regions_ = model.model.regions
     attn = model.model.layers[3].self_attn
     seen, graph_calls, head_rows = [], [], []
-    real_attend, real_graph, real_head = attn.attend, regions_.one_token_paged, model.lm_head.few_rows
+    real_attend, real_graph = attn.attend, regions_.one_token_paged
+    (few, real_head), *more = model.lm_head.kernels   # the Q8_0 head's int8-group GEMV first
 
     def attend(q, k, v, meta):
         seen.append(q.shape[0])
@@ -98,12 +99,12 @@ def test_batch_one_decode_runs_the_one_token_graph(graphs_and_compiled, eager_in
         graph_calls.append(x.shape[0])
         return real_graph(layers, x, *args)
 
-    def head(x, *args):
+    def head(layer, x):
         head_rows.append(x.shape[0])
-        return real_head(x, *args)
+        return real_head(layer, x)
     monkeypatch.setattr(attn, "attend", attend)
     monkeypatch.setattr(regions_, "one_token_paged", graph)
-    monkeypatch.setattr(model.lm_head, "few_rows", head)   # the Q8_0 head's int8-group GEMV
+    monkeypatch.setattr(model.lm_head, "kernels", ((few, head), *more))
     rows_before = model.kv_rows
     greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     out = compiled.generate(PROMPTS[2], greedy, use_tqdm=False)[0]
@@ -146,14 +147,14 @@ def test_one_token_paged_attention_matches_the_paged_reference(pool_dtype):
 def test_the_row_kernel_head_holds_q8_0_weights_exactly():
     """The one-row LM head kernel: int8 in groups of 32 with float16 scales reproduces Q8_0-coded
     weights exactly, so its logits equal the float32 head's over those weights."""
-    from kvserve.model.quant import QuantLinear
+    from kvserve.model.quant import make_linear
     torch.manual_seed(0)
     n, k = 96, 64
     scale = (torch.rand(n, k // 32) * 0.01 + 1e-3).half()
     codes = torch.randint(-127, 128, (n, k // 32, 32))
     codes[:, :, 0] = 127                                 # Q8_0: each block's largest code is +-127
     w = (codes.float() * scale.float()[..., None]).view(n, k)
-    head = QuantLinear(w, None, "float16", tied=w)
+    head = make_linear(w, None, "float16", tied=w)
     head.add_row_kernel()
     assert torch.equal(head.row_q8.permute(2, 0, 1).reshape(n, k // 32, 32).long(), codes)
     x = torch.randn(1, k)

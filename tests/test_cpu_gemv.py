@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from kvserve.model import cpu
-from kvserve.model.quant import GEMV_INT4_ROWS, GEMV_ROWS, QuantLinear, cpu_int4_rows, int4_codes_t
+from kvserve.model.quant import GEMV_INT4_ROWS, GEMV_ROWS, cpu_int4_rows, int4_codes_t, make_linear
 
 
 def test_the_ops_build_here():
@@ -55,7 +55,7 @@ def test_int4_gemv_gives_torchs_int4_kernel_results(rows, n, k, dtype):
     (bfloat16 x, float32 sums, bfloat16 out) to within one bfloat16 step, and the exact product of
     the stored weight to within one step too."""
     g = torch.Generator().manual_seed(rows * 10 + n + k)
-    q = QuantLinear(torch.randn(n, k, generator=g), None, "int4")
+    q = make_linear(torch.randn(n, k, generator=g), None, "int4")
     x = torch.randn(rows, k, generator=g).to(dtype)
     got = torch.ops.kvserve_cpu.int4_gemv(x, q.packed, q.scales_zeros, cpu_int4_rows())
     want = torch.ops.aten._weight_int4pack_mm_for_cpu(x.to(torch.bfloat16), q.packed, 32, q.scales_zeros)
@@ -234,18 +234,18 @@ def _q8g(x=None, codes=None, scales=None, mins=None, group=32, k=64):
     (lambda: _q8g(mins=torch.ones(32, 2).bfloat16()), r"float32 mins \[N, K/group\] = \[32, 2\] expected, got BFloat16"),
 ])
 def test_bad_shapes_get_a_clear_error(call, message):
-    """The ops check their inputs (QuantLinear only calls them with shapes they take)."""
+    """The ops check their inputs (the layers only call them with shapes they take)."""
     with pytest.raises(RuntimeError, match=message):
         call()
 
 
 @pytest.mark.parametrize("fmt", ["int8", "int4", "bfloat16", "float16"])
 def test_layers_use_the_gemv_for_few_rows_and_match_torchs_path(fmt):
-    """A CPU int8 / int4 / bfloat16 / float16 QuantLinear serves few-row steps with the op; with it
+    """A CPU int8 / int4 / bfloat16 / float16 layer serves few-row steps with the op; with it
     switched off (torch's kernels) the same rows give the same values to within one bfloat16 step."""
     g = torch.Generator().manual_seed(3)
     w, b = torch.randn(128, 96, generator=g), torch.randn(128, generator=g)
-    q = QuantLinear(w, b, fmt)
+    q = make_linear(w, b, fmt)
     assert q.gemv
     dtype = torch.bfloat16 if fmt == "bfloat16" else torch.float32
     for rows in sorted({1, 2, {"int8": 16, "int4": GEMV_INT4_ROWS}.get(fmt) or GEMV_ROWS[fmt]}):
@@ -254,9 +254,9 @@ def test_layers_use_the_gemv_for_few_rows_and_match_torchs_path(fmt):
             fast = q(x)
         name = {"int8": "int8", "int4": "int4", "bfloat16": "bf16", "float16": "f16"}[fmt]
         assert any(e.key == f"kvserve_cpu::{name}_gemv" for e in prof.key_averages())
-        q.gemv = False
+        q.use_gemv(False)
         ref = q(x)
-        q.gemv = True
+        q.use_gemv(True)
         assert _ulps_bf16(fast - b.to(dtype), ref - b.to(dtype), ref - b.to(dtype)) <= 1.0
 
 
@@ -266,7 +266,7 @@ def test_without_a_compiler_layers_keep_torchs_kernels(monkeypatch, tmp_path, ca
     monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
     monkeypatch.setenv(cpu.native.CACHE_ENV, str(tmp_path / "kernels"))
     with caplog.at_level("WARNING", logger="kvserve"):
-        q = QuantLinear(torch.randn(32, 64), None, "int8")
+        q = make_linear(torch.randn(32, 64), None, "int8")
     assert "CPU GEMV kernels unavailable (C++ compiler" in caplog.text
     assert not q.gemv
     x = torch.randn(2, 64)
@@ -304,6 +304,6 @@ def test_an_engine_on_the_gemv_is_as_close_to_float32_as_on_torchs_kernels(llm, 
     assert layers and all(q.gemv for q in layers)
     fast = (_scores(eng, ids) - want).abs().mean().item()
     for q in layers:
-        q.gemv = False
+        q.use_gemv(False)
     slow = (_scores(eng, ids) - want).abs().mean().item()
     assert 0 < fast < bound and fast < 1.25 * slow + 0.005, (fast, slow)

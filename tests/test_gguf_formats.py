@@ -105,11 +105,11 @@ def test_the_int4_layers_bfloat16_scales_are_the_only_loss():
     """A Q4_1 tensor in the int4 layer: its codes are gguf's, its scale and zero rounded to
     bfloat16, so the weight moves by at most a bfloat16 rounding of each (relative 2^-8 each)."""
     from kvserve.model.loader import bundled_model_path
-    from kvserve.model.quant import QuantLinear
+    from kvserve.model.quant import make_linear
     t = _real_tensors(bundled_model_path(), {"Q4_1"})["Q4_1"]
     n, k = (int(d) for d in reversed(t.shape.tolist()))
     groups = decode(t).layout
-    layer = QuantLinear(groups, None, "int4")
+    layer = make_linear(groups, None, "int4")
     exact = torch.from_numpy(gguf.quants.dequantize(t.data, t.tensor_type).reshape(n, k))
     err = (layer.dequantize() - exact).view(n, k // 32, 32).abs().amax(-1)
     zero = groups.lows + 8 * groups.scales        # w = (code - 8) * scale + zero, |code - 8| <= 8
@@ -158,17 +158,17 @@ def _close_to_float64(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor, rel: fl
 def test_the_int8_group_linear_computes_x_w_t_at_every_row_count(kind, rows):
     """On the C++ GEMV (1-16 rows; more: widened, or 16 at a time for a head), the torch formula,
     the bfloat16 copy, y = x W^T + b over the dequantized weight; float32 sums (bfloat16 for the copy)."""
-    from kvserve.model.quant import Int8GroupLinear, _q8g_torch, q8g_kernel
+    from kvserve.model.quant import Int8GroupLinear, q8g_kernel
     groups = _groups(kind)
     bias = torch.randn(groups.codes.shape[0])
     x = torch.randn(rows, groups.codes.shape[1])
     w = groups.dequantize()
     layer = Int8GroupLinear(groups, bias)
-    assert layer.kernel == q8g_kernel(torch.device("cpu"))
+    assert layer.gemv == q8g_kernel(torch.device("cpu"))
     _close_to_float64(layer(x) - bias, x, w, 1e-5)
     head = Int8GroupLinear(groups, bias, copies=False)        # 17+ rows: 16 at a time on the GEMV
     _close_to_float64(head(x) - bias, x, w, 1e-5)
-    layer.few_rows = _q8g_torch                               # no C++ build: torch's formula and widening
+    layer.use_gemv(False)                                     # no C++ build: torch's formula and widening
     _close_to_float64(layer(x) - bias, x, w, 1e-5)
     layer.add_bf16_copy()
     got = layer(x) - bias
@@ -303,23 +303,23 @@ def test_a_mixed_format_model_gives_the_float32_dequantized_models_logits(mixed_
     at 30; a wrong code, scale or row order moves logits by far more)."""
     from kvserve.engine.builder import _build_kept_model, _build_model
     from kvserve.model.loader import load_gguf, load_gguf_kept
-    from kvserve.model.quant import Int8GroupLinear, QuantLinear, quant_layers
+    from kvserve.model.quant import Int4Linear, Int8GroupLinear, quant_layers
     config, floats, kept = load_gguf_kept(mixed_gguf, cache_root=tmp_path)
     model = _build_kept_model(config, floats, kept, torch.device("cpu"), torch.float32)
     fused = model.model.layers[0].self_attn.qkv.quant
     assert isinstance(fused, Int8GroupLinear) and fused.group == 32 and fused.mins is not None
     mlp0 = model.model.layers[0].mlp
-    assert mlp0.gate_up.quant is None and isinstance(mlp0.gate_proj, QuantLinear) and mlp0.gate_proj.fmt == "int4"
+    assert mlp0.gate_up.quant is None and isinstance(mlp0.gate_proj, Int4Linear)
     assert isinstance(mlp0.up_proj, Int8GroupLinear) and mlp0.down_proj.group == 16
     assert isinstance(model.lm_head, Int8GroupLinear) and model.lm_head.codes is model.model.embed_tokens.codes
     assert not any(p.dtype == torch.float32 and p.dim() == 2 for p in model.parameters())
     _, weights = load_gguf(mixed_gguf)
     for i, layer in enumerate(model.model.layers):     # the oracle's int4 weights: as the int4 layers hold them
         for name, m in layer.named_modules():
-            if isinstance(m, QuantLinear) and m.fmt == "int4":
+            if isinstance(m, Int4Linear):
                 weights[f"model.layers.{i}.{name}.weight"] = m.dequantize()
         qkv = layer.self_attn.qkv
-        if isinstance(qkv.quant, QuantLinear) and qkv.quant.fmt == "int4":
+        if isinstance(qkv.quant, Int4Linear):
             for proj, w in zip("qkv", qkv.quant.dequantize().split(qkv.sizes)):
                 weights[f"model.layers.{i}.self_attn.{proj}_proj.weight"] = w
     oracle = _build_model(config, weights, torch.device("cpu"), torch.float32, None)
@@ -329,7 +329,7 @@ def test_a_mixed_format_model_gives_the_float32_dequantized_models_logits(mixed_
     assert (got - want).abs().max() < 0.15 and (got.argmax(-1) == want.argmax(-1)).float().mean() > 0.9
     for m in quant_layers(model):
         if m.fmt == "int4":
-            m._int4 = lambda x, m=m: torch.nn.functional.linear(x, m.dequantize())
+            m._matmul = lambda x, m=m: torch.nn.functional.linear(x, m.dequantize())
     assert (_logits(model, ids) - want).abs().max() < 2e-4
     assert {m.fmt for m in quant_layers(model)} == {"int8g", "int4"}
 
@@ -338,7 +338,7 @@ def test_an_engine_on_the_mixed_file_logs_its_formats_and_explicit_weights_still
     """The default engine names every kept type with its count; weights='int8' requantizes every
     linear as before; the two never share prefix-cache blocks (the namespace holds the formats)."""
     from kvserve import LLM, SamplingParams
-    from kvserve.model.quant import Int8GroupLinear, QuantLinear, quant_layers
+    from kvserve.model.quant import F16Linear, Int8GroupLinear, Int8Linear, quant_layers
     with caplog.at_level("INFO", logger="kvserve"):
         kept = LLM(model=mixed_gguf, kv_cache_memory="16MiB", max_model_len=128)
     line = next(r.message for r in caplog.records if r.message.startswith("weights: gguf"))
@@ -350,5 +350,5 @@ def test_an_engine_on_the_mixed_file_logs_its_formats_and_explicit_weights_still
     int8 = LLM(model=mixed_gguf, kv_cache_memory="16MiB", max_model_len=128, weights="int8")
     body = quant_layers(int8.engine.model)
     assert int8.engine.weight_format == "int8" and {m.fmt for m in body} == {"int8", "float16"}
-    assert all(isinstance(m, QuantLinear) for m in body)
+    assert all(isinstance(m, (Int8Linear, F16Linear)) for m in body)
     assert kept.engine.planner.namespace() != int8.engine.planner.namespace()

@@ -4,14 +4,14 @@ import pytest
 import torch
 
 from kvserve.model import quant
-from kvserve.model.quant import GROUP_SIZE, INT4_WIDE_ROWS, QuantLinear
+from kvserve.model.quant import GROUP_SIZE, INT4_WIDE_ROWS, F16Linear, Int4PackedLinear, make_linear
 
 
 def _layer(fmt, n=96, k=128, bias=True, seed=0):
     g = torch.Generator().manual_seed(seed)
     w = torch.randn(n, k, generator=g)
     b = torch.randn(n, generator=g) if bias else None
-    return w, b, QuantLinear(w, b, fmt)
+    return w, b, make_linear(w, b, fmt)
 
 
 @pytest.mark.parametrize("fmt,n", [("int8", 96), ("int4", 96), ("int4", 128)])
@@ -23,7 +23,7 @@ def test_dequantized_weight_is_within_half_a_step(fmt, n):
     else:  # scale and zero are stored in bfloat16 (the kernel's format): 2^-8 of |zero| more
         step = q.scales_zeros[..., 0].float().t().repeat_interleave(GROUP_SIZE, dim=1)
         assert (err <= step / 2 + 0.02).all()
-        assert hasattr(q, "packed") == (n % quant.CPU_INT4_ROWS == 0)  # the CPU kernel layout: rows tile by its block
+        assert isinstance(q, Int4PackedLinear) == (n % quant.CPU_INT4_ROWS == 0)  # the CPU kernel layout: rows tile by its block
     assert err.max() > 0  # it really is quantized
 
 
@@ -103,9 +103,9 @@ def test_tied_head_reads_the_float32_embedding_for_many_rows(monkeypatch):
 
 
 def test_int8_result_of_a_row_does_not_depend_on_the_rows_beside_it():
-    """Above small_rows the widened path applies the kernel's roundings: batch-invariant results."""
+    """Above SMALL_ROWS the widened path applies the kernel's roundings: batch-invariant results."""
     w, b, q = _layer("int8")
-    x = torch.randn(q.small_rows + 8, w.shape[1])
+    x = torch.randn(quant.SMALL_ROWS + 8, w.shape[1])
     alone = torch.cat([q(x[i:i + 1]) for i in range(len(x))])
     together = q(x)
     assert torch.allclose(alone, together, rtol=0, atol=1e-5 * together.abs().max().item() + 0.02)
@@ -125,7 +125,7 @@ def test_int8_any_width_is_computed_right(k):
 
 def test_int4_refuses_a_width_it_cannot_group():
     with pytest.raises(ValueError, match="divisible by 32"):
-        QuantLinear(torch.randn(8, 40), None, "int4")
+        make_linear(torch.randn(8, 40), None, "int4")
 
 
 def test_quantized_layer_holds_fewer_bytes():
@@ -160,10 +160,10 @@ def test_the_engine_adds_bfloat16_copies_when_asked(monkeypatch):
 
     def model():
         m = torch.nn.Module()
-        m.plain = QuantLinear(torch.randn(64, 64), None, "int4")
+        m.plain = make_linear(torch.randn(64, 64), None, "int4")
         m.fused = [Fused(torch.nn.Linear(64, 32))]
-        m.fused[0].quant = QuantLinear(torch.randn(32, 64), None, "int8")
-        m.head = QuantLinear(torch.randn(64, 64), None, "float16")
+        m.fused[0].quant = make_linear(torch.randn(32, 64), None, "int8")
+        m.head = make_linear(torch.randn(64, 64), None, "float16")
         return m
 
     def copies(mode, **patch):
@@ -207,7 +207,7 @@ def test_int8_engine_tracks_float32_logits(llm, llm_int8):
     # the float32 embedding and the float16 head stay: about half the float32 model's bytes in all
     assert weight_bytes(llm_int8.engine.model) < 0.6 * weight_bytes(llm.engine.model)
     head = llm_int8.engine.model.lm_head      # float16: the GGUF's Q8_0 head held almost exactly
-    assert isinstance(head, QuantLinear) and head.fmt == "float16"
+    assert isinstance(head, F16Linear) and head.fmt == "float16"
     full = llm.engine.model.lm_head.weight
     assert (head.dequantize() - full).abs().max() <= full.abs().max() * 2 ** -11
 

@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 
 from kvserve.config import EngineConfig
-from kvserve.model.quant import QuantLinear
+from kvserve.model.quant import HalfLinear
 from kvserve.model.regions import compiled_regions, warm_up
 from kvserve.native import cpu_flags
 from kvserve.paths import default_cache_root
@@ -205,8 +205,8 @@ class StartupCompile:
 @torch.inference_mode()   # as the steps run it (its graph guards on the grad mode)
 def _head_with_row_kernel(head: torch.nn.Module) -> torch.nn.Module | None:
     """A copy of the LM head (sharing its weights) with its compiled one-row kernel, or None when it
-    has none (QuantLinear.add_row_kernel)."""
-    if not isinstance(head, QuantLinear):
+    has none (HalfLinear.add_row_kernel)."""
+    if not isinstance(head, HalfLinear):
         return None
     shadow = copy.copy(head)
     shadow.__dict__["_buffers"] = dict(head._buffers)

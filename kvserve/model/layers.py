@@ -109,7 +109,7 @@ class Fused:
         self.linears = linears
         self.sizes = [m.out_features for m in linears]
         self.weight = self.bias = None
-        self.quant = None  # model/quant.py: the group's QuantLinear once the model is quantized
+        self.quant = None  # model/quant.py: the group's KeptLinear once the model is quantized
 
     def fuse(self) -> None:
         """Concatenate the weights (call after loading and after any .to())."""

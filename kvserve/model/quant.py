@@ -1,33 +1,31 @@
 """Linear layers whose weights stay in their storage format: float32, bfloat16, float16, int8, int4,
 and a GGUF's own int8 groups.
 
-One class per format, its kernels picked at construction (`KeptLinear` subclasses): `QuantLinear`
-(float, int8 per channel, int4 groups) and `Int8GroupLinear` (int8 codes in groups of 32 or 16 with
-float32 scales and mins: GGUF's Q8_0 / Q5_* / Q6_K, exact). `keep_formats` gives a meta-built model
-each GGUF tensor in its own layout (`weights="gguf"`, the CPU default for a GGUF: docs/WEIGHTS.md),
-a quantized embedding as a `GroupEmbedding`; `quantize_model` requantizes every linear to one format.
+One class per format (vLLM's create_weights / apply shape), each a `KeptLinear` holding its own
+tensors and building its kernel table once: (max rows, kernel) entries, the first one a step's row
+count fits runs, rebuilt only when the layer gains a layout (`add_bf16_copy`, `add_row_kernel`) or
+its GEMVs are switched (`use_gemv`). `make_linear` picks the class from the format:
+- `FloatLinear` (float32): F.linear.
+- `Bf16Linear` / `F16Linear` (`HalfLinear`: a bfloat16 model, the float16 LM head of int8/int4
+  models): a one-row row kernel (`add_row_kernel`), kvserve's C++ GEMV up to GEMV_ROWS rows, else
+  F.linear; on a CPU without 16-bit units (no AVX512-BF16/AMX) steps of more than HALF_WIDE_ROWS
+  (TIED_WIDE_ROWS with a tied float32 embedding, which they then read) rows run in float32.
+- `Int8Linear` (int8, one symmetric scale per output channel): on CPU up to SMALL_ROWS rows the C++
+  GEMV (with `_weight_int8pack_mm`'s roundings: bfloat16 activations), else `_weight_int8pack_mm`;
+  more rows widen the weight inside the matmul (`F.linear(x, q) * scale`, also the CUDA path).
+- `Int4PackedLinear` / `Int4NibbleLinear` (`Int4Linear`: one scale and minimum per group of
+  GROUP_SIZE input channels, the layout of GGUF's Q4_1 / Q4_K sub-blocks): on CPU torch's packed
+  layout, the C++ GEMV up to GEMV_INT4_ROWS rows, `_weight_int4pack_mm_for_cpu` up to
+  INT4_WIDE_ROWS, then the unpacked weight in a bfloat16 matmul (float32 without bfloat16 units);
+  elsewhere nibbles unpacked to the activation dtype inside the matmul.
+- `Int8GroupLinear` (int8 codes in groups of 32 or 16 with float32 scales and mins: GGUF's Q8_0 /
+  Q5_* / Q6_K, exact): the C++ `q8g_gemv` up to SMALL_ROWS rows, then widened.
+With a bfloat16 copy (the engine's bf16_weight_copy) int8 / int4 steps of more than COPY_ROWS rows,
+int8-group steps of more than SMALL_ROWS, run one bfloat16 GEMM on it.
+`keep_formats` gives a meta-built model each GGUF tensor in its own layout (`weights="gguf"`, the
+CPU default for a GGUF: docs/WEIGHTS.md), a quantized embedding as a `GroupEmbedding`;
+`quantize_model` requantizes every linear to one format.
 
-int8 is weight-only, one symmetric scale per output channel; int4 is asymmetric, one scale and one
-minimum per group of GROUP_SIZE input channels (the layout of GGUF's Q4_1 / Q4_K sub-blocks).
-Activations keep the model dtype; each format runs on the fastest kernel torch has for it:
-- int8 on CPU: up to `small_rows` rows, where reading 1 byte per weight wins, kvserve's C++ GEMV
-  (model/cpu/, with `_weight_int8pack_mm`'s roundings: bfloat16 activations), else
-  `_weight_int8pack_mm` where the C++ op cannot be built; for more rows the weight is widened to
-  the activation dtype inside the matmul (`F.linear(x, q) * scale`), which is also the CUDA path.
-- int4 on CPU: up to GEMV_INT4_ROWS rows kvserve's C++ GEMV on the same packed layout (the same
-  bfloat16 results), else `_weight_int4pack_mm_for_cpu` (bfloat16 activations) for up to
-  INT4_WIDE_ROWS rows; a step of more rows (a prefill chunk) unpacks the weight once and runs a
-  bfloat16 matmul where the CPU has bfloat16 units (the weight rounded to bfloat16 too), a float32
-  one where it has not; elsewhere the groups are unpacked
-  to the activation dtype inside the matmul.
-- bfloat16 / float16 weights on CPU (a float16 LM head): up to GEMV_ROWS rows, kvserve's C++ GEMV,
-  else F.linear.
-- 16-bit float weights on a CPU without native 16-bit arithmetic (no AVX512-BF16/AMX): a step of more
-  than `wide_rows` rows runs in float32, reading the tied float32 embedding where the LM head shares
-  it, else widening the weight for that call (torch's float16 GEMM is slow there).
-- int8 / int4 with a bfloat16 copy (`add_bf16_copy`, the engine's bf16_weight_copy): steps of more
-  than COPY_ROWS rows run one bfloat16 GEMM on it.
-- a one-row LM head in a compiled engine (`add_row_kernel`): a group-wise int8 (Q8_0) GEMV.
 Every widened path applies the kernel's roundings (16-bit inputs and outputs), so a row's result
 does not depend on how many rows share its step, except where a bfloat16 GEMM runs (the copy, and
 int4 prefill chunks on a CPU with bfloat16 units): there the weight is rounded to bfloat16 too.
@@ -37,6 +35,7 @@ The row thresholds below are where the measured kernels cross (docs/WEIGHTS.md, 
 from __future__ import annotations
 
 import functools
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -68,13 +67,44 @@ FLOAT_HEAD = ("lm_head",)
 HEAD_FORMAT = "float16"
 
 
+GEMV_DTYPES = (torch.float32, torch.bfloat16)   # activations the C++ GEMVs take
+WIDE_CHUNK = 1 << 22     # int8 groups widened this many weights at a time (a 262144-row head: 64 MiB, not 671)
+
+Kernel = Callable[["KeptLinear", torch.Tensor], torch.Tensor]   # (layer, x [rows, in]) -> [rows, out]
+
+
+def kernel_table(*entries: tuple[int | None, Kernel | None]) -> tuple[tuple[int | None, Kernel], ...]:
+    """The (max rows, kernel) entries a layer runs, in order, the last for any rows (max rows None):
+    entries without a kernel, and those no row count can reach, are left out."""
+    table, low = [], 0
+    for max_rows, kernel in entries:
+        if kernel is None or (max_rows is not None and max_rows <= low):
+            continue
+        table.append((max_rows, kernel))
+        if max_rows is None:
+            break
+        low = max_rows
+    return tuple(table)
+
+
 class KeptLinear(nn.Module):
-    """A linear layer whose weight stays in a storage format: y = x W^T + b. Subclasses (one per
-    format) pick their kernels at construction and run them in `_matmul` on [rows, in_features]."""
+    """A linear layer whose weight stays in a storage format: y = x W^T + b. One subclass per format
+    holds that format's tensors and builds its kernel table (`table`) once, at construction and when
+    it gains a layout (a bfloat16 copy, a row kernel); a call runs the table's first kernel whose max
+    rows the step fits."""
 
     fmt = ""
     out_features = in_features = 0
     copies = True    # takes the engine's bfloat16 copy (add_bf16_copy) where its format has one
+    gemv = False     # the C++ GEMV ops serve this layer's few-row steps
+    kernels: tuple[tuple[int | None, Kernel], ...] = ()
+
+    def _setup(self, shape: torch.Size, bias: torch.Tensor | None, device: torch.device) -> None:
+        self.out_features, self.in_features = shape
+        self.device = device   # where the layer runs: it picks the kernels
+        self.bf16_units = not slow_half(device)   # read once: compiled graphs cannot ask the CPU
+        self.bias = _bias(bias)
+        self.register_buffer("bf16_t", None)   # add_bf16_copy
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
@@ -84,7 +114,46 @@ class KeptLinear(nn.Module):
         return out.view(*shape[:-1], self.out_features)
 
     def _matmul(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.shape[0]
+        for max_rows, kernel in self.kernels:
+            if max_rows is None or rows <= max_rows:
+                return kernel(self, x)
+        raise AssertionError("a kernel table ends with an entry for any rows")
+
+    def table(self) -> tuple[tuple[int | None, Kernel], ...]:
+        """This layer's (max rows, kernel) table (see kernel_table)."""
         raise NotImplementedError
+
+    def pick_kernels(self) -> None:
+        self.kernels = self.table()
+
+    def kernel_for(self, rows: int) -> Kernel:
+        """The kernel a step of `rows` rows runs."""
+        return next(k for max_rows, k in self.kernels if max_rows is None or rows <= max_rows)
+
+    def use_gemv(self, on: bool) -> None:
+        """Serve few-row steps with the C++ GEMVs (where they are built) or with torch's kernels."""
+        self.gemv = on and cpu_gemv(self.device, self.fmt)
+        self.pick_kernels()
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The weight [out, in] as stored, widened to `dtype` (the reference for every kernel)."""
+        raise NotImplementedError
+
+    def weight_t(self) -> torch.Tensor:
+        """W^T [K, N] in float32: the bfloat16 copy's source."""
+        return self.dequantize(torch.float32).t()
+
+    def add_bf16_copy(self) -> None:
+        """Keep W^T [K, N] in bfloat16 (the stored weight, rounded once) next to the stored layout:
+        steps of many rows (a batched decode, a prefill chunk) run one bfloat16 GEMM on it, at 2
+        bytes per weight. Formats without a copy (COPY_FORMATS) and copies=False layers keep none."""
+        if self.fmt in COPY_FORMATS and self.copies and self.bf16_t is None:
+            self.bf16_t = self.weight_t().to(torch.bfloat16, memory_format=torch.contiguous_format)
+            self.pick_kernels()
+
+    def bf16_copy(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.mm(x.to(torch.bfloat16), self.bf16_t).to(x.dtype)
 
     @property
     def nbytes(self) -> int:
@@ -99,152 +168,83 @@ def _bias(bias: torch.Tensor | None) -> nn.Parameter | None:
     return None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
 
 
-class QuantLinear(KeptLinear):
-    """y = x W^T + b with W stored as `fmt` (see the module docstring); `weight` is a float tensor,
-    or for int4 the 4-bit groups themselves (`Int4Groups`, a GGUF's Q4_* blocks)."""
+class FloatLinear(KeptLinear):
+    """W kept as a float32 tensor: F.linear at every row count."""
 
-    def __init__(self, weight: torch.Tensor | Int4Groups, bias: torch.Tensor | None, fmt: str,
-                 tied: torch.Tensor | None = None, device: torch.device | None = None):
-        """`device`: where the layer runs, which picks its kernels and layouts (default: the weight's;
-        a model built on the meta device for the weight cache passes the device it will run on)."""
+    fmt = "float32"
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, device: torch.device | None = None):
         super().__init__()
-        if fmt not in WEIGHT_FORMATS:
-            raise ValueError(f"weight format must be one of {WEIGHT_FORMATS}, got {fmt!r}")
-        groups = weight if isinstance(weight, Int4Groups) else None
-        w = (groups.codes if groups is not None else weight).detach()
-        self.fmt = fmt
-        self.out_features, self.in_features = w.shape
-        device = device or w.device
-        self.small_rows = SMALL_ROWS
-        # a float32 tensor holding the same weight that other code keeps anyway (the embedding a
-        # tied LM head shares); a list, so it is neither a submodule nor counted in this layer's bytes
-        self.tied = [tied] if tied is not None else []
-        self.wide_rows = TIED_WIDE_ROWS if tied is not None else HALF_WIDE_ROWS
-        self.bf16_units = not slow_half(device)   # read once: compiled graphs cannot ask the CPU
-        self.row_kernel = None   # add_row_kernel
-        self.gemv = cpu_gemv(device, fmt)   # the C++ GEMV ops serve this layer's few-row steps
-        self.register_buffer("bf16_t", None)   # add_bf16_copy
-        self.bias = _bias(bias)
-        if fmt in FLOAT_FORMATS:
-            self.register_buffer("weight", w.to(FLOAT_FORMATS[fmt]).contiguous())
-        elif fmt == "int8":
-            self._init_int8(w.float())
-        else:
-            self._init_int4(groups if groups is not None else int4_groups(w), device)
-        # the bfloat16 copy's source: W^T straight from the CPU kernel's layout, else the dequantized weight
-        self._copy_source = self._int4_weight_t if hasattr(self, "packed") else self._dequantized_t
+        w = weight.detach()
+        self._setup(w.shape, bias, device or w.device)
+        self.register_buffer("weight", w.to(FLOAT_FORMATS[self.fmt]).contiguous())
+        self.gemv = cpu_gemv(self.device, self.fmt)
+        self.pick_kernels()
 
-    def _init_int8(self, w: torch.Tensor) -> None:
-        scale = (w.abs().amax(dim=1) / 127).clamp(min=1e-12)                      # [N]
-        self.register_buffer("qweight", torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8))
-        self.register_buffer("scale", scale)
-        self.register_buffer("scale_bf16", scale.to(torch.bfloat16))
-
-    def _init_int4(self, groups: Int4Groups, device: torch.device) -> None:
-        n = self.out_features
-        q, scale, low = groups.codes, groups.scales, groups.lows
-        # w = (q - 8) * scale + zero with zero = low + 8 * scale: the CPU kernel's convention, [K/G, N, 2]
-        zeros = torch.stack([scale.t(), (low + 8 * scale).t()], dim=-1).contiguous()
-        self.register_buffer("scales_zeros", zeros.to(torch.bfloat16))
-        if device.type == "cpu" and n % CPU_INT4_ROWS == 0:
-            self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 1))
-        else:
-            self.register_buffer("nibbles", q[:, 0::2] | (q[:, 1::2] << 4))        # [N, K/2]
-
-    def _int4_codes(self) -> torch.Tensor:
-        """The 4-bit codes [N, K] (uint8 0..15), from whichever layout is stored."""
-        n, k = self.out_features, self.in_features
-        if hasattr(self, "nibbles"):
-            return torch.stack([self.nibbles & 15, self.nibbles >> 4], dim=-1).view(n, k)
-        return int4_codes_t(self.packed).t().contiguous()
-
-    def _int4_weight_t(self) -> torch.Tensor:
-        """W^T [K, N] float32 from the CPU kernel's layout with dequantize's roundings ((q - 8) * scale,
-        then + zero), unpacked along N: no transposing copy."""
-        k, n = self.in_features, self.out_features
-        codes = int4_codes_t(self.packed).float().view(k // GROUP_SIZE, GROUP_SIZE, n) - 8
-        scale, zero = (self.scales_zeros[..., i].float().unsqueeze(1) for i in (0, 1))   # [K/G, 1, N]
-        return (codes * scale + zero).view(k, n)
-
-    def _dequantized_t(self) -> torch.Tensor:
-        return self.dequantize(torch.float32).t()
+    def table(self):
+        return kernel_table((None, FloatLinear.linear))
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """The weight [out, in] as stored, widened to `dtype` (the reference for every kernel)."""
-        if self.fmt in FLOAT_FORMATS:
-            return self.weight.to(dtype)
-        if self.fmt == "int8":
-            return (self.qweight.float() * self.scale[:, None]).to(dtype)
-        n, k = self.out_features, self.in_features
-        groups = self._int4_codes().float().view(n, k // GROUP_SIZE, GROUP_SIZE) - 8
-        scale, zero = self.scales_zeros.float().permute(2, 1, 0)                    # [N, K/G] each
-        return (groups * scale[..., None] + zero[..., None]).view(n, k).to(dtype)
+        return self.weight.to(dtype)
 
-    def _matmul(self, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[0] == 1 and self.row_kernel is not None:
-            return self.row_kernel(x.float(), self.row_q8, self.row_scale).to(x.dtype)
-        if self.fmt in FLOAT_FORMATS:
-            return self._float(x)
-        if self.fmt == "int8":
-            return self._int8(x)
-        return self._int4(x)
+    def linear(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x.to(self.weight.dtype), self.weight).to(x.dtype)
 
-    def _float(self, x: torch.Tensor) -> torch.Tensor:
+
+class HalfLinear(FloatLinear):
+    """W kept as a 16-bit float (a bfloat16 model, the float16 LM head of int8/int4 models).
+    - a one-row step with a row kernel (add_row_kernel): the group-wise int8 GEMV;
+    - up to `gemv_rows` rows on CPU: kvserve's C++ GEMV;
+    - on a CPU without 16-bit units, more than `wide_rows` rows run in float32 (reading the tied
+      float32 embedding where the LM head shares it, else widening the weight for that call);
+    - else F.linear."""
+
+    gemv_rows = 0
+    wide_rows = HALF_WIDE_ROWS
+    tied = ()          # the tied float32 weight, if any
+    row_kernel = None  # add_row_kernel
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, tied: torch.Tensor | None = None,
+                 device: torch.device | None = None):
+        """`tied`: a float32 tensor holding the same weight that other code keeps anyway (the embedding
+        a tied LM head shares); `device`: where the layer runs (default: the weight's)."""
+        super().__init__(weight, bias, device)
+        if tied is not None:
+            # a list, so it is neither a submodule nor counted in this layer's bytes
+            self.tied, self.wide_rows = [tied], TIED_WIDE_ROWS
+            self.pick_kernels()
+
+    def table(self):
+        fits = self.gemv and self.in_features % 32 == 0 and self.out_features >= 16
+        return kernel_table((1, HalfLinear.one_row if self.row_kernel is not None else None),
+                            (self.gemv_rows, type(self).half_gemv if fits else None),
+                            (None if self.bf16_units else self.wide_rows, HalfLinear.linear),
+                            (None, HalfLinear.widened))
+
+    def half_gemv(self, x: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def widened(self, x: torch.Tensor) -> torch.Tensor:
+        """float32 arithmetic with the 16-bit roundings (16-bit inputs and outputs)."""
         w = self.weight
-        if self.gemv and x.shape[0] <= GEMV_ROWS[self.fmt] and self.in_features % 32 == 0 and self.out_features >= 16:
-            op = torch.ops.kvserve_cpu.bf16_gemv if self.fmt == "bfloat16" else torch.ops.kvserve_cpu.f16_gemv
-            return op(x.to(w.dtype).contiguous(), w).to(x.dtype)
-        if w.dtype == x.dtype or x.shape[0] <= self.wide_rows or not slow_half(x.device):
-            return F.linear(x.to(w.dtype), w).to(x.dtype)
+        if w.dtype == x.dtype:
+            return F.linear(x, w)
         tied = self.tied[0] if self.tied and self.tied[0].dtype == torch.float32 else None
         wide = tied if tied is not None else w.float()
         return F.linear(x.to(w.dtype).float(), wide).to(w.dtype).to(x.dtype)
 
-    def _int8(self, x: torch.Tensor) -> torch.Tensor:
-        if self.bf16_t is not None and x.shape[0] > COPY_ROWS:
-            return torch.mm(x.to(torch.bfloat16), self.bf16_t).to(x.dtype)
-        if x.device.type != "cpu":
-            return F.linear(x, self.qweight.to(x.dtype)) * self.scale.to(x.dtype)
-        if x.shape[0] <= self.small_rows and self.in_features % INT8_KERNEL_K == 0:
-            if self.gemv and self.out_features >= 16 and x.dtype in (torch.float32, torch.bfloat16):
-                return torch.ops.kvserve_cpu.int8_gemv(x.contiguous(), self.qweight, self.scale_bf16)
-            return torch.ops.aten._weight_int8pack_mm(x.to(torch.bfloat16), self.qweight, self.scale_bf16).to(x.dtype)
-        xb = x.to(torch.bfloat16)
-        # the kernel's roundings (bfloat16 in, bfloat16 scale and out), so a row's result does not
-        # depend on how many rows share its step
-        out = F.linear(xb.to(x.dtype), self.qweight.to(x.dtype)) * self.scale_bf16.to(x.dtype)
-        return out.to(torch.bfloat16).to(x.dtype)
+    def one_row(self, x: torch.Tensor) -> torch.Tensor:
+        return self.row_kernel(x.float(), self.row_q8, self.row_scale).to(x.dtype)
 
-    def _int4(self, x: torch.Tensor) -> torch.Tensor:
-        if not hasattr(self, "packed"):
-            return F.linear(x, self.dequantize(x.dtype))
-        if x.shape[0] <= GEMV_INT4_ROWS and self.gemv and x.dtype in (torch.float32, torch.bfloat16):
-            return torch.ops.kvserve_cpu.int4_gemv(x.contiguous(), self.packed, self.scales_zeros, CPU_INT4_ROWS)
-        xb = x.to(torch.bfloat16)
-        if self.bf16_t is not None and x.shape[0] > COPY_ROWS:
-            return torch.mm(xb, self.bf16_t).to(x.dtype)
-        if x.shape[0] <= INT4_WIDE_ROWS:
-            return torch.ops.aten._weight_int4pack_mm_for_cpu(xb, self.packed, GROUP_SIZE, self.scales_zeros).to(x.dtype)
-        w_t = torch.ops.kvserve.int4_weight_t(self.packed, self.scales_zeros)
-        if not self.bf16_units:
-            return torch.mm(xb.float(), w_t).to(torch.bfloat16).to(x.dtype)
-        return torch.mm(xb, w_t.to(torch.bfloat16)).to(x.dtype)   # bfloat16 units: 2.3x float32 here
-
-    def add_bf16_copy(self) -> None:
-        """Keep W^T [K, N] in bfloat16 (the stored weight, rounded once) next to the int8/int4 layout:
-        a step of more than COPY_ROWS rows (a batched decode, a prefill chunk) runs one bfloat16 GEMM
-        on it, 1.5x faster steps at 32-64 rows on a CPU with bfloat16 units, at 2 bytes per weight."""
-        if self.fmt in COPY_FORMATS and self.bf16_t is None:
-            self.bf16_t = self._copy_source().to(torch.bfloat16, memory_format=torch.contiguous_format)
+    def wants_row_kernel(self) -> bool:
+        return self.in_features % GROUP_SIZE == 0 and self.weight.device.type == "cpu"
 
     def add_row_kernel(self) -> None:
         """A compiled kernel for a single row (a one-token step's LM head): the weight as int8 in
         groups of GROUP_SIZE input channels, one float16 scale each (GGUF's Q8_0, which it holds
-        exactly when built from a Q8_0 tensor), laid out [K/G, G, N] so the GEMV runs along N;
-        it reads half the bytes of float16 (2.1 vs 4.6 ms for SmolLM2's 49152 x 576 head here)."""
-        if self.fmt not in ("float16", "bfloat16") or self.in_features % GROUP_SIZE or self.weight.device.type != "cpu":
-            return
-        if self.gemv and self.fmt == "bfloat16":   # a bfloat16 model's head: its own weights, on the C++ GEMV
+        exactly when built from a Q8_0 tensor), laid out [K/G, G, N] so the GEMV runs along N; it
+        reads half the bytes of float16."""
+        if not self.wants_row_kernel():
             return
         w = self.tied[0] if self.tied and self.tied[0].dtype == torch.float32 else self.weight.float()
         groups = w.view(self.out_features, -1, GROUP_SIZE)
@@ -254,6 +254,300 @@ class QuantLinear(KeptLinear):
         self.register_buffer("row_scale", scale.t().contiguous())                   # [K/G, N]
         self.row_kernel = torch.compile(private_copy(_q8_row), dynamic=False, fullgraph=True)
         self.row_kernel(self.weight.new_zeros(1, self.in_features, dtype=torch.float32), self.row_q8, self.row_scale)
+        self.pick_kernels()
+
+
+class Bf16Linear(HalfLinear):
+    """W kept as bfloat16 (see HalfLinear); with the C++ GEMV it takes no row kernel (its own weights
+    on the GEMV already)."""
+
+    fmt = "bfloat16"
+    gemv_rows = GEMV_ROWS["bfloat16"]
+
+    def half_gemv(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.kvserve_cpu.bf16_gemv(x.to(self.weight.dtype).contiguous(), self.weight).to(x.dtype)
+
+    def wants_row_kernel(self) -> bool:
+        return super().wants_row_kernel() and not self.gemv
+
+
+class F16Linear(HalfLinear):
+    """W kept as float16 (see HalfLinear): the LM head of int8/int4 models."""
+
+    fmt = "float16"
+    gemv_rows = GEMV_ROWS["float16"]
+
+    def half_gemv(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.kvserve_cpu.f16_gemv(x.to(self.weight.dtype).contiguous(), self.weight).to(x.dtype)
+
+
+class Int8Linear(KeptLinear):
+    """W as int8 codes with one symmetric scale per output channel.
+    On CPU: up to SMALL_ROWS rows (in_features a multiple of INT8_KERNEL_K) kvserve's C++ GEMV (with
+    `_weight_int8pack_mm`'s roundings: bfloat16 activations), else `_weight_int8pack_mm`; more rows
+    widen the weight inside the matmul with the kernel's roundings, or with a bfloat16 copy, steps of
+    more than COPY_ROWS rows read it. Elsewhere the weight is widened to the activations' dtype."""
+
+    fmt = "int8"
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, device: torch.device | None = None):
+        super().__init__()
+        w = weight.detach()
+        self._setup(w.shape, bias, device or w.device)
+        w = w.float()
+        scale = (w.abs().amax(dim=1) / 127).clamp(min=1e-12)                      # [N]
+        self.register_buffer("qweight", torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8))
+        self.register_buffer("scale", scale)
+        self.register_buffer("scale_bf16", scale.to(torch.bfloat16))
+        self.gemv = cpu_gemv(self.device, self.fmt)
+        self.pick_kernels()
+
+    def table(self):
+        on_cpu = self.device.type == "cpu"
+        small = None
+        if on_cpu and self.in_features % INT8_KERNEL_K == 0:
+            small = Int8Linear.int8_gemv if self.gemv and self.out_features >= 16 else Int8Linear.int8pack_mm
+        many = Int8Linear.widened if on_cpu else Int8Linear.dequantized_linear
+        if self.bf16_t is not None:
+            return kernel_table((COPY_ROWS, small or many), (None, KeptLinear.bf16_copy))
+        return kernel_table((SMALL_ROWS, small), (None, many))
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return (self.qweight.float() * self.scale[:, None]).to(dtype)
+
+    def int8_gemv(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype not in GEMV_DTYPES:
+            return self.int8pack_mm(x)
+        return torch.ops.kvserve_cpu.int8_gemv(x.contiguous(), self.qweight, self.scale_bf16)
+
+    def int8pack_mm(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.aten._weight_int8pack_mm(x.to(torch.bfloat16), self.qweight, self.scale_bf16).to(x.dtype)
+
+    def widened(self, x: torch.Tensor) -> torch.Tensor:
+        """The kernel's roundings (bfloat16 in, bfloat16 scale and out), so a row's result does not
+        depend on how many rows share its step."""
+        xb = x.to(torch.bfloat16)
+        out = F.linear(xb.to(x.dtype), self.qweight.to(x.dtype)) * self.scale_bf16.to(x.dtype)
+        return out.to(torch.bfloat16).to(x.dtype)
+
+    def dequantized_linear(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.qweight.to(x.dtype)) * self.scale.to(x.dtype)
+
+
+class Int4Linear(KeptLinear):
+    """W as 4-bit codes in groups of GROUP_SIZE input channels, a bfloat16 scale and zero per group
+    (w = (q - 8) * scale + zero: the CPU kernel's convention), the layout of GGUF's Q4_1 / Q4_K
+    sub-blocks. `int4_linear` picks the layout: Int4PackedLinear on CPU, Int4NibbleLinear elsewhere."""
+
+    fmt = "int4"
+
+    def __init__(self, groups: Int4Groups, bias: torch.Tensor | None = None, device: torch.device | None = None):
+        super().__init__()
+        q = groups.codes.detach()
+        self._setup(q.shape, bias, device or q.device)
+        # [K/G, N, 2]
+        zeros = torch.stack([groups.scales.t(), (groups.lows + 8 * groups.scales).t()], dim=-1).contiguous()
+        self.register_buffer("scales_zeros", zeros.to(torch.bfloat16))
+        self._store_codes(q)
+        self.gemv = cpu_gemv(self.device, self.fmt)
+        self.pick_kernels()
+
+    def _store_codes(self, q: torch.Tensor) -> None:
+        raise NotImplementedError
+
+    def codes(self) -> torch.Tensor:
+        """The 4-bit codes [N, K] (uint8 0..15)."""
+        raise NotImplementedError
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        n, k = self.out_features, self.in_features
+        groups = self.codes().float().view(n, k // GROUP_SIZE, GROUP_SIZE) - 8
+        scale, zero = self.scales_zeros.float().permute(2, 1, 0)                    # [N, K/G] each
+        return (groups * scale[..., None] + zero[..., None]).view(n, k).to(dtype)
+
+
+class Int4PackedLinear(Int4Linear):
+    """int4 in torch's CPU packed layout (rows a multiple of CPU_INT4_ROWS): up to GEMV_INT4_ROWS
+    rows kvserve's C++ GEMV (bfloat16 results), then `_weight_int4pack_mm_for_cpu` (bfloat16
+    activations) up to INT4_WIDE_ROWS rows; more rows (a prefill chunk) unpack the weight once and
+    run a bfloat16 matmul where the CPU has bfloat16 units (the weight rounded to bfloat16 too), a
+    float32 one where it has not. With a bfloat16 copy, steps of more than COPY_ROWS rows read it."""
+
+    def _store_codes(self, q: torch.Tensor) -> None:
+        self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 1))
+
+    def table(self):
+        gemv = Int4PackedLinear.int4_gemv if self.gemv else None
+        if self.bf16_t is not None:
+            return kernel_table((GEMV_INT4_ROWS, gemv), (COPY_ROWS, Int4PackedLinear.int4pack_mm),
+                                (None, KeptLinear.bf16_copy))
+        unpacked = Int4PackedLinear.unpacked_bf16 if self.bf16_units else Int4PackedLinear.unpacked_f32
+        return kernel_table((GEMV_INT4_ROWS, gemv), (INT4_WIDE_ROWS, Int4PackedLinear.int4pack_mm),
+                            (None, unpacked))
+
+    def codes(self) -> torch.Tensor:
+        return int4_codes_t(self.packed).t().contiguous()
+
+    def weight_t(self) -> torch.Tensor:
+        """W^T [K, N] float32 from the packed layout with dequantize's roundings ((q - 8) * scale,
+        then + zero), unpacked along N: no transposing copy."""
+        k, n = self.in_features, self.out_features
+        codes = int4_codes_t(self.packed).float().view(k // GROUP_SIZE, GROUP_SIZE, n) - 8
+        scale, zero = (self.scales_zeros[..., i].float().unsqueeze(1) for i in (0, 1))   # [K/G, 1, N]
+        return (codes * scale + zero).view(k, n)
+
+    def int4_gemv(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype not in GEMV_DTYPES:
+            return self.int4pack_mm(x)
+        return torch.ops.kvserve_cpu.int4_gemv(x.contiguous(), self.packed, self.scales_zeros, CPU_INT4_ROWS)
+
+    def int4pack_mm(self, x: torch.Tensor) -> torch.Tensor:
+        xb = x.to(torch.bfloat16)
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(xb, self.packed, GROUP_SIZE, self.scales_zeros).to(x.dtype)
+
+    def unpacked_bf16(self, x: torch.Tensor) -> torch.Tensor:
+        w_t = torch.ops.kvserve.int4_weight_t(self.packed, self.scales_zeros)
+        return torch.mm(x.to(torch.bfloat16), w_t.to(torch.bfloat16)).to(x.dtype)
+
+    def unpacked_f32(self, x: torch.Tensor) -> torch.Tensor:
+        w_t = torch.ops.kvserve.int4_weight_t(self.packed, self.scales_zeros)
+        return torch.mm(x.to(torch.bfloat16).float(), w_t).to(torch.bfloat16).to(x.dtype)
+
+
+class Int4NibbleLinear(Int4Linear):
+    """int4 as two codes a byte (off the CPU, or rows that do not tile torch's CPU layout): the groups
+    unpacked to the activations' dtype inside the matmul, at every row count (a bfloat16 copy, if
+    added, is not read)."""
+
+    def _store_codes(self, q: torch.Tensor) -> None:
+        self.register_buffer("nibbles", q[:, 0::2] | (q[:, 1::2] << 4))        # [N, K/2]
+
+    def table(self):
+        return kernel_table((None, Int4NibbleLinear.dequantized_linear))
+
+    def codes(self) -> torch.Tensor:
+        n, k = self.out_features, self.in_features
+        return torch.stack([self.nibbles & 15, self.nibbles >> 4], dim=-1).view(n, k)
+
+    def dequantized_linear(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.dequantize(x.dtype))
+
+
+def int4_linear(weight: torch.Tensor | Int4Groups, bias: torch.Tensor | None = None,
+                device: torch.device | None = None) -> Int4Linear:
+    """The int4 layer for `weight` (a float weight is grouped first): packed for torch's CPU kernels
+    where its rows tile their block, else nibbles."""
+    groups = weight if isinstance(weight, Int4Groups) else int4_groups(weight.detach())
+    device = device or groups.codes.device
+    packs = device.type == "cpu" and groups.codes.shape[0] % CPU_INT4_ROWS == 0
+    return (Int4PackedLinear if packs else Int4NibbleLinear)(groups, bias, device)
+
+
+HALF_CLASSES = {"bfloat16": Bf16Linear, "float16": F16Linear}
+
+
+def make_linear(weight: torch.Tensor | Int4Groups | Int8Groups, bias: torch.Tensor | None, fmt: str,
+                tied: torch.Tensor | None = None, device: torch.device | None = None,
+                copies: bool = True) -> KeptLinear:
+    """The layer class of `fmt` holding `weight` (a float tensor, or a GGUF layout: Int4Groups for
+    int4, Int8Groups for int8g), to run on `device` (default: the weight's; a model built on the meta
+    device for the weight cache passes the device it will run on). `tied`: the float32 weight a
+    16-bit LM head shares with the embedding; `copies`: whether an int8g layer takes a bfloat16 copy."""
+    if fmt in HALF_CLASSES:
+        return HALF_CLASSES[fmt](weight, bias, tied, device)
+    if fmt == "float32":
+        return FloatLinear(weight, bias, device)
+    if fmt == "int8":
+        return Int8Linear(weight, bias, device)
+    if fmt == "int4":
+        return int4_linear(weight, bias, device)
+    if fmt == "int8g":
+        return Int8GroupLinear(weight, bias, copies, device)
+    raise ValueError(f"weight format must be one of {WEIGHT_FORMATS}, got {fmt!r}")
+
+
+class Int8GroupLinear(KeptLinear):
+    """W as int8 codes in groups along the input channels, a float32 scale per group (and a float32
+    minimum where the GGUF type has one): GGUF's Q8_0 / Q5_0 / Q5_1 / Q5_K (groups of 32) and Q6_K
+    (16), held exactly (gguf_blocks.py).
+    - up to SMALL_ROWS rows (float32 or bfloat16 activations): kvserve's C++ GEMV `q8g_gemv` (float32
+      sums) on CPU, else the same formula in torch;
+    - more rows: one bfloat16 GEMM on the bfloat16 copy when the engine keeps one (add_bf16_copy),
+      else the weight widened to float32 (the activations' dtype off the CPU) inside the matmul,
+      WIDE_CHUNK weights at a time.
+    `copies=False` (a tied LM head, whose copy would be the largest tensor of a small model): no
+    bfloat16 copy; its steps of more rows run the C++ GEMV SMALL_ROWS rows at a time."""
+
+    fmt = "int8g"
+
+    def __init__(self, groups: Int8Groups, bias: torch.Tensor | None = None, copies: bool = True,
+                 device: torch.device | None = None):
+        """`device`: where the layer runs, default the codes'."""
+        super().__init__()
+        self.copies = copies
+        self._setup(groups.codes.shape, bias, device or groups.codes.device)
+        self.group = groups.group
+        self.register_buffer("codes", groups.codes.contiguous())
+        self.register_buffer("scales", groups.scales.float().contiguous())
+        self.register_buffer("mins", None if groups.mins is None else groups.mins.float().contiguous())
+        self.gemv = q8g_kernel(self.device)
+        self.pick_kernels()
+
+    def use_gemv(self, on: bool) -> None:
+        self.gemv = on and q8g_kernel(self.device)
+        self.pick_kernels()
+
+    def table(self):
+        few = Int8GroupLinear.q8g_gemv if self.gemv else Int8GroupLinear.q8g_torch
+        if self.bf16_t is not None:
+            many = KeptLinear.bf16_copy
+        else:
+            # the head (run eagerly) stays on the GEMV, a layer of the compiled stack widens its weight
+            # (a fixed graph for any row count)
+            many = Int8GroupLinear.gemv_chunks if self.gemv and not self.copies else Int8GroupLinear.widened
+        return kernel_table((SMALL_ROWS, few), (None, many))
+
+    def groups(self) -> Int8Groups:
+        return Int8Groups(self.codes, self.scales, self.mins, self.group)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return self.groups().dequantize(dtype)
+
+    def q8g_gemv(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype not in GEMV_DTYPES:
+            return self.kernels[-1][1](self, x)   # the many-row kernel
+        return _q8g_gemv(x.contiguous(), self.codes, self.scales, self.mins, self.group)
+
+    def q8g_torch(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype not in GEMV_DTYPES:
+            return self.kernels[-1][1](self, x)   # the many-row kernel
+        return _q8g_torch(x.contiguous(), self.codes, self.scales, self.mins, self.group)
+
+    def gemv_chunks(self, x: torch.Tensor) -> torch.Tensor:
+        """SMALL_ROWS rows at a time on the GEMV (eager callers only: the chunk count follows the rows)."""
+        if x.dtype not in GEMV_DTYPES:
+            return self.widened(x)
+        return torch.cat([_q8g_gemv(part.contiguous(), self.codes, self.scales, self.mins, self.group)
+                          for part in x.split(SMALL_ROWS)])
+
+    def widened(self, x: torch.Tensor) -> torch.Tensor:
+        wide = torch.float32 if x.device.type == "cpu" else x.dtype
+        return torch.cat([F.linear(x.to(wide), w) for w in self._widened(wide)], dim=-1).to(x.dtype)
+
+    def _widened(self, dtype: torch.dtype):
+        """The weight in row chunks of about WIDE_CHUNK values, each [rows, in] in `dtype`."""
+        step = max(1, WIDE_CHUNK // self.in_features)
+        for start in range(0, self.out_features, step):
+            rows = slice(start, start + step)
+            mins = None if self.mins is None else self.mins[rows]
+            yield affine(self.codes[rows], self.scales[rows], mins, self.group).to(dtype)
+
+    def add_bf16_copy(self) -> None:
+        """Keep W^T [K, N] in bfloat16 (widened a chunk at a time) for steps of more than SMALL_ROWS rows."""
+        if self.bf16_t is None and self.copies:
+            self.bf16_t = torch.cat([w.t() for w in self._widened(torch.bfloat16)], dim=1).contiguous()
+            self.pick_kernels()
+
 
 def _q8_row(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """x [1, K] times the group-wise int8 weight q [K/G, G, N] (scales [K/G, N]) -> [1, N] float32."""
@@ -313,81 +607,6 @@ def slow_half(device: torch.device) -> bool:
 @functools.cache
 def _native_half_cpu() -> bool:
     return bool(torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
-
-
-GEMV_DTYPES = (torch.float32, torch.bfloat16)   # activations the C++ GEMVs take
-WIDE_CHUNK = 1 << 22     # int8 groups widened this many weights at a time (a 262144-row head: 64 MiB, not 671)
-
-
-class Int8GroupLinear(KeptLinear):
-    """y = x W^T + b with W as int8 codes in groups along the input channels, a float32 scale per
-    group (and a float32 minimum where the GGUF type has one): GGUF's Q8_0 / Q5_0 / Q5_1 / Q5_K
-    (groups of 32) and Q6_K (16), held exactly (gguf_blocks.py).
-    - up to SMALL_ROWS rows on CPU: kvserve's C++ GEMV `q8g_gemv` (float32 sums), else the same
-      formula in torch;
-    - more rows: one bfloat16 GEMM on the bfloat16 copy when the engine keeps one (add_bf16_copy),
-      else the weight widened to float32 (the activations' dtype off the CPU) inside the matmul,
-      WIDE_CHUNK weights at a time.
-    `copies=False` (a tied LM head, whose copy would be the largest tensor of a small model): no
-    bfloat16 copy; its steps of more rows run the C++ GEMV SMALL_ROWS rows at a time."""
-
-    fmt = "int8g"
-
-    def __init__(self, groups: Int8Groups, bias: torch.Tensor | None = None, copies: bool = True,
-                 device: torch.device | None = None):
-        """`device`: where the layer runs (QuantLinear's), default the codes'."""
-        super().__init__()
-        self.copies = copies
-        self.out_features, self.in_features = groups.codes.shape
-        self.group = groups.group
-        self.register_buffer("codes", groups.codes.contiguous())
-        self.register_buffer("scales", groups.scales.float().contiguous())
-        self.register_buffer("mins", None if groups.mins is None else groups.mins.float().contiguous())
-        self.register_buffer("bf16_t", None)   # add_bf16_copy
-        self.bias = _bias(bias)
-        self.kernel = q8g_kernel(device or groups.codes.device)
-        self.few_rows = _q8g_gemv if self.kernel else _q8g_torch
-        # more rows without a copy: the head (run eagerly) stays on the GEMV, a layer of the compiled
-        # stack widens its weight (a fixed graph for any row count)
-        self.many_rows = self._gemv_chunks if self.kernel and not copies else self._widened_matmul
-
-    def groups(self) -> Int8Groups:
-        return Int8Groups(self.codes, self.scales, self.mins, self.group)
-
-    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """The weight [out, in] (the reference for every kernel)."""
-        return self.groups().dequantize(dtype)
-
-    def _matmul(self, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[0] <= SMALL_ROWS and x.dtype in GEMV_DTYPES:
-            return self.few_rows(x.contiguous(), self.codes, self.scales, self.mins, self.group)
-        if self.bf16_t is not None:
-            return torch.mm(x.to(torch.bfloat16), self.bf16_t).to(x.dtype)
-        return self.many_rows(x)
-
-    def _gemv_chunks(self, x: torch.Tensor) -> torch.Tensor:
-        """SMALL_ROWS rows at a time on the GEMV (eager callers only: the chunk count follows the rows)."""
-        if x.dtype not in GEMV_DTYPES:
-            return self._widened_matmul(x)
-        return torch.cat([self.few_rows(part.contiguous(), self.codes, self.scales, self.mins, self.group)
-                          for part in x.split(SMALL_ROWS)])
-
-    def _widened_matmul(self, x: torch.Tensor) -> torch.Tensor:
-        wide = torch.float32 if x.device.type == "cpu" else x.dtype
-        return torch.cat([F.linear(x.to(wide), w) for w in self._widened(wide)], dim=-1).to(x.dtype)
-
-    def _widened(self, dtype: torch.dtype):
-        """The weight in row chunks of about WIDE_CHUNK values, each [rows, in] in `dtype`."""
-        step = max(1, WIDE_CHUNK // self.in_features)
-        for start in range(0, self.out_features, step):
-            rows = slice(start, start + step)
-            mins = None if self.mins is None else self.mins[rows]
-            yield affine(self.codes[rows], self.scales[rows], mins, self.group).to(dtype)
-
-    def add_bf16_copy(self) -> None:
-        """Keep W^T [K, N] in bfloat16 (widened a chunk at a time) for steps of more than SMALL_ROWS rows."""
-        if self.bf16_t is None and self.copies:
-            self.bf16_t = torch.cat([w.t() for w in self._widened(torch.bfloat16)], dim=1).contiguous()
 
 
 def _q8g_gemv(x, codes, scales, mins, group):
@@ -451,13 +670,13 @@ class FusedMember(nn.Module):
 
 
 def quantize_model(model: nn.Module, fmt: str) -> None:
-    """Replace every linear layer of `model` (fused groups first) by a QuantLinear in `fmt`."""
+    """Replace every linear layer of `model` (fused groups first) by the layer class of `fmt`."""
     members = set()
     embeddings = {id(m.weight): m.weight for m in model.modules() if isinstance(m, nn.Embedding)}
     for module in list(model.modules()):
         for group in getattr(module, "fused", ()):
             if group.weight is not None:
-                group.quant = QuantLinear(group.weight, group.bias, fmt)
+                group.quant = make_linear(group.weight, group.bias, fmt)
                 group.weight = group.bias = None
                 members.update(id(m) for m in group.linears)
                 _replace_members(module, group)
@@ -466,7 +685,7 @@ def quantize_model(model: nn.Module, fmt: str) -> None:
             if isinstance(child, nn.Linear) and id(child) not in members and name not in FLOAT_ONLY:
                 head = name in FLOAT_HEAD and fmt not in FLOAT_FORMATS
                 tied = embeddings.get(id(child.weight)) if head else None
-                setattr(parent, name, QuantLinear(child.weight, child.bias, HEAD_FORMAT if head else fmt, tied))
+                setattr(parent, name, make_linear(child.weight, child.bias, HEAD_FORMAT if head else fmt, tied))
 
 
 def _replace_members(module: nn.Module, group) -> None:
@@ -479,7 +698,7 @@ def _replace_members(module: nn.Module, group) -> None:
 def keep_formats(model: nn.Module, kept: dict[str, KeptTensor], device: torch.device | None = None) -> None:
     """Give `model` (built on the meta device, its float tensors loaded) a layer per GGUF weight in
     `kept` (HF name -> its kept layout): every fused group and linear, the embedding, a tied LM
-    head on the embedding's own codes. `device`: where the layers run (QuantLinear's), default
+    head on the embedding's own codes. `device`: where the layers run (make_linear's), default
     the layouts' own."""
     names = {id(m): name for name, m in model.named_modules()}
 
@@ -524,18 +743,15 @@ def _keep_group(module: nn.Module, group, members: list[KeptTensor], device: tor
 def _tied_head(head: nn.Linear, embed: nn.Module, device: torch.device | None) -> nn.Module:
     """The LM head over the embedding's own weight: its codes (no copy), or its float tensor."""
     if isinstance(embed, GroupEmbedding):
-        return Int8GroupLinear(embed.groups(), copies=False, device=device)
+        return make_linear(embed.groups(), None, "int8g", device=device, copies=False)
     head.weight = embed.weight
     return head
 
 
 def kept_layer(t: KeptTensor, bias: torch.Tensor | None, device: torch.device | None = None) -> KeptLinear:
     """The layer holding one kept GGUF weight, to run on `device` (default: the layout's)."""
-    if t.kind == "int8g":
-        return Int8GroupLinear(t.layout, bias, device=device)
-    if t.kind == "int4":
-        return QuantLinear(t.layout, bias, "int4", device=device)
-    return QuantLinear(t.layout, bias, str(t.layout.dtype).removeprefix("torch."), device=device)
+    fmt = str(t.layout.dtype).removeprefix("torch.") if t.kind == "float" else t.kind
+    return make_linear(t.layout, bias, fmt, device=device)
 
 
 def fuse_kept(members: list[KeptTensor]) -> KeptTensor | None:

@@ -7,7 +7,7 @@ int8 codes with a float32 scale (and min) per group of 16 or 32 inputs, a GGUF b
 against torch's headers with the system compiler (kvserve/native.py: cached, keyed by source,
 flags and CPU; $KVSERVE_CPU_KERNEL_FLAGS adds compiler flags, e.g. `-mno-avx512f` for the portable
 vector path) and loads with `torch.ops.load_library`, so compiled graphs call the ops through
-the dispatcher. `available()` is False where the build fails (logged once); QuantLinear then keeps
+the dispatcher. `available()` is False where the build fails (logged once); the layers (model/quant.py) then keep
 torch's kernels.
 """
 
