@@ -8,7 +8,7 @@ import torch
 from family_checkpoints import make_tiny_checkpoint
 from helpers import all_blocks_free
 
-from kvserve import LLM, SamplingParams, attention
+from kvserve import LLM, SamplingParams
 from kvserve.attention import AttentionMetadata, PrefillSpan
 from kvserve.kv.policies import (
     KVPolicy,
@@ -398,17 +398,21 @@ def test_int8_cache_with_rerotation_stays_close(tiny1):
 # ---- scores, per-layer selection, freed blocks --------------------------------------------------------
 
 
-def test_h2o_scores_equal_attention_from_a_math_path(tiny1):
+def test_h2o_scores_equal_attention_from_a_math_path(tiny1, monkeypatch):
     llm = tiny_llm(tiny1, "h2o:100,100")
     eng = llm.engine
     prompt = list(range(5, 25))
     seen = []
-    attention.OBSERVERS.append(lambda layer, q, k, v, scale, window: seen.append((q, k, scale)))
-    try:
-        eng.add_request(prompt, greedy(2))
-        eng.step()  # the prompt, one chunk
-    finally:
-        attention.OBSERVERS.clear()
+    prepare = eng.runner.prepare
+
+    def observed(scheduled):   # the step's forward reports each layer's q, k to `seen`
+        inp = prepare(scheduled)
+        inp.meta.observers = (lambda layer, q, k, v, scale, window: seen.append((q, k, scale)),)
+        return inp
+
+    monkeypatch.setattr(eng.runner, "prepare", observed)
+    eng.add_request(prompt, greedy(2))
+    eng.step()  # the prompt, one chunk
     (q, k, scale), = seen
     st = next(iter(eng.evictor.states.values()))
     logits = torch.einsum("qhd,khd->hqk", q, k.repeat_interleave(2, dim=1)) * scale

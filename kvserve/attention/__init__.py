@@ -28,13 +28,10 @@ from kvserve.attention.metadata import (
 )
 from kvserve.attention.paged import paged_decode, plan_chunks
 
-__all__ = ["MHA", "MLA", "NO_CACHE", "OBSERVERS", "AttentionBackends", "AttentionMetadata", "Context", "DecodeChunks",
+__all__ = ["MHA", "MLA", "NO_CACHE", "AttentionBackends", "AttentionMetadata", "Context", "DecodeChunks",
            "DecodeRange", "GatheredBackend", "GatheredMetadata", "NoCacheBackend", "OneTokenInputs", "PagedBackend",
            "PagedMetadata", "PrefillSpan", "StepBatch", "attend", "attention", "paged_decode", "plan_chunks",
            "select_backend", "window_mask"]
-
-# Callbacks (layer, q, k, v, scale, window) that see every `attend` call: KV calibration uses this.
-OBSERVERS: list = []
 
 _MHA = MHA()
 
@@ -49,6 +46,6 @@ def attention(layer: int, q: torch.Tensor, new: list[torch.Tensor], meta: Attent
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, meta: AttentionMetadata,
            scale: float, window: int | None = None) -> torch.Tensor:
     """Multi-head attention: q [T, Hq, D], k/v [T, Hkv, D] for the new tokens -> out [T, Hq, D]."""
-    for observe in OBSERVERS:
+    for observe in meta.observers:
         observe(layer, q, k, v, scale, window)
     return attention(layer, q, [k, v], meta, scale, window, _MHA)

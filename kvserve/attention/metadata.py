@@ -120,6 +120,9 @@ class AttentionMetadata:
     # A single decode token over native paged K/V in every layer: the captured step's inputs (it
     # writes and reads the cache itself, model/regions.py); None: attention goes through the backends.
     one_token: OneTokenInputs | None = None
+    # Callbacks (layer, q, k, v, scale, window) that see every `attend` call of this forward (KV
+    # calibration's capture of the model's queries, keys and values).
+    observers: tuple = ()
 
 
 def window_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None) -> torch.Tensor:

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from kvserve.attention import OBSERVERS, AttentionMetadata, PrefillSpan, window_mask
+from kvserve.attention import AttentionMetadata, PrefillSpan, window_mask
 from kvserve.kv.formats import canonical_kv_dtype, hadamard, make_codec, roundtrip
 from kvserve.kv.spec import KVGroup
 
@@ -49,12 +49,8 @@ def capture_qkv(model, ids: list[int], device) -> dict[int, tuple]:
         seen[layer] = (q.float().cpu(), k.float().cpu(), v.float().cpu(), scale, window)
 
     n = len(ids)
-    OBSERVERS.append(observe)
-    try:
-        model(torch.tensor(ids, device=device), torch.arange(n, device=device),
-              AttentionMetadata(prefills=[PrefillSpan(0, n, n)]))
-    finally:
-        OBSERVERS.remove(observe)
+    model(torch.tensor(ids, device=device), torch.arange(n, device=device),
+          AttentionMetadata(prefills=[PrefillSpan(0, n, n)], observers=(observe,)))
     return seen
 
 

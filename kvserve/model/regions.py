@@ -20,7 +20,6 @@ import logging
 import torch
 from tqdm.auto import tqdm
 
-from kvserve.attention import OBSERVERS
 from kvserve.model import quant
 from kvserve.model.graph_code import private_copy
 
@@ -119,7 +118,7 @@ class Regions:
     def run(self, layers, x: torch.Tensor, positions: torch.Tensor, meta) -> torch.Tensor:
         """x through every layer: layer i's attention, then the region up to layer i + 1's."""
         if self.one_token is not None and x.shape[0] == 1:
-            if meta.one_token is not None and not OBSERVERS:
+            if meta.one_token is not None:
                 return self._paged(layers, x, positions, meta.one_token)
             return self._one_token(layers, x, positions, meta)
         q, k, v = self.first(layers[0], x, positions)
