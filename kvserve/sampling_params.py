@@ -76,6 +76,61 @@ def as_retention(value: object) -> KVRetention | None:
     return KVRetention(**value)
 
 
+@dataclass(frozen=True)
+class StructuredOutputsParams:
+    """A constraint on the tokens a request may generate (vLLM's StructuredOutputsParams): exactly one
+    of `json` (a JSON schema, as a dict or its JSON text), `json_object` (any JSON object), `regex`,
+    `choice` (one of these strings), `grammar` (an EBNF grammar, GBNF-style: root ::= ...) or
+    `structural_tag` (xgrammar's structural tag, as JSON text). `disable_any_whitespace`: JSON with no
+    whitespace but one space after each ',' and ':'. A schema's objects take only the keys it names unless it says
+    `additionalProperties` (OpenAI's strict mode)."""
+
+    json: str | dict | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    structural_tag: str | None = None
+    disable_any_whitespace: bool = False
+
+    KINDS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
+
+    def __post_init__(self) -> None:
+        given = [k for k in self.KINDS if getattr(self, k) not in (None, False)]
+        if len(given) != 1:
+            raise ValueError(f"structured_outputs takes exactly one of {list(self.KINDS)}, got "
+                             f"{given or 'none'}")
+        if self.choice is not None:
+            choice = list(self.choice)
+            _check("structured_outputs.choice", self.choice,
+                   bool(choice) and all(isinstance(c, str) and c for c in choice), "a list of non-empty strings")
+            object.__setattr__(self, "choice", choice)
+        for name in ("regex", "grammar", "structural_tag"):
+            value = getattr(self, name)
+            _check(f"structured_outputs.{name}", value, value is None or (isinstance(value, str) and value),
+                   "a non-empty string")
+        _check("structured_outputs.json", self.json, self.json is None or isinstance(self.json, (str, dict)),
+               "a JSON schema (an object, or its JSON text)")
+
+    @property
+    def kind(self) -> str:
+        """Which constraint this is (one of KINDS)."""
+        return next(k for k in self.KINDS if getattr(self, k) not in (None, False))
+
+
+def as_structured_outputs(value: object) -> StructuredOutputsParams | None:
+    """StructuredOutputsParams from None, itself or a dict of its fields (ValueError naming what is wrong)."""
+    if value is None or isinstance(value, StructuredOutputsParams):
+        return value
+    names = [f.name for f in fields(StructuredOutputsParams)]
+    if not isinstance(value, dict):
+        raise ValueError(f"structured_outputs must be an object with some of {names}, got {value!r}")
+    unknown = sorted(set(value) - set(names))
+    if unknown:
+        raise ValueError(f"structured_outputs has unknown keys {unknown}; use {names}")
+    return StructuredOutputsParams(**value)
+
+
 class RequestOutputKind(enum.IntEnum):
     """What the engine's outputs for a request hold (vLLM's names)."""
 
@@ -120,6 +175,7 @@ class SamplingParams:
     cache_salt: str | None = None  # shares prefix-cache blocks only with requests of the same salt
     kv_retention: KVRetention | dict | None = None  # pin the prompt's blocks in the prefix cache
     output_kind: RequestOutputKind | int | None = None  # what each output holds; None = CUMULATIVE
+    structured_outputs: StructuredOutputsParams | dict | None = None  # a grammar the output follows
 
     def __post_init__(self) -> None:
         self.stop = _normalise_stop(self.stop)
@@ -131,6 +187,7 @@ class SamplingParams:
         check_cache_salt(self.cache_salt)
         self.output_kind = _output_kind(self.output_kind)
         self.kv_retention = as_retention(self.kv_retention)
+        self.structured_outputs = as_structured_outputs(self.structured_outputs)
         if self.kv_policy is not None:
             from kvserve.kv.policies import parse_policy
             parse_policy(self.kv_policy)

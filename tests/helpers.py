@@ -33,10 +33,10 @@ class PoisonedSampler:
     def __getattr__(self, name):
         return getattr(self.real, name)
 
-    def __call__(self, logits, inputs):
+    def __call__(self, logits, inputs, bitmask=None):
         logits = logits.clone()
         for row, inp in enumerate(inputs):
             seed = inp.params.seed
             if seed is not None and seed >= 1000 and len(inp.output_token_ids) == seed - 1000:
                 logits[row] = float("nan")
-        return self.real(logits, inputs)
+        return self.real(logits, inputs, bitmask)

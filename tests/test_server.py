@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -246,6 +247,59 @@ def test_chat_streamed_equals_non_streamed(server, engine):
     assert (usage.prompt_tokens, usage.completion_tokens, usage.total_tokens) == (
         full.usage.prompt_tokens, full.usage.completion_tokens, full.usage.total_tokens)
     assert usage.prompt_tokens_details.cached_tokens > 0  # the same conversation again: a prefix hit
+
+
+PERSON_SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 20},
+                                                "age": {"type": "integer"}}, "required": ["name", "age"]}
+
+
+def test_response_format_json_schema_and_structured_outputs_equal_the_engine(server, engine):
+    """OpenAI's response_format (json_schema, json_object) on chat, vLLM's structured_outputs extra on
+    completions (a choice, streamed too): the server's text is the engine's under the same
+    constraint, and it parses as the schema says."""
+    import jsonschema
+
+    from kvserve import SamplingParams
+    client = server.client()
+    messages = [{"role": "user", "content": "Describe a famous painter as JSON."}]
+    fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON_SCHEMA, "strict": True}}
+    got = client.chat.completions.create(model=server.model, messages=messages, max_tokens=60, temperature=0,
+                                         response_format=fmt)
+    want = engine.chat(messages, SamplingParams(max_tokens=60, temperature=0,
+                                                structured_outputs={"json": PERSON_SCHEMA}))[0].outputs[0]
+    assert got.choices[0].message.content == want.text and got.choices[0].finish_reason == "stop"
+    jsonschema.validate(json.loads(want.text), PERSON_SCHEMA)
+    obj = client.chat.completions.create(model=server.model, messages=messages, max_tokens=60, temperature=0,
+                                         response_format={"type": "json_object"})
+    want_obj = engine.chat(messages, SamplingParams(max_tokens=60, temperature=0,
+                                                    structured_outputs={"json_object": True}))[0].outputs[0]
+    assert obj.choices[0].message.content == want_obj.text
+    choice = {"structured_outputs": {"choice": ["red", "green", "blue"]}}
+    done = client.completions.create(model=server.model, prompt="The sky on a clear day is", max_tokens=5,
+                                     temperature=0, extra_body=choice)
+    assert done.choices[0].text in ("red", "green", "blue")
+    streamed = "".join(c.choices[0].text for c in client.completions.create(
+        model=server.model, prompt="The sky on a clear day is", max_tokens=5, temperature=0, stream=True,
+        extra_body=choice) if c.choices)
+    assert streamed == done.choices[0].text
+
+
+@pytest.mark.parametrize("body,why", [
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "objekt"}}}},
+     "structured_outputs.json cannot be compiled"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "needs json_schema.schema"),
+    ({"structured_outputs": {"regex": "(("}}, "structured_outputs.regex cannot be compiled"),
+    ({"structured_outputs": {"choice": ["a"], "regex": "a"}}, "exactly one of"),
+    ({"response_format": {"type": "json_object"}, "structured_outputs": {"choice": ["a"]}}, "not both"),
+])
+def test_a_constraint_that_cannot_compile_gets_400_and_the_server_keeps_serving(server, body, why):
+    import openai
+    client = server.client()
+    with pytest.raises(openai.BadRequestError, match=re.escape(why)):
+        client.chat.completions.create(model=server.model, messages=[{"role": "user", "content": "hi"}],
+                                       max_tokens=4, extra_body=body)
+    ok = client.completions.create(model=server.model, prompt="hi", max_tokens=1)
+    assert ok.choices[0].finish_reason == "length"
 
 
 def _assert_logprobs_match(got: list[float], got_top: list[list[float]], want, tol: float = 1e-3) -> None:

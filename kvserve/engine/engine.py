@@ -30,6 +30,7 @@ from kvserve.kv.eviction import KeepAll
 from kvserve.outputs import RequestOutput
 from kvserve.sampling_params import SamplingParams, check_cache_salt
 from kvserve.startup import phase
+from kvserve.structured.outputs import StructuredOutputs
 
 PromptType = str | list[int] | dict
 SampleFn = Callable[[torch.Tensor, list[Request]], None]
@@ -69,6 +70,7 @@ class LLMEngine:
         self.max_model_len = loaded.max_model_len
         self.stats = EngineStats()
         self.sampler = Sampler(loaded.eos_ids(), self.model_config.vocab_size, config.seed)
+        self.structured = StructuredOutputs(self.tokenizer, self.model_config.vocab_size, loaded.eos_ids())
         with phase("KV pool"):
             self._build_cache(loaded)
         self.output_processor = OutputProcessor(self.tokenizer, self.sampler.eos_token_ids, self.stats, self.release)
@@ -142,7 +144,8 @@ class LLMEngine:
         rid = request_id or str(next(self._ids))
         if rid in self.groups:
             raise ValueError(f"request_id {rid!r} is already in use")
-        req = Request(rid, ids, params, prompt=text, generator=_generator(params.seed, self.device), kv_policy=policy)
+        req = Request(rid, ids, params, prompt=text, generator=_generator(params.seed, self.device), kv_policy=policy,
+                      grammar=self.structured.grammar(params.structured_outputs))
         if chunk < self.config.max_num_batched_tokens:
             req.prefill_chunk = chunk
         return req
@@ -239,7 +242,7 @@ class LLMEngine:
         inputs = [SamplingInput(r.params, r.prompt_token_ids, r.output_token_ids, r.generator,
                                 r.params.n if r.index == 0 and r.num_output_tokens == 0 else 1) for r in reqs]
         try:
-            results = self.sampler(logits, inputs)
+            results = self.sampler(logits, inputs, self.structured.bitmask([r.grammar for r in reqs]))
         except SamplingError as exc:  # nothing was drawn: fail those requests, sample the rest
             for i in exc.rows:
                 self.output_processor.fail(reqs[i], _sampling_failure(reqs[i].params))
@@ -252,13 +255,20 @@ class LLMEngine:
             for i in range(1, len(res.token_ids)):  # n > 1: the other samples fork from the first
                 child = self.fork(req, f"{req.request_id}#{i}", i, _generator(req.params.seed, self.device, i))
                 self.output_processor.add(child)
-                self.output_processor.append(child, res.token_ids[i], res.logprobs[i], top[i])
-            self.output_processor.append(req, res.token_ids[0], res.logprobs[0], top[0])
+                self.append_token(child, res.token_ids[i], res.logprobs[i], top[i])
+            self.append_token(req, res.token_ids[0], res.logprobs[0], top[0])
 
     # ---- the step API for drivers (sample functions) ----------------------------------------------
     def append_token(self, req: Request, token: int, logprob: float = 0.0, top=None) -> None:
-        """Give `req` its next token: text, stop strings, EOS and max_tokens apply as after sampling."""
+        """Give `req` its next token: text, stop strings, EOS and max_tokens apply as after sampling;
+        a constrained request's grammar advances by it and ends the request once it is complete."""
+        grammar = req.grammar
+        if grammar is not None and not grammar.accept(token):
+            self.output_processor.fail(req, f"token {token} is outside the request's structured_outputs grammar")
+            return
         self.output_processor.append(req, token, logprob, top)
+        if grammar is not None and grammar.done and not req.is_finished:
+            self.output_processor.finish(req, RequestStatus.FINISHED_STOPPED)
 
     def fork(self, parent: Request, request_id: str, index: int = 0,
              generator: torch.Generator | None = None) -> Request:

@@ -14,6 +14,7 @@ import torch
 
 from kvserve.outputs import Logprob
 from kvserve.sampling_params import SamplingParams
+from kvserve.structured.grammar import apply_bitmask
 
 _NEG_INF = float("-inf")
 _FLOAT32_MAX = torch.finfo(torch.float32).max
@@ -304,12 +305,16 @@ class Sampler:
                 tokens[i] = toks
         return tokens
 
-    def __call__(self, logits: torch.Tensor, inputs: list[SamplingInput]) -> list[SampleResult]:
-        """Sample `num_samples` tokens per row. logits: [num_rows, vocab]."""
+    def __call__(self, logits: torch.Tensor, inputs: list[SamplingInput],
+                 bitmask: torch.Tensor | None = None) -> list[SampleResult]:
+        """Sample `num_samples` tokens per row. logits: [num_rows, vocab]; `bitmask` (int32 [rows,
+        words], structured outputs) allows only its tokens, before any other processing (reported
+        log-probs stay the model's)."""
         if not inputs:
             return []
         logits = self._check_logits(logits, inputs)
-        processed = process_logits(logits, inputs, self.eos_token_ids)
+        allowed = logits if bitmask is None else apply_bitmask(logits.clone(), bitmask)
+        processed = process_logits(allowed, inputs, self.eos_token_ids)
         _check_rows(processed)
         tokens = self._sample_tokens(processed, inputs)
         lse = logits.logsumexp(dim=-1)  # [rows]

@@ -13,7 +13,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_serializer
 
-from kvserve.sampling_params import SamplingParams
+from kvserve.sampling_params import SamplingParams, StructuredOutputsParams, as_structured_outputs
 
 MAX_N = 128
 MAX_SEED = 2**63 - 1 - MAX_N  # torch generators take 64-bit seeds; forks add their index
@@ -33,6 +33,32 @@ class StreamOptions(_Request):
 
     include_usage: bool = False
     continuous_usage_stats: bool = False
+
+
+class JsonSchemaFormat(_Request):
+    """response_format.json_schema (OpenAI's): a named JSON schema the output follows."""
+
+    name: str | None = None
+    description: str | None = None
+    json_schema: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Request):
+    """response_format: plain text, any JSON object, or a JSON schema (OpenAI's shapes)."""
+
+    type: Literal["text", "json_object", "json_schema"] = "text"
+    json_schema: JsonSchemaFormat | None = None
+
+    def structured_outputs(self) -> StructuredOutputsParams | None:
+        if self.type == "text":
+            return None
+        if self.type == "json_object":
+            return StructuredOutputsParams(json_object=True)
+        if self.json_schema is None or self.json_schema.json_schema is None:
+            raise ValueError("response_format of type 'json_schema' needs json_schema.schema: "
+                             "{\"type\": \"json_schema\", \"json_schema\": {\"name\": ..., \"schema\": {...}}}")
+        return StructuredOutputsParams(json=self.json_schema.json_schema)
 
 
 class _SamplingRequest(_Request):
@@ -61,6 +87,15 @@ class _SamplingRequest(_Request):
     kv_policy: str | None = None   # kvserve extra: KV eviction for this request (docs/EVICTION.md)
     cache_salt: str | None = None  # vLLM's: share prefix-cache blocks only with requests of this salt
     kv_retention: dict[str, Any] | None = None  # kvserve extra: pin the prompt's blocks (priority, ttl_s, max_tokens)
+    response_format: ResponseFormat | None = None
+    structured_outputs: dict[str, Any] | None = None  # vLLM's: json, regex, choice, grammar, json_object, ...
+
+    def _structured(self) -> StructuredOutputsParams | None:
+        """The output's constraint: response_format or vLLM's structured_outputs (not both)."""
+        from_format = self.response_format.structured_outputs() if self.response_format is not None else None
+        if from_format is not None and self.structured_outputs is not None:
+            raise ValueError("give either response_format or structured_outputs, not both")
+        return from_format or as_structured_outputs(self.structured_outputs)
 
     def _sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         """SamplingParams from the request; raises ValueError naming a bad field."""
@@ -76,7 +111,7 @@ class _SamplingRequest(_Request):
             max_tokens=max_tokens, min_tokens=self.min_tokens, ignore_eos=self.ignore_eos,
             logprobs=logprobs, skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output, kv_policy=self.kv_policy,
-            cache_salt=self.cache_salt, kv_retention=self.kv_retention,
+            cache_salt=self.cache_salt, kv_retention=self.kv_retention, structured_outputs=self._structured(),
             **{k: v for k, v in given.items() if v is not None})
 
     @property
@@ -149,12 +184,6 @@ class ChatMessage(_Request):
         return out
 
 
-class ResponseFormat(_Request):
-    """response_format: only plain text is supported."""
-
-    type: str = "text"
-
-
 class ChatCompletionRequest(_SamplingRequest):
     """POST /v1/chat/completions."""
 
@@ -165,7 +194,6 @@ class ChatCompletionRequest(_SamplingRequest):
     top_logprobs: int | None = None
     tools: list[Any] | None = None
     tool_choice: Any = None
-    response_format: ResponseFormat | None = None
     add_generation_prompt: bool = True
 
     def conversation(self) -> list[dict]:
@@ -184,8 +212,6 @@ class ChatCompletionRequest(_SamplingRequest):
             raise ValueError("tools are not supported; leave them out")
         if self.tool_choice not in (None, "none"):
             raise ValueError("tool_choice is not supported; leave it out")
-        if self.response_format is not None and self.response_format.type != "text":
-            raise ValueError("response_format must be {'type': 'text'}; structured output is not supported")
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs: true")
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
