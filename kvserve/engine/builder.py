@@ -311,6 +311,8 @@ class CachePlanner:
         self.device = device
         self.max_model_len = loaded.max_model_len
         self.policy = parse_policy(cfg.kv_policy) if cfg.kv_policy else None   # engine-wide default
+        # Under a kv_policy every layer gets its own group: H2O and SnapKV keep different tokens per
+        # layer, and a group's layers share one table (docs/EVICTION.md).
         self.groups = group_layers(loaded.model.kv_specs(), size=1 if self.policy is not None else None)
         self.format = self._kv_format()   # kv/formats.py: how K/V are stored, what a token costs
         self.residual_rows = 0
@@ -451,7 +453,7 @@ class CachePlanner:
         return kv, storage
 
     def _eviction(self, storage: KVStorage):
-        """The manager's eviction strategy under the kv_policy (it needs one layer per KV group), or None."""
+        """The manager's eviction strategy under the kv_policy, or None."""
         if self.policy is None:
             return None
         return evictor_factory(storage, self.loaded.model, self.groups)
