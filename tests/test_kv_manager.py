@@ -635,3 +635,64 @@ def test_a_reset_without_offload_tells_no_listener():
     assert m.reset_prefix_cache() == 3 and m.pool.num_cached == 0
     assert rec.calls == []
     assert m.allocate_slots("c", 0, 8) and rec.calls == []   # the forgotten blocks are reused silently
+
+
+# ---- what KV eviction asks of the manager (kv/evictor.py) ---------------------------------------
+def two_layer_groups() -> list[KVGroup]:
+    return [KVGroup(KVSpec("full"), [0]), KVGroup(KVSpec("full"), [1])]
+
+
+def test_shared_indices_name_forked_and_hashed_blocks():
+    m, B = make(12, 4, groups=two_layer_groups())
+    admit(m, "a", list(range(1, 11)))               # 10 tokens: 2 full (hashed) blocks + 1 partial per group
+    assert m.block_ids("a", 0) == B[0:3] and m.block_ids("a", 1) == B[3:6]
+    assert m.shared_indices("a", 0, 3) == [0, 1]     # hashed: the prefix cache names them
+    m.fork("a", "b")
+    assert m.shared_indices("b", 1, 3) == [0, 1, 2]  # all held twice
+    assert m.shared_indices("b", 1, 2) == [0, 1]     # only below `end`
+    m.free("a")
+    assert m.shared_indices("b", 0, 3) == [0, 1] and not m.is_shared(B[2])
+    assert m.has_request("b") and not m.has_request("a")
+    assert m.blocks_held("b") == 6 and m.blocks_held("a") == 0
+
+
+def test_unshare_swaps_in_fresh_blocks_after_the_copy_and_releases_the_old():
+    m, B = make(12, 4, groups=two_layer_groups())
+    admit(m, "a", list(range(1, 11)))
+    m.fork("a", "b")
+    copied = []
+    pairs = m.unshare("b", [(0, 0), (1, 2)], lambda p: copied.append((list(p), m.block_ids("b", 0)[:])))
+    assert pairs == [(B[0], B[6]), (B[5], B[7])]
+    assert copied == [([(B[0], B[6]), (B[5], B[7])], B[0:3])]   # the copy runs before the tables change
+    assert m.block_ids("b", 0) == [B[6], B[1], B[2]] and m.block_ids("b", 1) == [B[3], B[4], B[7]]
+    assert m.block_ids("a", 0) == B[0:3] and m.block_ids("a", 1) == B[3:6]   # the sibling keeps its own
+    assert refs(m, B[:8]) == [1, 2, 2, 2, 2, 1, 1, 1]
+    assert m.pool.num_free == 4
+
+
+def test_unshare_on_a_short_pool_changes_nothing():
+    m, B = make(8, 4, groups=two_layer_groups())
+    admit(m, "a", list(range(1, 11)))                # 6 of 8 blocks taken: 2 free
+    m.fork("a", "b")
+    before = snapshot(m)
+    assert m.unshare("b", [(0, 0), (0, 1), (0, 2)], lambda p: pytest.fail("no copy on a short pool")) is None
+    assert snapshot(m) == before
+
+
+def test_release_tail_frees_the_blocks_behind_the_kept_ones():
+    m, B = make(12, 4, groups=two_layer_groups())
+    admit(m, "a", list(range(1, 11)))
+    assert m.release_tail("a", 0, 1) == 2            # keep block 0 of group 0
+    assert m.block_ids("a", 0) == [B[0]] and m.block_ids("a", 1) == B[3:6]
+    assert refs(m, B[:6]) == [1, 0, 0, 1, 1, 1]
+    assert m.pool.num_free == 8 and m.blocks_held("a") == 4
+    queue = list(m.pool.free_queue)
+    assert queue[0] == B[2] and queue[-1] == B[1]    # the unhashed block is reused first, the cached one last
+    assert m.release_tail("a", 1, 3) == 0 and m.block_ids("a", 1) == B[3:6]
+
+
+def test_slots_map_cache_indices_through_the_group_table():
+    m, B = make(12, 4, groups=two_layer_groups())
+    admit(m, "a", list(range(1, 11)))
+    slots = m.slots("a", 1, torch.tensor([0, 5, 9]))
+    assert slots.tolist() == [B[3] * 4 + 0, B[4] * 4 + 1, B[5] * 4 + 1]

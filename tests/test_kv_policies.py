@@ -1,4 +1,4 @@
-"""KV eviction (kv/policies.py, engine/eviction.py): selection on hand-built scores, decode equal to a
+"""KV eviction (kv/policies.py, kv/evictor.py): selection on hand-built scores, decode equal to a
 no-cache recompute over exactly the kept tokens, blocks given back to the pool, long streams."""
 
 import math

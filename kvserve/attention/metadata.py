@@ -53,7 +53,7 @@ class GatheredMetadata(SpanMetadata):
 
     decode_idx: torch.Tensor | None = None     # [num_decodes, L] slots each decode attends over (padded)
     decode_mask: torch.Tensor | None = None    # [num_decodes, 1, 1, L] bool
-    # KV eviction (engine/eviction.py), for groups whose attention scores it watches: called as
+    # KV eviction (kv/evictor.py), for groups whose attention scores it watches: called as
     # scores(layer, ctx, q[ctx.rows], keys, scale) for every context, so H2O / SnapKV can see the
     # attention their requests' cached entries receive.
     scores: Callable | None = None

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from kvserve.config import DTYPES, EAGER_ENV, EngineConfig
-from kvserve.engine.eviction import Evictor, extend_positions
+from kvserve.engine.eviction import evictor_factory, extend_positions
 from kvserve.engine.memory import (
     PoolPlan,
     check_fits,
@@ -311,6 +311,8 @@ class CachePlanner:
         self.device = device
         self.max_model_len = loaded.max_model_len
         self.policy = parse_policy(cfg.kv_policy) if cfg.kv_policy else None   # engine-wide default
+        # Under a kv_policy every layer gets its own group: H2O and SnapKV keep different tokens per
+        # layer, and a group's layers share one table (docs/EVICTION.md).
         self.groups = group_layers(loaded.model.kv_specs(), size=1 if self.policy is not None else None)
         self.format = self._kv_format()   # kv/formats.py: how K/V are stored, what a token costs
         self.residual_rows = 0
@@ -432,7 +434,7 @@ class CachePlanner:
         The pool comes first: the storage asks it which blocks are free, the tiers check it before
         writing, the manager runs on it. `events`: the KV events queue; `tiers`: build the tiers of
         `kv_tiers` (kept in `self.tiers`) below the manager; `eviction`: the manager evicts under
-        the kv_policy (engine/eviction.py). A tensor-parallel follower's pool asks for neither."""
+        the kv_policy (kv/evictor.py). A tensor-parallel follower's pool asks for neither."""
         cfg = self.config
         if cfg.kv_cache_mode == "none":
             return None, None
@@ -451,11 +453,10 @@ class CachePlanner:
         return kv, storage
 
     def _eviction(self, storage: KVStorage):
-        """The manager's eviction strategy under the kv_policy (it needs one layer per KV group), or None."""
+        """The manager's eviction strategy under the kv_policy, or None."""
         if self.policy is None:
             return None
-        model, groups = self.loaded.model, self.groups
-        return lambda kv: Evictor(kv, storage, model, groups)
+        return evictor_factory(storage, self.loaded.model, self.groups)
 
     def log(self, storage: KVStorage | None) -> None:
         """The pool at start-up: blocks, tokens, bytes, format and concurrency at max_model_len."""

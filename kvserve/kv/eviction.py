@@ -1,9 +1,9 @@
 """The KV eviction strategy the KVCacheManager owns: what the manager, the model runner, the
 engine and beam search ask of eviction, with keep-everything answers.
 
-`KeepAll` is the strategy of an engine without a kv_policy. An engine started with one installs
-engine/eviction.py's `Evictor` (per-request policy state, attention scores, compaction), which
-answers the same calls. Callers hold no special cases: they always ask the manager's strategy.
+`KeepAll` is the strategy of an engine without a kv_policy. An engine started with one builds its
+manager with kv/evictor.py's `Evictor` (per-request policy state, attention scores, compaction),
+which answers the same calls. Callers hold no special cases: they always ask the manager's strategy.
 """
 
 from __future__ import annotations

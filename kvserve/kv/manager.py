@@ -5,7 +5,9 @@ listeners it tells about the pool's cached blocks (kv/block_pool.py `BlockPoolLi
 evicted, pinned), an optional lower tier (kv/tiers.py `TierBridge`) that extends the prefix cache
 below the device (a lookup that misses on the device asks `lower.locate` / `lower.load` to bring
 blocks back into fresh device blocks; the bridge is also a listener, which writes blocks down),
-the KV events queue (kv/events.py) and a factory of its eviction strategy.
+the KV events queue (kv/events.py) and a factory of its eviction strategy (kv/eviction.py's
+KeepAll by default, kv/evictor.py's Evictor under a kv_policy), which works through the manager's
+own methods: block_ids, slots, shared_indices, unshare, release_tail, blocks_held.
 
 A request's cache salt (`set_salt`) goes into its first block's hash, so salted requests share
 blocks only with requests of the same salt; the tiers key blocks by the same hashes.
@@ -21,6 +23,8 @@ import logging
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+
+import torch
 
 from kvserve.kv.block_pool import BlockPool, BlockPoolListener, Evicted
 from kvserve.kv.eviction import KeepAll
@@ -107,7 +111,7 @@ class KVCacheManager:
         # `rows_held`: the rows the requests' latest steps need, summed over requests.
         self.residual_rows = residual_rows
         self.rows_held = 0
-        # The eviction strategy (kv/eviction.py; engine/eviction.py's Evictor under a kv_policy). An
+        # The eviction strategy (kv/eviction.py; kv/evictor.py's Evictor under a kv_policy). An
         # evicting request's group g holds num_computed - offsets[g] entries and publishes no blocks
         # (they would not hold the hashed tokens); hit_limit bounds its prefix-cache hits.
         self.eviction = eviction(self) if eviction is not None else KeepAll()
@@ -121,6 +125,32 @@ class KVCacheManager:
     def block_ids(self, req_id: str, group: int = 0) -> list[int]:
         """The request's block table for one group."""
         return self.reqs[req_id].tables[group]
+
+    def has_request(self, req_id: str) -> bool:
+        """True while the request holds block tables."""
+        return req_id in self.reqs
+
+    def blocks_held(self, req_id: str) -> int:
+        """Blocks the request's tables hold over all groups (null entries not counted)."""
+        state = self.reqs.get(req_id)
+        return 0 if state is None else sum(1 for t in state.tables for b in t if b != self.null)
+
+    def slots(self, req_id: str, group: int, index: torch.Tensor) -> torch.Tensor:
+        """Flat storage slot (block id * block_size + offset) of each cache index of the group's table."""
+        bs = self.block_size
+        table = torch.tensor(self.reqs[req_id].tables[group], dtype=torch.long)
+        return table[index // bs] * bs + index % bs
+
+    def is_shared(self, block_id: int) -> bool:
+        """True when a write to the block would show elsewhere: another request holds it (a fork)
+        or the prefix cache names it."""
+        block = self.pool.blocks[block_id]
+        return block.ref_cnt > 1 or block.block_hash is not None
+
+    def shared_indices(self, req_id: str, group: int, end: int) -> list[int]:
+        """Indices below `end` of the request's table in `group` whose blocks are shared (is_shared)."""
+        table = self.reqs[req_id].tables[group]
+        return [i for i, b in enumerate(table[:end]) if b != self.null and self.is_shared(b)]
 
     def blocks_for_tokens(self, num_tokens: int) -> int:
         """Blocks a sequence of `num_tokens` tokens occupies in one group."""
@@ -345,6 +375,22 @@ class KVCacheManager:
         tables = [[next(fresh) if used else self.null for used in g] for g in layout]
         self.reqs[req_id] = _ReqState(tables)
         return tables
+
+    def unshare(self, req_id: str, at: list[tuple[int, int]],
+                copy: Callable[[list[tuple[int, int]]], None]) -> list[tuple[int, int]] | None:
+        """Give the request a private block at each (group, index) of `at`: fresh blocks are taken,
+        `copy` (the storage's copy_blocks) is run on the (old, new) pairs, the new blocks replace
+        the old in the tables and the old are released. Returns the pairs; None (and no change)
+        when the pool has too few free blocks."""
+        if len(at) > self.pool.num_free:
+            return None
+        fresh = self.allocate_blocks(len(at))
+        tables = self.reqs[req_id].tables
+        pairs = [(tables[g][i], b) for (g, i), b in zip(at, fresh)]
+        copy(pairs)
+        self.pool.free([old for old, _ in pairs])
+        self.replace_blocks(req_id, [(g, i, b) for (g, i), b in zip(at, fresh)])
+        return pairs
 
     def replace_blocks(self, req_id: str, changes: list[tuple[int, int, int]]) -> None:
         """Put block b at index i of the request's table in group g, for each (g, i, b): the caller

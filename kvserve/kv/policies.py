@@ -2,7 +2,7 @@
 
 This module is pure selection logic over per-layer facts: the original token position of each
 cached entry (in cache order) and, for H2O and SnapKV, the attention the entries received. The
-engine (engine/eviction.py) gathers the facts, compacts the survivors to the front of the layer's
+evictor (kv/evictor.py) gathers the facts, compacts the survivors to the front of the group's
 block table and gives the emptied blocks back to the pool.
 
 One spec string names a policy everywhere (`LLM(kv_policy=...)`, `--kv-policy`, SamplingParams):

@@ -214,6 +214,18 @@ class KVStorage:
         """Bytes of the per-block tensors only (num_blocks * block_size * page bytes per token)."""
         return sum(t.numel() * t.element_size() for slot in self.slots for t in slot)
 
+    @property
+    def device(self) -> torch.device:
+        """Where the pool tensors live."""
+        return self.slots[0][0].device
+
+    def move_tokens(self, layer: int, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Copy the raw per-token rows at flat slots `src` to `dst` in every tensor of the layer's
+        slot (data and scales as stored: lossless for any per-token format, not for KIVI)."""
+        for t in self.slots[self.layer_slot[layer]]:
+            flat = _flat(t)
+            flat[dst] = flat[src]
+
     def _flat(self, layer: int) -> list[torch.Tensor]:
         """Flat views [num_blocks * block_size, ...] of the layer's per-token tensors."""
         return [_flat(t) for t in self.slots[self.layer_slot[layer]]]
