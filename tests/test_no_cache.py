@@ -67,3 +67,19 @@ def test_no_cache_engine_holds_no_blocks_and_equals_cached_greedy(llm, llm_nocac
     assert m["num_blocks_total"] == m["num_blocks_used"] == m["kv_cache_bytes"] == 0
     assert m["kv_cache_usage"] == 0.0 and m["prefix_cache_queries"] == m["prefix_cache_hits"] == 0
     assert llm_nocache.engine.reset_prefix_cache() == 0
+
+
+def test_kv_state_of_a_no_cache_engine_shows_an_empty_pool(llm_nocache):
+    from kvserve.server.kv_state import KVStateTracker
+
+    engine = llm_nocache.engine
+    llm_nocache.engine.add_request("The capital of France is", SamplingParams(temperature=0, max_tokens=2))
+    engine.step()
+    snap = KVStateTracker(engine).snapshot(engine)
+    assert snap["pool"] == {"counts": {"f": 0, "c": 0, "u": 0, "s": 0}, "state": "", "ref": [], "group": [],
+                            "hash": "", "holders": {}, "pinned": []}
+    assert snap["kv"]["mode"] == "none" and snap["kv"]["num_blocks"] == 0 and not snap["kv"]["prefix_caching"]
+    assert [r["blocks"] for r in snap["requests"]] == [[]]
+    assert snap["counters"]["kv_usage"] == 0.0 and snap["counters"]["prefix_hits"] == 0
+    while engine.has_unfinished_requests():
+        engine.step()
