@@ -166,7 +166,7 @@ class LeaderRunner(ModelRunner):
         self.tp = tp
 
     def forward(self, inp: ModelInput) -> torch.Tensor:
-        copies = self.kv.take_pending_copies() if self.kv is not None else []
+        copies = self.kv.take_pending_copies()
         self.tp.check()
         try:
             self.tp.group.broadcast_object(step_message(inp, copies))
@@ -188,8 +188,9 @@ class Follower:
         self.model = self.loaded.model
         planner = ShardPlanner(config, self.loaded, self.device, group)
         self.kv, self.storage = planner.build()
-        self.attn = None
-        if self.kv is not None:
+        # rank 0's runner decides the same way: without a cache a step's metadata has no backends
+        self._metadata = self._cached_metadata if self.kv.holds_kv else self._plain_metadata
+        if self.kv.holds_kv:
             self.attn = AttentionBackends.select(self.storage, self.kv.groups, config.attention_backend)
 
     def serve(self) -> None:
@@ -204,16 +205,20 @@ class Follower:
     def run(self, msg: StepMessage) -> None:
         """One step of this rank's shard (its hidden states are rank 0's; only rank 0 computes logits)."""
         dev = self.device
-        meta = AttentionMetadata(num_decodes=msg.num_decodes, prefills=msg.prefills)
-        if self.kv is not None:
-            if msg.copies:
-                self.storage.copy_blocks(msg.copies)
-            step = msg.step
-            if dev.type != "cpu":
-                step = StepBatch(step.num_decodes, step.counts, step.token_req.to(dev), step.token_off.to(dev),
-                                 step.cache_lens, [t.to(dev) for t in step.cache_len_t])
-            meta = self.attn.metadata(step, [t.to(dev) for t in msg.tables], msg.prefills)
-        self.model(msg.input_ids.to(dev), msg.positions.to(dev), meta)
+        self.storage.copy_blocks(msg.copies)
+        self.model(msg.input_ids.to(dev), msg.positions.to(dev), self._metadata(msg))
+
+    def _plain_metadata(self, msg: StepMessage) -> AttentionMetadata:
+        """No cache: the step's prefill spans, no backends."""
+        return AttentionMetadata(num_decodes=msg.num_decodes, prefills=msg.prefills)
+
+    def _cached_metadata(self, msg: StepMessage) -> AttentionMetadata:
+        """Each group's backend prepares its metadata from rank 0's step batch and block tables."""
+        dev, step = self.device, msg.step
+        if dev.type != "cpu":
+            step = StepBatch(step.num_decodes, step.counts, step.token_req.to(dev), step.token_off.to(dev),
+                             step.cache_lens, [t.to(dev) for t in step.cache_len_t])
+        return self.attn.metadata(step, [t.to(dev) for t in msg.tables], msg.prefills)
 
 
 def start_ranks(config) -> TensorParallel:

@@ -25,6 +25,7 @@ from kvserve.engine.offload import build_tiers
 from kvserve.kv.formats import KVCacheFormat, build_kv_format, split_budget
 from kvserve.kv.hashing import namespace_hash
 from kvserve.kv.manager import KVCacheManager, new_pool
+from kvserve.kv.no_cache import NoCacheManager, NoCacheStorage
 from kvserve.kv.policies import parse_policy
 from kvserve.kv.spec import group_layers, null_blocks
 from kvserve.kv.storage import KVStorage
@@ -324,6 +325,12 @@ class CachePlanner:
         """Contiguous layout: one max_model_len "block" per sequence, reserved up front."""
         return self.max_model_len if self.config.kv_cache_mode == "contiguous" else self.config.block_size
 
+    @property
+    def token_budget(self) -> int:
+        """Tokens one step may run: max_num_batched_tokens, or max_model_len without a cache (a step
+        runs whole sequences)."""
+        return self.max_model_len if self.config.kv_cache_mode == "none" else self.config.max_num_batched_tokens
+
     def _kv_format(self) -> KVCacheFormat:
         """The KV storage format from the config (calibrating per-head precision if asked)."""
         cfg = self.config
@@ -428,8 +435,9 @@ class CachePlanner:
                               algo=self.config.prefix_caching_hash_algo)
 
     def build(self, events=None, *, tiers: bool = False,
-              eviction: bool = False) -> tuple[KVCacheManager | None, KVStorage | None]:
-        """Plan the pool and build the KV manager and storage over it (None, None without a cache).
+              eviction: bool = False) -> tuple[KVCacheManager | NoCacheManager, KVStorage | NoCacheStorage]:
+        """Plan the pool and build the KV manager and storage over it (kv/no_cache.py's, holding
+        nothing, without a cache).
 
         The pool comes first: the storage asks it which blocks are free, the tiers check it before
         writing, the manager runs on it. `events`: the KV events queue; `tiers`: build the tiers of
@@ -437,7 +445,7 @@ class CachePlanner:
         the kv_policy (kv/evictor.py). A tensor-parallel follower's pool asks for neither."""
         cfg = self.config
         if cfg.kv_cache_mode == "none":
-            return None, None
+            return NoCacheManager(), NoCacheStorage()
         plan = self.plan_pool()
         pool = new_pool(plan.num_blocks, self.groups, cfg.kv_pin_fraction)
         storage = KVStorage(self.groups, plan.num_blocks, plan.block_size, self.loaded.dtype, self.device,
@@ -458,7 +466,7 @@ class CachePlanner:
             return None
         return evictor_factory(storage, self.loaded.model, self.groups)
 
-    def log(self, storage: KVStorage | None) -> None:
+    def log(self, storage: KVStorage | NoCacheStorage) -> None:
         """The pool at start-up: blocks, tokens, bytes, format and concurrency at max_model_len."""
         if self.plan is None:
             log.info("KV cache: none (every step recomputes the whole sequence)")

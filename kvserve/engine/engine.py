@@ -26,7 +26,6 @@ from kvserve.engine.request import Request, RequestStatus
 from kvserve.engine.sampler import Sampler, SamplingError, SamplingInput
 from kvserve.engine.scheduler import Scheduler
 from kvserve.kv.events import build_publisher
-from kvserve.kv.eviction import KeepAll
 from kvserve.outputs import RequestOutput
 from kvserve.sampling_params import SamplingParams, check_cache_salt
 from kvserve.startup import phase
@@ -98,22 +97,22 @@ class LLMEngine:
         self.kv_policy, self.kv_groups, self.kv_format = planner.policy, planner.groups, planner.format
         self.kv_bytes_per_token = self.kv_format.bytes_per_token
         self.page_bytes_per_token = self.kv_format.page_bytes_per_token
-        # KV events first: the KV manager and the tiers are built with the publisher's queue
-        self.kv_events = build_publisher(cfg.kv_events, cfg.kv_events_replay) if cfg.kv_cache_mode != "none" else None
+        # KV events first: the KV manager and the tiers are built with the publisher's queue (the
+        # options refuse kv_events without a cache)
+        self.kv_events = build_publisher(cfg.kv_events, cfg.kv_events_replay)
         self.kv, self.storage = self._build_kv(planner)
         self.tiers = planner.tiers                            # prefix store below the device (kv_tiers)
         self.pool_plan, self.kv_residual_rows = planner.plan, planner.residual_rows
         # The KV manager's eviction strategy: keep everything, or engine/eviction.py's Evictor under
-        # a kv_policy (the manager was built with it)
-        self.evictor = self.kv.eviction if self.kv is not None else KeepAll()
-        if self.kv_policy is not None and self.kv is not None:
+        # a kv_policy (the manager was built with it; the options refuse a kv_policy without a cache)
+        self.evictor = self.kv.eviction
+        if self.kv_policy is not None:
             self.evictor.check(self.kv_policy)
         runner = ModelRunner if self.tp is None else self.tp.runner
         self.runner = runner(self.model, self.kv, self.storage, self.device, cfg.max_num_seqs,
                              self.max_model_len, cfg.attention_backend, self.evictor)
         self.swap = build_swap(cfg, self.storage, self.kv)   # host swap pool (swap_space GiB)
-        max_batch = cfg.max_num_batched_tokens if self.kv is not None else self.max_model_len
-        self.scheduler = Scheduler(self.kv, cfg.max_num_seqs, max_batch, self.swap, cfg.preemption_mode)
+        self.scheduler = Scheduler(self.kv, cfg.max_num_seqs, planner.token_budget, self.swap, cfg.preemption_mode)
         planner.log(self.storage)
 
     def _build_kv(self, planner):
@@ -185,14 +184,13 @@ class LLMEngine:
             hint = f", or raise max_model_len to {top} (a {policy.spec()} stream then runs past it)" if top else ""
             raise ValueError(f"prompt ({prompt_len} tokens) + max_tokens ({params.max_tokens}) exceeds "
                              f"max_model_len={self.max_model_len}: lower max_tokens to at most {room}{hint}")
-        if self.kv is not None:
-            kv_len = prompt_len + params.max_tokens
-            if policy is not None:  # admitted against the policy's bound, not the full length
-                kv_len = policy.cache_bound(prompt_len, kv_len, chunk)
-            need = self.kv.max_blocks_for_tokens(kv_len)
-            if need > self.kv.num_blocks:
-                raise ValueError(f"request needs {need} KV blocks but the whole pool has {self.kv.num_blocks}: "
-                                 "lower max_tokens or raise kv_cache_memory")
+        kv_len = prompt_len + params.max_tokens
+        if policy is not None:  # admitted against the policy's bound, not the full length
+            kv_len = policy.cache_bound(prompt_len, kv_len, chunk)
+        need = self.kv.max_blocks_for_tokens(kv_len)
+        if need > self.kv.num_blocks:
+            raise ValueError(f"request needs {need} KV blocks but the whole pool has {self.kv.num_blocks}: "
+                             "lower max_tokens or raise kv_cache_memory")
         return params
 
     # ---- the step ------------------------------------------------------------------
@@ -231,8 +229,7 @@ class LLMEngine:
             done = req.num_computed_tokens
             self.stats.prompt_tokens_computed += max(0, min(done + n, req.num_prompt_tokens) - done)
             req.num_computed_tokens += n
-            if self.kv is not None:
-                self.kv.cache_blocks(req.request_id, req.token_ids, req.num_computed_tokens)
+            self.kv.cache_blocks(req.request_id, req.token_ids, req.num_computed_tokens)
         if self.tiers is not None:
             self.tiers.write_through()  # copies of the blocks just registered go to the writer threads
         self.output_processor.collect_prompt_logprobs(prompt_logits, pl_reqs)
@@ -276,14 +273,13 @@ class LLMEngine:
         is copied on write) and runs from the next step; a preempted parent's copy recomputes."""
         child = parent.fork(request_id, index, generator)
         self.evictor.fork(parent, child)  # evicts the parent first: children share its compressed cache
-        if self.kv is not None and parent.status != RequestStatus.RUNNING:
+        if parent.status != RequestStatus.RUNNING:
             child.status = RequestStatus.PREEMPTED
             self.scheduler.waiting.append(child)
             return child
         child.num_computed_tokens = parent.num_computed_tokens
         child.status = RequestStatus.RUNNING
-        if self.kv is not None:
-            self.kv.fork(parent.request_id, child.request_id)
+        self.kv.fork(parent.request_id, child.request_id)
         self.scheduler.running.append(child)
         return child
 
@@ -321,7 +317,7 @@ class LLMEngine:
         """Forget all cached free blocks (`offload`: write them to the KV tiers first); returns how many."""
         if offload and self.tiers is not None:
             self.tiers.flush()  # write-through tiers got them when they were registered
-        n = self.kv.reset_prefix_cache(offload) if self.kv is not None else 0
+        n = self.kv.reset_prefix_cache(offload)
         if self.kv_events is not None:
             self.kv_events.flush()
         return n
@@ -338,10 +334,6 @@ class LLMEngine:
 
 
 def _kv_metrics(kv, storage) -> dict:
-    if kv is None:
-        return {"num_blocks_total": 0, "num_blocks_free": 0, "num_blocks_used": 0, "num_blocks_cached": 0,
-                "kv_cache_usage": 0.0, "kv_cache_bytes": 0, "prefix_cache_queries": 0, "prefix_cache_hits": 0,
-                "prompt_tokens_cached": 0}
     pool = kv.pool
     return {
         "num_blocks_total": pool.num_usable,

@@ -13,6 +13,7 @@ from kvserve.engine.input_batch import InputBatch
 from kvserve.engine.request import Request
 from kvserve.kv.eviction import KeepAll
 from kvserve.kv.manager import KVCacheManager
+from kvserve.kv.no_cache import NoCacheManager, NoCacheStorage
 from kvserve.kv.storage import KVStorage
 
 log = logging.getLogger("kvserve")
@@ -36,20 +37,22 @@ class ModelRunner:
     """Owns the model, the KV storage, one attention backend per KV group (chosen here, once) and the
     captured one-token step; one `execute` per engine step. `eviction` is the KV manager's eviction
     strategy (cache lengths, positions, attention scores): groups whose scores it watches read
-    through the gathered path."""
+    through the gathered path. Over a NoCacheManager (chosen once, here) there are no backends and
+    every scheduled request's tokens run as one prefill span (the recompute oracle)."""
 
-    def __init__(self, model: torch.nn.Module, kv: KVCacheManager | None, storage: KVStorage | None,
-                 device: torch.device, max_num_seqs: int = 64, max_model_len: int = 2048,
-                 attention_backend: str = "auto", eviction=None):
+    def __init__(self, model: torch.nn.Module, kv: KVCacheManager | NoCacheManager,
+                 storage: KVStorage | NoCacheStorage, device: torch.device, max_num_seqs: int = 64,
+                 max_model_len: int = 2048, attention_backend: str = "auto", eviction=None):
         self.model = model
         self.kv = kv
         self.storage = storage
         self.device = device
-        self.block_size = kv.block_size if kv is not None else 1
+        self.block_size = kv.block_size
         self.eviction = eviction or KeepAll()
         self.attn: AttentionBackends | None = None
         self.captured: CapturedStep | None = None   # set while the model runs compiled regions
-        if kv is not None:
+        self._prepare = self._prepare_cached if kv.holds_kv else self._prepare_recompute
+        if kv.holds_kv:
             self.input_batch = InputBatch(len(kv.groups), max_num_seqs, -(-max_model_len // self.block_size) + 1,
                                           device)
             self.use_backends(AttentionBackends.select(storage, kv.groups, attention_backend,
@@ -93,16 +96,37 @@ class ModelRunner:
 
     def forward(self, inp: ModelInput) -> torch.Tensor:
         """Run pending copy-on-write block copies, then the model; hidden states [num_tokens, hidden]."""
-        if self.kv is not None:
-            self.storage.copy_blocks(self.kv.take_pending_copies())
+        self.storage.copy_blocks(self.kv.take_pending_copies())
         return self.model(inp.input_ids, inp.positions, inp.meta)
 
     def prepare(self, scheduled: list[tuple[Request, int]]) -> ModelInput:
         """Build input ids, positions and attention metadata."""
-        cached = self.kv is not None
-        decodes = [(r, n) for r, n in scheduled if n == 1 and cached]
-        prefills = [(r, n) for r, n in scheduled if not (n == 1 and cached)]
+        return self._prepare(scheduled)
+
+    def _prepare_recompute(self, scheduled: list[tuple[Request, int]]) -> ModelInput:
+        """No cache: no decode rows; each request's tokens are one prefill span over its own rows."""
+        order = list(scheduled)
+        ids, pos, logits_rows, sampling = self._flatten(order)
+        meta = AttentionMetadata(prefills=self._spans(order, 0))
+        return ModelInput(self._tensor(ids), self._tensor(pos), meta, order, logits_rows, sampling)
+
+    def _prepare_cached(self, scheduled: list[tuple[Request, int]]) -> ModelInput:
+        """Decodes first, then prefill chunks; each group's backend builds its metadata."""
+        decodes = [(r, n) for r, n in scheduled if n == 1]
+        prefills = [(r, n) for r, n in scheduled if n != 1]
         order = decodes + prefills
+        ids, pos, logits_rows, sampling = self._flatten(order)
+        spans = self._spans(prefills, len(decodes))
+        self.input_batch.release(lambda rid: rid in self.kv.reqs)
+        tables = self.input_batch.tables([r.request_id for r, _ in order], self.kv.block_ids)
+        step = self._step_batch(order, len(decodes), len(ids))
+        meta = self.attn.metadata(step, tables, spans, self.eviction.score_hook(decodes, prefills))
+        if self.captured is not None:
+            meta.one_token = self.captured.inputs(meta)
+        return ModelInput(self._tensor(ids), self._tensor(pos), meta, order, logits_rows, sampling, step, tables)
+
+    def _flatten(self, order: list[tuple[Request, int]]) -> tuple[list[int], list[int], list[int], list[Request]]:
+        """Input ids and positions of the new tokens in batch order; the rows that sample and their requests."""
         ids, pos, logits_rows, sampling = [], [], [], []
         for req, n in order:
             start = req.num_computed_tokens
@@ -112,20 +136,16 @@ class ModelRunner:
             if start + n == req.num_tokens:
                 logits_rows.append(len(ids) - 1)
                 sampling.append(req)
-        spans, row = [], len(decodes)
+        return ids, pos, logits_rows, sampling
+
+    @staticmethod
+    def _spans(prefills: list[tuple[Request, int]], row: int) -> list[PrefillSpan]:
+        """One span per prefill chunk, from batch row `row` on."""
+        spans = []
         for req, n in prefills:
             spans.append(PrefillSpan(row, n, req.num_computed_tokens + n))
             row += n
-        if not cached:
-            meta = AttentionMetadata(prefills=spans)
-            return ModelInput(self._tensor(ids), self._tensor(pos), meta, order, logits_rows, sampling)
-        self.input_batch.release(lambda rid: rid in self.kv.reqs)
-        tables = self.input_batch.tables([r.request_id for r, _ in order], self.kv.block_ids)
-        step = self._step_batch(order, len(decodes), len(ids))
-        meta = self.attn.metadata(step, tables, spans, self.eviction.score_hook(decodes, prefills))
-        if self.captured is not None:
-            meta.one_token = self.captured.inputs(meta)
-        return ModelInput(self._tensor(ids), self._tensor(pos), meta, order, logits_rows, sampling, step, tables)
+        return spans
 
     def _step_batch(self, order, num_decodes: int, num_tokens: int) -> StepBatch:
         counts = [n for _, n in order]

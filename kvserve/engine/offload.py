@@ -19,7 +19,7 @@ log = logging.getLogger("kvserve")
 
 def build_swap(config, storage, kv) -> SwapSpace | None:
     """The host swap pool of `swap_space` GiB (None when 0 or without a KV cache)."""
-    if not config.swap_space or storage is None:
+    if not config.swap_space or not kv.holds_kv:
         return None
     per_block = storage.bytes_per_block
     num_blocks = int(config.swap_space * (1 << 30)) // per_block
@@ -82,8 +82,7 @@ def offload_metrics(engine) -> dict:
         "num_recompute_preemptions": sched.num_preemptions - sched.num_swap_preemptions,
     }
     by_source = {"device": 0, **{kind: 0 for kind in TIER_KINDS}}
-    if kv is not None:
-        by_source.update(kv.stats.hits_by_source)
+    by_source.update(kv.stats.hits_by_source)
     m["prefix_cache_hits_by_source"] = by_source
     m["kv_tiers"] = engine.tiers.metrics() if engine.tiers is not None else {}
     return m

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 from kvserve.engine.request import Request, RequestStatus
 from kvserve.kv.manager import KVCacheManager
+from kvserve.kv.no_cache import NoCacheManager
 from kvserve.kv.swap import SwapSpace
 
 
@@ -25,11 +26,13 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    """FCFS continuous batching over a KVCacheManager (or none, for recompute mode)."""
+    """FCFS continuous batching over a KVCacheManager, or over a NoCacheManager (recompute mode:
+    every step runs each running request's whole sequence, chosen once here)."""
 
-    def __init__(self, kv: KVCacheManager | None, max_num_seqs: int, max_num_batched_tokens: int,
+    def __init__(self, kv: KVCacheManager | NoCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
                  swap: SwapSpace | None = None, preemption_mode: str = "recompute"):
         self.kv = kv
+        self._schedule = self._schedule_cached if kv.holds_kv else self._schedule_recompute
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Request] = deque()
@@ -50,8 +53,9 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         """Pick this step's batch: running requests first, then waiting ones (FCFS)."""
-        if self.kv is None:
-            return self._schedule_recompute()
+        return self._schedule()
+
+    def _schedule_cached(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self._schedule_running(out, self.max_num_batched_tokens)
         if not out.preempted:
@@ -143,6 +147,7 @@ class Scheduler:
             self.seconds_per_token = x if self.seconds_per_token is None else 0.8 * self.seconds_per_token + 0.2 * x
 
     def _schedule_recompute(self) -> SchedulerOutput:
+        """No cache: admit waiting requests up to max_num_seqs; every running one reruns from token 0."""
         out = SchedulerOutput()
         while self.waiting and len(self.running) < self.max_num_seqs:
             req = self.waiting.popleft()
@@ -162,9 +167,8 @@ class Scheduler:
             self.running.remove(req)
         elif req in self.waiting:
             self.waiting.remove(req)
-        if self.kv is not None:
-            self.kv.free(req.request_id)
-            self.kv.drop_salt(req.request_id)
+        self.kv.free(req.request_id)
+        self.kv.drop_salt(req.request_id)
         if self.swap is not None:
             self.swap.drop(req.request_id)
 

@@ -78,6 +78,8 @@ class KVCacheManager:
     returns the eviction strategy (KeepAll when None). `residual_rows`: the still-filling blocks a
     KIVI format keeps (None: no limit)."""
 
+    holds_kv = True   # kv/no_cache.py's NoCacheManager answers the same calls holding nothing
+
     def __init__(self, num_blocks: int, block_size: int, namespace: BlockHash,
                  enable_prefix_caching: bool = True, groups: list[KVGroup] | None = None,
                  hash_algo: str = DEFAULT_HASH_ALGO, pin_fraction: float = DEFAULT_PIN_FRACTION, *,

@@ -59,7 +59,7 @@ class KVStateTracker:
     def change_key(self, engine) -> tuple:
         """Cheap marker that moves whenever the snapshot would."""
         kv = engine.kv
-        pool = (kv.pool.num_free, len(kv.pool.cached)) if kv is not None else (0, 0)
+        pool = (kv.pool.num_free, len(kv.pool.cached))
         return engine.stats.num_steps, len(engine.groups), engine.scheduler.num_preemptions, *pool
 
     def sample(self, engine) -> dict:
@@ -68,9 +68,9 @@ class KVStateTracker:
         swap = engine.swap
         return {
             "t": round(time.time() - self.started, 3),
-            "usage": kv.usage() if kv is not None else 0.0,
-            "queries": kv.stats.queries if kv is not None else 0,
-            "hits": kv.stats.hits if kv is not None else 0,
+            "usage": kv.usage(),
+            "queries": kv.stats.queries,
+            "hits": kv.stats.hits,
             "generation_tokens": s.generation_tokens,
             "prompt_tokens_computed": s.prompt_tokens_computed,
             "preemptions": sched.num_preemptions,
@@ -99,10 +99,10 @@ class KVStateTracker:
 
     def _counters(self, engine) -> dict:
         kv, s = engine.kv, engine.stats
-        queries = kv.stats.queries if kv is not None else 0
-        hits = kv.stats.hits if kv is not None else 0
+        queries = kv.stats.queries
+        hits = kv.stats.hits
         return {
-            "kv_usage": kv.usage() if kv is not None else 0.0,
+            "kv_usage": kv.usage(),
             "prefix_queries": queries,
             "prefix_hits": hits,
             "prefix_hit_rate": hits / queries if queries else 0.0,
@@ -110,8 +110,8 @@ class KVStateTracker:
             "prompt_tokens_computed": s.prompt_tokens_computed,
             "generation_tokens": s.generation_tokens,
             "preemptions": engine.scheduler.num_preemptions,
-            "cow_copies": kv.num_cow_copies if kv is not None else 0,
-            "cache_evictions": kv.pool.num_evicted if kv is not None else 0,
+            "cow_copies": kv.num_cow_copies,
+            "cache_evictions": kv.pool.num_evicted,
             "requests_finished": sum(s.request_success.values()),
             **offload_metrics(engine),
             **engine.evictor.metrics(),
@@ -143,10 +143,10 @@ def _kv_info(engine) -> dict:
         "format": engine.kv_format.description,
         "bytes_per_token": engine.kv_bytes_per_token,
         "page_bytes_per_token": engine.page_bytes_per_token,
-        "block_size": kv.block_size if kv is not None else 0,
-        "num_blocks": kv.pool.num_blocks if kv is not None else 0,
-        "num_usable": kv.num_blocks if kv is not None else 0,
-        "prefix_caching": bool(kv is not None and kv.enable_prefix_caching),
+        "block_size": kv.block_size,
+        "num_blocks": kv.pool.num_blocks,
+        "num_usable": kv.num_blocks,
+        "prefix_caching": kv.enable_prefix_caching,
         "policy": engine.kv_policy.spec() if engine.kv_policy is not None else None,
         "groups": groups,
     }
@@ -163,7 +163,7 @@ def _request(engine, r) -> dict:
     state = r.status.value
     if swap is not None and swap.is_swapped(r.request_id):
         state = "swapped"
-    tables = kv.reqs.get(r.request_id) if kv is not None else None
+    tables = kv.reqs.get(r.request_id)
     out = {
         "id": r.request_id,
         "group_id": r.group_id,
@@ -204,10 +204,7 @@ def _ranges(positions: list[int]) -> list[list[int]]:
 
 def _pool(engine, requests: list[dict]) -> dict:
     kv = engine.kv
-    if kv is None:
-        return {"counts": {FREE: 0, CACHED: 0, USED: 0, SHARED: 0}, "state": "", "ref": [], "group": [],
-                "hash": "", "holders": {}, "pinned": []}
-    pool = kv.pool
+    pool = kv.pool   # no cache: an empty pool, so every list below is empty
     group = [-1] * pool.num_blocks
     holders: dict[int, list[int]] = {}
     for i, req in enumerate(requests):
