@@ -103,7 +103,7 @@ class LLMEngine:
         self.kv, self.storage = self._build_kv(planner)
         self.tiers = planner.tiers                            # prefix store below the device (kv_tiers)
         self.pool_plan, self.kv_residual_rows = planner.plan, planner.residual_rows
-        # The KV manager's eviction strategy: keep everything, or engine/eviction.py's Evictor under
+        # The KV manager's eviction strategy: keep everything, or kv/evictor.py's Evictor under
         # a kv_policy (the manager was built with it; the options refuse a kv_policy without a cache)
         self.evictor = self.kv.eviction
         if self.kv_policy is not None:
