@@ -108,7 +108,7 @@ class Server:
 
 @pytest.fixture(scope="module")
 def server():
-    srv = Server("--max-body-bytes", "65536")
+    srv = Server("--max-body-bytes", "65536", "--tool-call-parser", "hermes", "--enable-auto-tool-choice")
     yield srv
     code = srv.stop()
     assert code == 0, srv.output()
@@ -300,6 +300,116 @@ def test_a_constraint_that_cannot_compile_gets_400_and_the_server_keeps_serving(
                                        max_tokens=4, extra_body=body)
     ok = client.completions.create(model=server.model, prompt="hi", max_tokens=1)
     assert ok.choices[0].finish_reason == "length"
+
+
+WEATHER_TOOL = {"type": "function", "function": {
+    "name": "get_weather", "description": "Current weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 30}},
+                   "required": ["city"]}}}
+WEATHER_ASK = [{"role": "user", "content": "What is the weather in Paris right now?"}]
+
+
+def _streamed_calls(stream) -> tuple[list[dict], str | None]:
+    """Tool calls a chat stream delivers, put together as a client does (by index), and its finish reason."""
+    calls, reason = {}, None
+    for chunk in stream:
+        for ch in chunk.choices:
+            reason = ch.finish_reason or reason
+            for d in ch.delta.tool_calls or []:
+                call = calls.setdefault(d.index, {"id": d.id, "name": "", "arguments": ""})
+                call["name"] += d.function.name or ""
+                call["arguments"] += d.function.arguments or ""
+    return [calls[i] for i in sorted(calls)], reason
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "get_weather"}}],
+                         ids=["required", "named"])
+def test_forced_tool_choice_returns_calls_whose_arguments_follow_the_schema(server, choice):
+    """'required' and a named function (grammars): OpenAI's tool_calls shape, arguments that validate
+    against the function's schema, finish_reason 'tool_calls'; the stream delivers the same calls."""
+    import jsonschema
+    client = server.client()
+    kw = dict(model=server.model, messages=WEATHER_ASK, tools=[WEATHER_TOOL], tool_choice=choice, max_tokens=80,
+              temperature=0, parallel_tool_calls=False)
+    full = client.chat.completions.create(**kw)
+    ch = full.choices[0]
+    assert ch.finish_reason == "tool_calls" and ch.message.content is None and len(ch.message.tool_calls) == 1
+    call = ch.message.tool_calls[0]
+    assert call.type == "function" and call.function.name == "get_weather" and call.id.startswith("call_")
+    jsonschema.validate(json.loads(call.function.arguments), WEATHER_TOOL["function"]["parameters"])
+    calls, reason = _streamed_calls(client.chat.completions.create(stream=True, **kw))
+    assert reason == "tool_calls"
+    assert [(c["name"], json.loads(c["arguments"])) for c in calls] == [
+        ("get_weather", json.loads(call.function.arguments))]
+
+
+def test_auto_tool_choice_is_the_hermes_reading_of_the_engines_own_reply(server, engine):
+    """tool_choice 'auto' (the server runs --tool-call-parser hermes): the reply's content and calls
+    are parse_hermes of the text LLM.chat makes for the conversation with the tools' system
+    message, and a history holding a call and its result is accepted."""
+    from kvserve import SamplingParams
+    from kvserve.server.tools import hermes_messages, parse_hermes
+    client = server.client()
+    history = WEATHER_ASK + [
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "18 degrees and cloudy"}]
+    for messages in (WEATHER_ASK, history):
+        got = client.chat.completions.create(model=server.model, messages=messages, tools=[WEATHER_TOOL],
+                                             max_tokens=40, temperature=0).choices[0]
+        text = engine.chat(hermes_messages(messages, [WEATHER_TOOL]),
+                           SamplingParams(max_tokens=40, temperature=0))[0].outputs[0].text
+        content, calls = parse_hermes(text)
+        assert got.message.content == content
+        assert [(c.function.name, c.function.arguments) for c in got.message.tool_calls or []] == [
+            (c.name, c.arguments) for c in calls]
+
+
+def test_auto_tool_choice_without_the_server_flags_is_a_400_naming_them(engine):
+    from fastapi.testclient import TestClient
+
+    from kvserve.server.app import build_app
+    with TestClient(build_app(engine.engine)) as c:
+        r = c.post("/v1/chat/completions", json={"messages": WEATHER_ASK, "tools": [WEATHER_TOOL], "max_tokens": 4})
+        assert r.status_code == 400 and "--enable-auto-tool-choice" in r.json()["error"]["message"]
+        r = c.post("/v1/chat/completions", json={"messages": WEATHER_ASK, "tools": [WEATHER_TOOL], "max_tokens": 4,
+                                                 "tool_choice": "required", "response_format": {"type": "json_object"}})
+        assert r.status_code == 400 and "leave out response_format" in r.json()["error"]["message"]
+        ok = c.post("/v1/chat/completions", json={"messages": WEATHER_ASK, "max_tokens": 2})
+        assert ok.status_code == 200
+
+
+def test_an_agent_framework_runs_its_tool_loop_against_the_server(server):
+    """The OpenAI Agents SDK over chat completions: the first turn must call the tool (tool_choice
+    'required'), the SDK runs it and sends its result back, and the next turn (the SDK resets the
+    choice to 'auto') answers with text that the run returns."""
+    import asyncio
+
+    from agents import (
+        Agent,
+        ModelSettings,
+        OpenAIChatCompletionsModel,
+        Runner,
+        function_tool,
+        set_tracing_disabled,
+    )
+    from openai import AsyncOpenAI
+    set_tracing_disabled(True)
+    seen = []
+
+    @function_tool
+    def get_weather(city: str) -> str:
+        """Current weather in a city."""
+        seen.append(city)
+        return f"It is 18 degrees and cloudy in {city}."
+
+    model = OpenAIChatCompletionsModel(model=server.model, openai_client=AsyncOpenAI(
+        base_url=f"{server.url}/v1", api_key="none", max_retries=0))
+    agent = Agent(name="weather", instructions="Answer questions about the weather.", tools=[get_weather],
+                  model=model, model_settings=ModelSettings(tool_choice="required", temperature=0, max_tokens=60))
+    result = asyncio.run(Runner.run(agent, "What is the weather in Paris?", max_turns=3))
+    assert len(seen) >= 1 and all(isinstance(c, str) and c for c in seen)
+    assert isinstance(result.final_output, str) and result.final_output.strip()
 
 
 def _assert_logprobs_match(got: list[float], got_top: list[list[float]], want, tol: float = 1e-3) -> None:

@@ -44,6 +44,7 @@ from kvserve.server import protocol as P
 from kvserve.server.dashboard import add_dashboard_routes, is_public
 from kvserve.server.kv_state import KVStateTracker, StateHub
 from kvserve.server.metrics import ServerMetrics
+from kvserve.server.tools import TOOL_CALL_PARSERS, ToolPlan, ToolStream
 
 log = logging.getLogger("kvserve.server")
 
@@ -98,6 +99,8 @@ class ServerState:
         default_factory=lambda: concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kvserve-tokenize"))
     byte_limit: int | None = None
     cache_isolation: str = "salt"
+    tool_call_parser: str | None = None   # --tool-call-parser: how tool_choice 'auto' output is read
+    auto_tool_choice: bool = False        # --enable-auto-tool-choice
 
     async def tokenize(self, fn, *args):
         """fn(*args) on the tokenize thread."""
@@ -149,7 +152,8 @@ def build_app(engine: LLMEngine, *, served_model_name: str | None = None,
               api_key: str | list[str] | None = None, max_queue: int | None = DEFAULT_MAX_QUEUE,
               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
               allow_special_tokens_in_content: bool = False, cache_isolation: str = "salt",
-              record: str | None = None) -> FastAPI:
+              record: str | None = None, tool_call_parser: str | None = None,
+              enable_auto_tool_choice: bool = False) -> FastAPI:
     """A FastAPI app serving `engine`; the engine thread starts and stops with the app.
 
     `api_key`: one key or several (each a tenant under cache_isolation='api-key').
@@ -157,6 +161,8 @@ def build_app(engine: LLMEngine, *, served_model_name: str | None = None,
     tokens (trusted callers only); by default it is encoded as plain text.
     `cache_isolation`: none | salt | api-key, who shares prefix-cache blocks (docs/SERVING.md).
     `record`: append every KV state snapshot to this JSON-lines file (the dashboard replays it).
+    `tool_call_parser` (hermes | json) and `enable_auto_tool_choice`: tool_choice 'auto' reads the
+    model's calls out of its output with that parser (server/tools.py).
     """
     api_keys = [api_key] if isinstance(api_key, str) else [k for k in api_key or [] if k]
     check_cache_isolation(cache_isolation, api_keys)
@@ -166,8 +172,11 @@ def build_app(engine: LLMEngine, *, served_model_name: str | None = None,
     aengine = AsyncEngine(engine, max_queue=max_queue,
                           on_finished=lambda rec: (metrics.observe_finished(rec), tracker.observe_finished(rec)))
     hub = StateHub(tracker, aengine.call, record=record)
+    if tool_call_parser is not None and tool_call_parser not in TOOL_CALL_PARSERS:
+        raise ValueError(f"tool_call_parser must be one of {list(TOOL_CALL_PARSERS)}, got {tool_call_parser!r}")
     state = ServerState(engine, aengine, metrics, name, max_body_bytes, allow_special_tokens_in_content,
-                        cache_isolation=cache_isolation)
+                        cache_isolation=cache_isolation, tool_call_parser=tool_call_parser,
+                        auto_tool_choice=enable_auto_tool_choice)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -372,19 +381,21 @@ def _add_generation_routes(app: FastAPI, state: ServerState) -> None:
         req = parse_model(P.ChatCompletionRequest, await read_json(request, state.max_body_bytes))
         check_model(state, req.model)
         try:
-            conversation, params = req.conversation(), isolate(state, request, req.sampling_params())
+            plan = req.tool_plan(state.tool_call_parser, state.auto_tool_choice)
+            conversation, params = req.conversation(), isolate(state, request, req.sampling_params(plan))
             prompt = await state.tokenize(
                 inputs.chat_token_ids, state.engine.tokenizer, conversation, req.add_generation_prompt,
-                state.byte_limit, state.engine.max_model_len, state.special_in_content)
+                state.byte_limit, state.engine.max_model_len, state.special_in_content, plan.offered)
         except ValueError as exc:
             raise bad_request(exc) from None
         rid = P.random_id("chatcmpl")
         params = output_kind(params)
         streams = await add_requests(state, [prompt], params, [rid])
         if req.stream:
-            return EventStreamResponse(_events(ChatChunks(state, params, rid), streams, req.include_usage), streams)
+            return EventStreamResponse(_events(ChatChunks(state, params, rid, plan), streams, req.include_usage),
+                                       streams)
         final = (await _collect(request, streams))[0]
-        return _chat_response(state, params, rid, final).model_dump()
+        return _chat_response(state, params, rid, final, plan).model_dump()
 
 
 def _completion_prompts(state: ServerState, prompts: list) -> list[dict]:
@@ -446,14 +457,16 @@ def _completion_response(state: ServerState, params: SamplingParams, rid: str,
 
 
 def _chat_response(state: ServerState, params: SamplingParams, rid: str,
-                   final: RequestOutput) -> P.ChatCompletionResponse:
+                   final: RequestOutput, plan: ToolPlan) -> P.ChatCompletionResponse:
     choices = []
     for c in sorted(final.outputs, key=lambda c: c.index):
         logprobs = None
         if params.logprobs is not None:
             logprobs = _chat_logprobs(state, c, 0, len(c.token_ids), params.logprobs)
-        choices.append(P.ChatChoice(index=c.index, message=P.ChatResponseMessage(content=c.text),
-                                    logprobs=logprobs, finish_reason=c.finish_reason,
+        content, calls = plan.parse(c.text)
+        message = P.ChatResponseMessage(content=content, tool_calls=[call.as_openai() for call in calls])
+        choices.append(P.ChatChoice(index=c.index, message=message, logprobs=logprobs,
+                                    finish_reason=_finish_reason(c.finish_reason, bool(calls)),
                                     stop_reason=c.stop_reason))
     return P.ChatCompletionResponse(id=rid, model=state.model_name, choices=choices, usage=_usage([final]))
 
@@ -577,8 +590,19 @@ class CompletionChunks:
                                            choices=choices, usage=usage))
 
 
+def _finish_reason(reason: str | None, called: bool) -> str | None:
+    """OpenAI's: 'tool_calls' when a reply that stopped by itself made calls."""
+    return "tool_calls" if called and reason == "stop" else reason
+
+
 class ChatChunks(CompletionChunks):
-    """How /v1/chat/completions streams: a first chunk naming the role, then content deltas."""
+    """How /v1/chat/completions streams: a first chunk naming the role, then content deltas, and each
+    tool call whole once its text is complete (the plan's ToolStream per choice)."""
+
+    def __init__(self, state: ServerState, params: SamplingParams, rid: str, plan: ToolPlan):
+        super().__init__(state, params, rid)
+        self.plan = plan
+        self.tools: dict[int, ToolStream] = {}
 
     def opening(self) -> list:
         return [P.ChatStreamChoice(index=i, delta=P.DeltaMessage(role="assistant", content=""))
@@ -588,11 +612,19 @@ class ChatChunks(CompletionChunks):
         logprobs = None
         if self.params.logprobs is not None:
             logprobs = _chat_logprobs(self.state, c, 0, len(c.token_ids), self.params.logprobs)
-        if not (c.text or d.done or (logprobs is not None and logprobs.content)):
+        tools = self.tools.setdefault(index, self.plan.stream())
+        content, calls = tools.feed(c.text)
+        if d.done:
+            rest, more = tools.finish()
+            content, calls = content + rest, calls + more
+        if not (content or calls or d.done or (logprobs is not None and logprobs.content)):
             return None
-        delta = P.DeltaMessage(content=c.text) if c.text or not d.done else P.DeltaMessage()
+        deltas = [call.as_openai(index=tools.sent_calls + k) for k, call in enumerate(calls)] or None
+        tools.sent_calls += len(calls)
+        delta = P.DeltaMessage(content=content or None, tool_calls=deltas)
         return P.ChatStreamChoice(index=index, delta=delta, logprobs=logprobs,
-                                  finish_reason=c.finish_reason, stop_reason=c.stop_reason)
+                                  finish_reason=_finish_reason(c.finish_reason, tools.sent_calls > 0),
+                                  stop_reason=c.stop_reason)
 
     def chunk(self, choices: list, usage: P.UsageInfo | None = None) -> str:
         return _event(P.ChatCompletionChunk(id=self.rid, created=self.created, model=self.state.model_name,

@@ -50,6 +50,12 @@ def register(subparsers) -> None:
                         "(a batch of more prompts than this gets 400)")
     p.add_argument("--max-body-bytes", type=byte_size, default=DEFAULT_MAX_BODY_BYTES,
                    help="largest request body accepted (413 beyond), e.g. 2MiB")
+    p.add_argument("--tool-call-parser", default=None, choices=["hermes", "json"],
+                   help="how tool_choice 'auto' reads the model's calls: hermes (<tool_call>{...}</tool_call> "
+                        "blocks) or json (the whole reply is a call object or an array of them)")
+    p.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help="let requests use tool_choice 'auto' (with --tool-call-parser); 'required' and "
+                        "named functions work without it (a grammar forces the call)")
     p.add_argument("--allow-special-tokens-in-content", action="store_true",
                    help="parse special-token text in chat messages (<|im_end|>, ...) as control tokens; "
                         "only for trusted callers (default: encoded as plain text)")
@@ -88,6 +94,8 @@ def cmd_serve(args) -> int:
 
     if args.max_queue < 0:
         raise ValueError(f"--max-queue must be >= 0, got {args.max_queue}")
+    if args.enable_auto_tool_choice and args.tool_call_parser is None:
+        raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (hermes | json)")
     if args.max_body_bytes < 1:
         raise ValueError(f"--max-body-bytes must be >= 1, got {args.max_body_bytes}")
     api_keys = api_keys_of(args)
@@ -105,7 +113,8 @@ def cmd_serve(args) -> int:
         app = build_app(engine, served_model_name=args.served_model_name, api_key=api_keys,
                         max_queue=args.max_queue, max_body_bytes=args.max_body_bytes,
                         allow_special_tokens_in_content=args.allow_special_tokens_in_content,
-                        cache_isolation=args.cache_isolation, record=args.record)
+                        cache_isolation=args.cache_isolation, record=args.record,
+                        tool_call_parser=args.tool_call_parser, enable_auto_tool_choice=args.enable_auto_tool_choice)
         if args.metrics_names == "vllm":
             app.state.kvserve.metrics.export_vllm_names()
         log.info("serving %s on http://%s:%d (api key %s, prefix-cache isolation %s)", app.state.kvserve.model_name,

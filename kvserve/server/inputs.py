@@ -10,6 +10,7 @@ from __future__ import annotations
 import uuid
 
 from kvserve.model.tokenizer import Tokenizer
+from kvserve.server.tools import hermes_messages, template_messages, template_reads_tools
 
 
 def prompt_byte_limit(tokenizer: Tokenizer | None, max_model_len: int) -> int | None:
@@ -58,8 +59,11 @@ def _encode(tokenizer: Tokenizer, text: str) -> list[int]:
 
 
 def chat_token_ids(tokenizer: Tokenizer | None, messages: list[dict], add_generation_prompt: bool,
-                   byte_limit: int | None, max_model_len: int, special_in_content: bool = False) -> dict:
-    """A conversation formatted by the chat template, as {'prompt_token_ids'}.
+                   byte_limit: int | None, max_model_len: int, special_in_content: bool = False,
+                   tools: list[dict] | None = None) -> dict:
+    """A conversation formatted by the chat template, as {'prompt_token_ids'}; `tools` (OpenAI's
+    function definitions) go to a template that reads them, else into a Hermes system message
+    (server/tools.py).
 
     Unless `special_in_content`, special-token text inside a message (`<|im_end|>`, ...) is
     encoded as plain text, so a user cannot write turns of other roles.
@@ -68,15 +72,18 @@ def chat_token_ids(tokenizer: Tokenizer | None, messages: list[dict], add_genera
         raise ValueError("messages need a chat template, which this model does not have: use "
                          "/v1/completions with a plain prompt")
     for i, m in enumerate(messages):
-        check_text(f"messages[{i}].content", m["content"], None, max_model_len)
+        check_text(f"messages[{i}].content", m["content"] or "", None, max_model_len)
         check_text(f"messages[{i}].name", m.get("name") or "", None, max_model_len)
-    total = sum(len(m["content"].encode("utf-8")) for m in messages)
+    native = bool(tools) and template_reads_tools(tokenizer.hf_tokenizer)
+    messages = template_messages(messages) if native else hermes_messages(messages, tools or [])
+    total = sum(len((m["content"] or "").encode("utf-8")) for m in messages)
     if byte_limit is not None and total > byte_limit:
         raise ValueError(f"messages hold {total} bytes of content; no conversation over {byte_limit} "
                          f"bytes fits max_model_len={max_model_len} tokens with this tokenizer: shorten it")
     specials = [] if special_in_content else _special_texts(tokenizer)
     try:
-        return {"prompt_token_ids": _render(tokenizer.hf_tokenizer, messages, add_generation_prompt, specials)}
+        return {"prompt_token_ids": _render(tokenizer.hf_tokenizer, messages, add_generation_prompt, specials,
+                                            tools if native else None)}
     except ValueError:
         raise
     except Exception as exc:  # template (jinja) and tokenizer errors come from the messages
@@ -87,15 +94,17 @@ def _special_texts(tokenizer: Tokenizer) -> list[str]:
     return [t.content for t in tokenizer.hf_tokenizer.added_tokens_decoder.values() if t.special]
 
 
-def _render(hf, messages: list[dict], add_generation_prompt: bool, specials: list[str]) -> list[int]:
+def _render(hf, messages: list[dict], add_generation_prompt: bool, specials: list[str],
+            tools: list[dict] | None = None) -> list[int]:
     """Token ids of the templated conversation; contents holding `specials` are encoded as text."""
     for m in messages:
         if any(s in (m.get("name") or "") for s in specials):
             raise ValueError("messages: a message name holds special-token text; remove it")
     marked = {i: f"\ue000{uuid.uuid4().hex}\ue001" for i, m in enumerate(messages)
-              if any(s in m["content"] for s in specials)}
+              if any(s in (m["content"] or "") for s in specials)}
     shown = [{**m, "content": marked[i]} if i in marked else m for i, m in enumerate(messages)]
-    text = hf.apply_chat_template(shown, tokenize=False, add_generation_prompt=add_generation_prompt)
+    extra = {"tools": tools} if tools else {}
+    text = hf.apply_chat_template(shown, tokenize=False, add_generation_prompt=add_generation_prompt, **extra)
     ids: list[int] = []
     for i, mark in marked.items():
         before, found, text = text.partition(mark)

@@ -7,6 +7,7 @@ once, by SamplingParams, so the API and the offline LLM agree on what is allowed
 
 from __future__ import annotations
 
+import dataclasses
 import time
 import uuid
 from typing import Any, Literal
@@ -14,6 +15,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_serializer
 
 from kvserve.sampling_params import SamplingParams, StructuredOutputsParams, as_structured_outputs
+from kvserve.server.tools import ToolPlan, tool_plan
 
 MAX_N = 128
 MAX_SEED = 2**63 - 1 - MAX_N  # torch generators take 64-bit seeds; forks add their index
@@ -33,6 +35,16 @@ class StreamOptions(_Request):
 
     include_usage: bool = False
     continuous_usage_stats: bool = False
+
+
+def _check_tool_calls(i: int, m: ChatMessage) -> None:
+    """An assistant's past calls: each {"id", "type": "function", "function": {"name", "arguments"}}."""
+    if m.role != "assistant":
+        raise ValueError(f"messages[{i}]: only assistant messages carry tool_calls")
+    for j, call in enumerate(m.tool_calls):
+        fn = call.get("function")
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            raise ValueError(f"messages[{i}].tool_calls[{j}] needs function.name (and function.arguments)")
 
 
 class JsonSchemaFormat(_Request):
@@ -165,9 +177,12 @@ class ChatMessage(_Request):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None   # an assistant's past calls (OpenAI's shape)
+    tool_call_id: str | None = None                  # a tool result: the call it answers
 
     def as_dict(self) -> dict:
-        """The message as the chat template expects it: role and text content."""
+        """The message as the chat template expects it: role, text content, past calls, the call a
+        tool result answers."""
         content = self.content
         if isinstance(content, list):
             for i, part in enumerate(content):
@@ -179,8 +194,9 @@ class ChatMessage(_Request):
                                      "give its text, as in {\"type\": \"text\", \"text\": \"...\"}")
             content = "".join(part.text for part in content)
         out = {"role": self.role, "content": content}
-        if self.name is not None:
-            out["name"] = self.name
+        for key in ("name", "tool_calls", "tool_call_id"):
+            if getattr(self, key) is not None:
+                out[key] = getattr(self, key)
         return out
 
 
@@ -194,6 +210,7 @@ class ChatCompletionRequest(_SamplingRequest):
     top_logprobs: int | None = None
     tools: list[Any] | None = None
     tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
     add_generation_prompt: bool = True
 
     def conversation(self) -> list[dict]:
@@ -201,17 +218,29 @@ class ChatCompletionRequest(_SamplingRequest):
         if not self.messages:
             raise ValueError("messages must hold at least one message")
         for i, m in enumerate(self.messages):
-            if m.content is None:
+            if m.content is None and not (m.role == "assistant" and m.tool_calls):
                 raise ValueError(f"messages[{i}] has no content: every message needs 'content', "
-                                 "a string or a list of text parts")
+                                 "a string or a list of text parts (an assistant message may give tool_calls)")
+            if m.tool_calls is not None:
+                _check_tool_calls(i, m)
         return [m.as_dict() for m in self.messages]
 
-    def sampling_params(self) -> SamplingParams:
-        """SamplingParams for this request."""
-        if self.tools:
-            raise ValueError("tools are not supported; leave them out")
-        if self.tool_choice not in (None, "none"):
-            raise ValueError("tool_choice is not supported; leave it out")
+    def tool_plan(self, parser: str | None, auto_enabled: bool) -> ToolPlan:
+        """How this request uses tools (ValueError naming what is wrong)."""
+        return tool_plan(self.tools, self.tool_choice, self.parallel_tool_calls, parser, auto_enabled)
+
+    def sampling_params(self, plan: ToolPlan | None = None) -> SamplingParams:
+        """SamplingParams for this request; a required or named tool_choice constrains the output."""
+        forced = plan.constraint() if plan is not None else None
+        if forced is not None and (self.response_format is not None and self.response_format.type != "text"
+                                   or self.structured_outputs is not None):
+            raise ValueError("a 'required' or named tool_choice constrains the output itself: leave out "
+                             "response_format / structured_outputs")
+        if forced is not None:
+            return dataclasses.replace(self._chat_params(), structured_outputs=forced)
+        return self._chat_params()
+
+    def _chat_params(self) -> SamplingParams:
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs: true")
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
@@ -293,6 +322,7 @@ class ChatResponseMessage(BaseModel):
 
     role: str = "assistant"
     content: str | None = None
+    tool_calls: list[dict[str, Any]] = Field(default_factory=list)
 
 
 class ChatChoice(BaseModel):
@@ -322,6 +352,7 @@ class DeltaMessage(BaseModel):
 
     role: str | None = None
     content: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None   # whole calls, each with its index
 
     @model_serializer(mode="wrap")
     def _drop_none(self, handler):

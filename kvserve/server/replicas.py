@@ -426,7 +426,8 @@ def serve_replicas(args, api_keys: list[str]) -> int:
     app_kwargs = {"served_model_name": args.served_model_name, "api_key": api_keys,
                   "max_queue": args.max_queue, "max_body_bytes": args.max_body_bytes,
                   "allow_special_tokens_in_content": args.allow_special_tokens_in_content,
-                  "cache_isolation": args.cache_isolation, "metrics_names": args.metrics_names}
+                  "cache_isolation": args.cache_isolation, "metrics_names": args.metrics_names,
+                  "tool_call_parser": args.tool_call_parser, "enable_auto_tool_choice": args.enable_auto_tool_choice}
     app = build_application(engine_kwargs(args), app_kwargs, replicas=args.replicas, routing=args.routing,
                             events_host=None if args.ray_address else "127.0.0.1")
     serve.run(app, name="kvserve", route_prefix="/")
