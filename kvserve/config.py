@@ -12,6 +12,7 @@ from kvserve.model.quant import GGUF_FORMAT, WEIGHT_FORMATS
 KV_CACHE_MODES = ("paged", "contiguous", "none")
 COMPILE_MODES = ("background", "blocking")   # when the model compiles (engine/compile.py)
 PREEMPTION_MODES = ("recompute", "swap", "auto")   # what the scheduler does with a preempted request
+SCHEDULING_POLICIES = ("fcfs", "priority")          # the order waiting requests are admitted in
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DTYPE_NAMES = tuple(DTYPES)
 EAGER_ENV = "KVSERVE_ENFORCE_EAGER"   # =1: every engine of the process runs eagerly (model/regions.py reads it)
@@ -111,6 +112,9 @@ class EngineConfig:
         "(faster; pip install xxhash)", choices=["sha256", "xxhash"])
     max_num_seqs: int = opt(256, "most sequences in one step")
     max_num_batched_tokens: int = opt(2048, "token budget of one step (chunked prefill)")
+    scheduling_policy: str = opt("fcfs", "fcfs: arrival order; priority: lower SamplingParams.priority first "
+                                 "(then arrival), and preemption takes the lowest priority",
+                                 choices=list(SCHEDULING_POLICIES))
     seed: int | None = opt(0, "engine seed")
     kv_cache_mode: str = opt("paged", "paged, contiguous (reserve max_model_len per sequence) or none "
                              "(recompute every step)", choices=list(KV_CACHE_MODES))
@@ -227,6 +231,8 @@ class EngineConfig:
             raise ValueError(f"kv_policy needs kv_cache_mode='paged' (per-layer block tables), got {self.kv_cache_mode!r}")
 
     def _validate_offload(self) -> None:
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"scheduling_policy must be one of {SCHEDULING_POLICIES}, got {self.scheduling_policy!r}")
         if self.preemption_mode not in PREEMPTION_MODES:
             raise ValueError(f"preemption_mode must be one of {PREEMPTION_MODES}, got {self.preemption_mode!r}")
         if not self.swap_space >= 0:

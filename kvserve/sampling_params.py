@@ -176,6 +176,11 @@ class SamplingParams:
     kv_retention: KVRetention | dict | None = None  # pin the prompt's blocks in the prefix cache
     output_kind: RequestOutputKind | int | None = None  # what each output holds; None = CUMULATIVE
     structured_outputs: StructuredOutputsParams | dict | None = None  # a grammar the output follows
+    logit_bias: dict[int, float] | None = None      # OpenAI's: token id -> bias added to its logit, in [-100, 100]
+    allowed_token_ids: list[int] | None = None      # vLLM's: only these tokens may be drawn
+    bad_words: list[str] | None = None              # vLLM's: words the output never completes
+    priority: int = 0   # vLLM's request priority (an argument of its generate): lower runs first
+                        # under scheduling_policy='priority'
 
     def __post_init__(self) -> None:
         self.stop = _normalise_stop(self.stop)
@@ -188,6 +193,8 @@ class SamplingParams:
         self.output_kind = _output_kind(self.output_kind)
         self.kv_retention = as_retention(self.kv_retention)
         self.structured_outputs = as_structured_outputs(self.structured_outputs)
+        self._validate_token_filters()
+        _check("priority", self.priority, _is_int(self.priority), "an integer")
         if self.kv_policy is not None:
             from kvserve.kv.policies import parse_policy
             parse_policy(self.kv_policy)
@@ -223,6 +230,27 @@ class SamplingParams:
             value = getattr(self, name)
             if value is not None:
                 _check_int(name, value, 0, MAX_LOGPROBS)
+
+    def _validate_token_filters(self) -> None:
+        if self.logit_bias is not None:
+            _check("logit_bias", self.logit_bias, isinstance(self.logit_bias, dict), "an object of token id -> bias")
+            bias = {}
+            for tok, value in self.logit_bias.items():
+                tid = int(tok) if isinstance(tok, str) and tok.strip().isdigit() else tok
+                _check("logit_bias key", tok, _is_int(tid) and tid >= 0, "a token id (an integer >= 0)")
+                _check_float(f"logit_bias[{tok}]", value, lambda v: -100 <= v <= 100, "in [-100, 100]")
+                bias[tid] = float(value)
+            self.logit_bias = bias or None
+        if self.allowed_token_ids is not None:
+            ids = list(self.allowed_token_ids)
+            _check("allowed_token_ids", self.allowed_token_ids, bool(ids) and all(_is_int(t) and t >= 0 for t in ids),
+                   "a non-empty list of token ids")
+            self.allowed_token_ids = ids
+        if self.bad_words is not None:
+            words = list(self.bad_words)
+            _check("bad_words", self.bad_words, all(isinstance(w, str) and w.strip() for w in words),
+                   "a list of non-empty strings")
+            self.bad_words = words or None
 
     @property
     def greedy(self) -> bool:

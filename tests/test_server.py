@@ -412,6 +412,60 @@ def test_an_agent_framework_runs_its_tool_loop_against_the_server(server):
     assert isinstance(result.final_output, str) and result.final_output.strip()
 
 
+def test_echo_prepends_the_prompt_and_its_logprobs(server, engine):
+    """echo: the text starts with the prompt; with logprobs the prompt's tokens come first (the
+    first one without a logprob) with the engine's prompt logprobs, then the completion's."""
+    from kvserve import SamplingParams
+    client = server.client()
+    prompt = "The capital of France is"
+    got = client.completions.create(model=server.model, prompt=prompt, max_tokens=5, temperature=0, echo=True,
+                                    logprobs=2).choices[0]
+    want = engine.generate(prompt, SamplingParams(max_tokens=5, temperature=0, logprobs=2, prompt_logprobs=2),
+                           use_tqdm=False)[0]
+    assert got.text == prompt + want.outputs[0].text
+    ids = want.prompt_token_ids
+    lp = got.logprobs
+    assert len(lp.tokens) == len(ids) + len(want.outputs[0].token_ids)
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    for i in range(1, len(ids)):
+        assert lp.token_logprobs[i] == pytest.approx(want.prompt_logprobs[i][ids[i]].logprob, abs=1e-3)
+    assert lp.text_offset[:2] == [0, len(lp.tokens[0])]
+    streamed = "".join(c.choices[0].text for c in client.completions.create(
+        model=server.model, prompt=prompt, max_tokens=5, temperature=0, echo=True, stream=True) if c.choices)
+    assert streamed == got.text
+
+
+def test_tokenize_detokenize_and_request_id_header(server, engine):
+    tok = engine.engine.tokenizer
+    text = "KV caches store keys and values."
+    r = _post(server, "/tokenize", {"prompt": text, "return_token_strs": True}, headers={"X-Request-Id": "trace-7"})
+    assert r.status_code == 200 and r.headers["x-request-id"] == "trace-7"
+    body = r.json()
+    assert body["tokens"] == tok.encode(text) and body["count"] == len(body["tokens"])
+    assert body["max_model_len"] == engine.engine.max_model_len
+    assert "".join(body["token_strs"]) == tok.decode(body["tokens"], skip_special_tokens=False)
+    messages = [{"role": "user", "content": "Hello!"}]
+    chat = _post(server, "/tokenize", {"messages": messages}).json()
+    from kvserve.server import inputs
+    assert chat["tokens"] == inputs.chat_token_ids(tok, messages, True, None, 2048)["prompt_token_ids"]
+    back = _post(server, "/detokenize", {"tokens": body["tokens"]})
+    assert back.status_code == 200 and back.json()["prompt"] == tok.decode(body["tokens"], skip_special_tokens=False)
+    assert _post(server, "/detokenize", {"tokens": [10**9]}).status_code == 400
+    assert _post(server, "/tokenize", {"prompt": "a", "messages": messages}).status_code == 400
+
+
+def test_logit_bias_and_priority_through_the_api(server):
+    client = server.client()
+    tok_id = 28   # any id in the vocabulary: +100 makes it the only greedy choice
+    got = client.completions.create(model=server.model, prompt="Hello", max_tokens=3, temperature=0,
+                                    logit_bias={str(tok_id): 100}, logprobs=0)
+    piece = _post(server, "/detokenize", {"tokens": [tok_id]}).json()["prompt"]
+    assert got.choices[0].logprobs.tokens == [piece] * 3 and got.choices[0].text == piece * 3
+    import openai
+    with pytest.raises(openai.BadRequestError, match="scheduling_policy='priority'"):
+        client.completions.create(model=server.model, prompt="Hello", max_tokens=1, extra_body={"priority": 3})
+
+
 def _assert_logprobs_match(got: list[float], got_top: list[list[float]], want, tol: float = 1e-3) -> None:
     """The server's token and top logprobs against the engine's own (per step: the sampled token's
     logprob and the k best, highest first)."""

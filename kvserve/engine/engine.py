@@ -112,7 +112,8 @@ class LLMEngine:
         self.runner = runner(self.model, self.kv, self.storage, self.device, cfg.max_num_seqs,
                              self.max_model_len, cfg.attention_backend, self.evictor)
         self.swap = build_swap(cfg, self.storage, self.kv)   # host swap pool (swap_space GiB)
-        self.scheduler = Scheduler(self.kv, cfg.max_num_seqs, planner.token_budget, self.swap, cfg.preemption_mode)
+        self.scheduler = Scheduler(self.kv, cfg.max_num_seqs, planner.token_budget, self.swap, cfg.preemption_mode,
+                                   cfg.scheduling_policy)
         planner.log(self.storage)
 
     def _build_kv(self, planner):
@@ -143,8 +144,13 @@ class LLMEngine:
         rid = request_id or str(next(self._ids))
         if rid in self.groups:
             raise ValueError(f"request_id {rid!r} is already in use")
+        _check_token_ids(params, self.model_config.vocab_size)
+        if params.priority != 0 and self.config.scheduling_policy != "priority":
+            raise ValueError(f"priority={params.priority} needs an engine started with scheduling_policy='priority' "
+                             "(--scheduling-policy priority); leave it at 0 under fcfs")
         req = Request(rid, ids, params, prompt=text, generator=_generator(params.seed, self.device), kv_policy=policy,
-                      grammar=self.structured.grammar(params.structured_outputs))
+                      grammar=self.structured.grammar(params.structured_outputs),
+                      bad_words=_bad_words_token_ids(self.tokenizer, params.bad_words))
         if chunk < self.config.max_num_batched_tokens:
             req.prefill_chunk = chunk
         return req
@@ -237,7 +243,8 @@ class LLMEngine:
 
     def _sample(self, logits: torch.Tensor, reqs: list[Request]) -> None:
         inputs = [SamplingInput(r.params, r.prompt_token_ids, r.output_token_ids, r.generator,
-                                r.params.n if r.index == 0 and r.num_output_tokens == 0 else 1) for r in reqs]
+                                r.params.n if r.index == 0 and r.num_output_tokens == 0 else 1, r.bad_words)
+                  for r in reqs]
         try:
             results = self.sampler(logits, inputs, self.structured.bitmask([r.grammar for r in reqs]))
         except SamplingError as exc:  # nothing was drawn: fail those requests, sample the rest
@@ -275,7 +282,7 @@ class LLMEngine:
         self.evictor.fork(parent, child)  # evicts the parent first: children share its compressed cache
         if parent.status != RequestStatus.RUNNING:
             child.status = RequestStatus.PREEMPTED
-            self.scheduler.waiting.append(child)
+            self.scheduler.add(child)
             return child
         child.num_computed_tokens = parent.num_computed_tokens
         child.status = RequestStatus.RUNNING
@@ -331,6 +338,29 @@ class LLMEngine:
             self.kv_events.close()
         if self.tp is not None:
             self.tp.close()
+
+
+def _check_token_ids(params: SamplingParams, vocab_size: int) -> None:
+    """ValueError for logit_bias / allowed_token_ids naming tokens outside the vocabulary."""
+    for name, ids in (("logit_bias", params.logit_bias or ()), ("allowed_token_ids", params.allowed_token_ids or ())):
+        bad = [t for t in ids if t >= vocab_size]
+        if bad:
+            raise ValueError(f"{name} names token ids {bad[:5]} outside the vocabulary [0, {vocab_size})")
+
+
+def _bad_words_token_ids(tokenizer, words: list[str] | None) -> list[list[int]]:
+    """Each bad word as token ids, as it starts a text and after a space (vLLM's two spellings)."""
+    if not words:
+        return []
+    if tokenizer is None:
+        raise ValueError("bad_words needs the model's tokenizer, and this model ships none")
+    out = []
+    for word in words:
+        for text in (word.strip(), " " + word.strip()):
+            ids = tokenizer.encode(text, add_special_tokens=False)
+            if ids and ids not in out:
+                out.append(ids)
+    return out
 
 
 def _kv_metrics(kv, storage) -> dict:

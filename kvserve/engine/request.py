@@ -45,6 +45,7 @@ class Request:
     prefill_chunk: int | None = None      # most tokens per step when below the step budget (a streaming
                                           # kv_policy in a pool too small for its capacity + a full chunk)
     grammar: object | None = None         # structured outputs: its matcher (structured/grammar.py Grammar)
+    bad_words: list[list[int]] = field(default_factory=list)   # params.bad_words as token ids
 
     def __post_init__(self):
         self.token_ids = list(self.prompt_token_ids)   # prompt + output
@@ -102,7 +103,8 @@ class Request:
         child = Request(request_id, self.prompt_token_ids, self.params, prompt=self.prompt, group_id=self.group_id,
                         index=index, generator=generator, arrival_time=self.arrival_time,
                         kv_policy=self.kv_policy, prefill_chunk=self.prefill_chunk,
-                        grammar=self.grammar.fork() if self.grammar is not None else None)
+                        grammar=self.grammar.fork() if self.grammar is not None else None,
+                        bad_words=self.bad_words)
         child.token_ids = list(self.token_ids)
         child.output_token_ids = list(self.output_token_ids)
         child.cumulative_logprob = self.cumulative_logprob

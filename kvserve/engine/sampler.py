@@ -1,14 +1,14 @@
-"""Logits -> tokens: min_tokens, penalties, temperature, top-k/p, min-p, seeds, logprobs.
+"""Logits -> tokens: token filters, min_tokens, penalties, temperature, top-k/p, min-p, seeds, logprobs.
 
-Processing order follows vLLM: min_tokens masking, repetition penalty, presence and
-frequency penalties; then greedy rows take the argmax and random rows go through
+Processing order follows vLLM: a structured-output bitmask, allowed_token_ids, logit_bias and
+bad_words, min_tokens masking, repetition penalty, presence and frequency penalties; then greedy rows take the argmax and random rows go through
 temperature, top-k, top-p and min-p before a multinomial draw. Reported log-probs come
 from the raw model distribution (log_softmax of the unprocessed logits), as in vLLM.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -38,6 +38,7 @@ class SamplingInput:
     output_token_ids: list[int]
     generator: torch.Generator | None
     num_samples: int = 1
+    bad_words: list[list[int]] = field(default_factory=list)   # token ids of each of params.bad_words
 
 
 @dataclass
@@ -81,6 +82,36 @@ def apply_min_tokens(logits: torch.Tensor, inputs: list[SamplingInput],
         if banned:
             logits[row, banned] = _NEG_INF
     return logits
+
+
+def _has_token_filters(inp: SamplingInput) -> bool:
+    p = inp.params
+    return p.logit_bias is not None or p.allowed_token_ids is not None or bool(inp.bad_words)
+
+
+def apply_token_filters(logits: torch.Tensor, inputs: list[SamplingInput]) -> torch.Tensor:
+    """allowed_token_ids (every other token -inf), logit_bias (added) and bad_words (the token that
+    would complete one -inf) of each row (in place)."""
+    vocab = logits.shape[-1]
+    for row, inp in enumerate(inputs):
+        p = inp.params
+        if p.allowed_token_ids is not None:
+            keep = torch.full((vocab,), _NEG_INF, device=logits.device)
+            keep[[t for t in p.allowed_token_ids if t < vocab]] = 0.0
+            logits[row] += keep
+        if p.logit_bias:
+            ids = [t for t in p.logit_bias if t < vocab]
+            logits[row, ids] += torch.tensor([p.logit_bias[t] for t in ids], device=logits.device)
+        banned = [w[-1] for w in inp.bad_words if _completes(inp.output_token_ids, w)]
+        if banned:
+            logits[row, banned] = _NEG_INF
+    return logits
+
+
+def _completes(output: list[int], word: list[int]) -> bool:
+    """True when the next token `word[-1]` would complete `word` after `output`."""
+    head = word[:-1]
+    return not head or output[-len(head):] == head
 
 
 def _token_counts(token_lists: list[list[int]], vocab: int, device: torch.device) -> torch.Tensor:
@@ -199,10 +230,13 @@ def process_logits(logits: torch.Tensor, inputs: list[SamplingInput],
     Returns `logits` itself when nothing applies, else a processed copy.
     """
     rand = _random_rows(inputs)
-    touched = rand or any(_min_tokens_active(i) or _has_penalties(i.params) for i in inputs)
+    touched = rand or any(_min_tokens_active(i) or _has_penalties(i.params) or _has_token_filters(i) for i in inputs)
     if not touched:
         return logits
-    logits = apply_penalties(apply_min_tokens(logits.clone(), inputs, eos_token_ids), inputs)
+    logits = logits.clone()
+    if any(_has_token_filters(i) for i in inputs):
+        logits = apply_token_filters(logits, inputs)
+    logits = apply_penalties(apply_min_tokens(logits, inputs, eos_token_ids), inputs)
     if len(rand) == len(inputs):
         return apply_sampling_filters(logits, [inp.params for inp in inputs])
     if rand:

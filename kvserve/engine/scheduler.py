@@ -25,14 +25,51 @@ class SchedulerOutput:
         return sum(n for _, n in self.scheduled)
 
 
+class FcfsOrder:
+    """Arrival order: a preempted request goes back to the front, the newest running one is preempted."""
+
+    def add(self, waiting: deque[Request], req: Request) -> None:
+        waiting.append(req)
+
+    def requeue(self, waiting: deque[Request], req: Request) -> None:
+        waiting.appendleft(req)
+
+    def victim(self, running: list[Request]) -> Request:
+        return running.pop()
+
+
+class PriorityOrder:
+    """vLLM's priority policy: lower `priority` first, then arrival; preemption takes the running
+    request latest in that order."""
+
+    @staticmethod
+    def key(req: Request) -> tuple[int, float]:
+        return req.params.priority, req.arrival_time
+
+    def add(self, waiting: deque[Request], req: Request) -> None:
+        i = next((i for i, r in enumerate(waiting) if self.key(req) < self.key(r)), len(waiting))
+        waiting.insert(i, req)
+
+    requeue = add
+
+    def victim(self, running: list[Request]) -> Request:
+        req = max(running, key=self.key)
+        running.remove(req)
+        return req
+
+
+ORDERS = {"fcfs": FcfsOrder, "priority": PriorityOrder}
+
+
 class Scheduler:
-    """FCFS continuous batching over a KVCacheManager, or over a NoCacheManager (recompute mode:
-    every step runs each running request's whole sequence, chosen once here)."""
+    """Continuous batching over a KVCacheManager, or over a NoCacheManager (recompute mode: every step
+    runs each running request's whole sequence, chosen once here), in FCFS or priority order."""
 
     def __init__(self, kv: KVCacheManager | NoCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 swap: SwapSpace | None = None, preemption_mode: str = "recompute"):
+                 swap: SwapSpace | None = None, preemption_mode: str = "recompute", policy: str = "fcfs"):
         self.kv = kv
         self._schedule = self._schedule_cached if kv.holds_kv else self._schedule_recompute
+        self.order = ORDERS[policy]()
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Request] = deque()
@@ -45,14 +82,14 @@ class Scheduler:
 
     def add(self, req: Request) -> None:
         """Queue a new request."""
-        self.waiting.append(req)
+        self.order.add(self.waiting, req)
 
     def has_unfinished(self) -> bool:
         """True while any request waits or runs."""
         return bool(self.waiting or self.running)
 
     def schedule(self) -> SchedulerOutput:
-        """Pick this step's batch: running requests first, then waiting ones (FCFS)."""
+        """Pick this step's batch: running requests first, then waiting ones in the policy's order."""
         return self._schedule()
 
     def _schedule_cached(self) -> SchedulerOutput:
@@ -71,15 +108,25 @@ class Scheduler:
                 i += 1
                 continue
             while not self.kv.allocate_slots(req.request_id, req.num_computed_tokens, n):
-                victim = self.running.pop()
+                victim = self.order.victim(self.running)
+                budget += self._unschedule(out, victim)
                 self._preempt(victim)
                 out.preempted.append(victim)
                 if victim is req:
                     return budget
+                i = self.running.index(req)
             out.scheduled.append((req, n))
             budget -= n
             i += 1
         return budget
+
+    @staticmethod
+    def _unschedule(out: SchedulerOutput, victim: Request) -> int:
+        """Take a preempted request out of this step's batch (the priority order may pick one already
+        in it); returns the tokens it gives back to the budget."""
+        tokens = sum(n for r, n in out.scheduled if r is victim)
+        out.scheduled = [(r, n) for r, n in out.scheduled if r is not victim]
+        return tokens
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
@@ -127,7 +174,7 @@ class Scheduler:
             req.num_computed_tokens = 0
         req.status = RequestStatus.PREEMPTED
         self.num_preemptions += 1
-        self.waiting.appendleft(req)
+        self.order.requeue(self.waiting, req)
 
     def _prefer_swap(self, req: Request) -> bool:
         """Swap when forced, or ("auto") when moving the bytes out and back beats recomputing."""

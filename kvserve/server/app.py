@@ -44,7 +44,7 @@ from kvserve.server import protocol as P
 from kvserve.server.dashboard import add_dashboard_routes, is_public
 from kvserve.server.kv_state import KVStateTracker, StateHub
 from kvserve.server.metrics import ServerMetrics
-from kvserve.server.tools import TOOL_CALL_PARSERS, ToolPlan, ToolStream
+from kvserve.server.tools import TOOL_CALL_PARSERS, ToolPlan, ToolStream, check_tools
 
 log = logging.getLogger("kvserve.server")
 
@@ -196,8 +196,29 @@ def build_app(engine: LLMEngine, *, served_model_name: str | None = None,
     _add_error_handlers(app)
     _add_info_routes(app, state)
     _add_generation_routes(app, state)
+    _add_token_routes(app, state)
     add_dashboard_routes(app, hub)
+    app.add_middleware(RequestIdMiddleware)
     return app
+
+
+class RequestIdMiddleware:
+    """A request's X-Request-Id header comes back on its response (client-side tracing)."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        rid = next((v for k, v in scope.get("headers", ()) if k == b"x-request-id"), None) \
+            if scope["type"] == "http" else None
+        if rid is None:
+            return await self.app(scope, receive, send)
+
+        async def send_with_id(message):
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": [*message.get("headers", []), (b"x-request-id", rid)]}
+            await send(message)
+        await self.app(scope, receive, send_with_id)
 
 
 def check_cache_isolation(mode: str, api_keys: list[str]) -> None:
@@ -372,9 +393,10 @@ def _add_generation_routes(app: FastAPI, state: ServerState) -> None:
         params = output_kind(params)
         streams = await add_requests(state, prompts, params, [f"{rid}-{i}" for i in range(len(prompts))])
         if req.stream:
-            return EventStreamResponse(_events(CompletionChunks(state, params, rid), streams, req.include_usage), streams)
+            return EventStreamResponse(_events(CompletionChunks(state, params, rid, req.echo), streams,
+                                               req.include_usage), streams)
         finals = await _collect(request, streams)
-        return _completion_response(state, params, rid, finals).model_dump()
+        return _completion_response(state, params, rid, finals, req.echo).model_dump()
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
@@ -396,6 +418,46 @@ def _add_generation_routes(app: FastAPI, state: ServerState) -> None:
                                        streams)
         final = (await _collect(request, streams))[0]
         return _chat_response(state, params, rid, final, plan).model_dump()
+
+
+def _add_token_routes(app: FastAPI, state: ServerState) -> None:
+    """/tokenize and /detokenize, in vLLM's shapes."""
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request):
+        req = parse_model(P.TokenizeRequest, await read_json(request, state.max_body_bytes))
+        check_model(state, req.model)
+        try:
+            ids = await state.tokenize(_tokenize, state, req)
+        except ValueError as exc:
+            raise bad_request(exc) from None
+        strs = [state.decode_token(t) for t in ids] if req.return_token_strs else None
+        return P.TokenizeResponse(count=len(ids), max_model_len=state.engine.max_model_len, tokens=ids,
+                                  token_strs=strs).model_dump()
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request):
+        req = parse_model(P.DetokenizeRequest, await read_json(request, state.max_body_bytes))
+        check_model(state, req.model)
+        vocab = state.engine.model_config.vocab_size
+        bad = [t for t in req.tokens if not 0 <= t < vocab]
+        if bad:
+            raise bad_request(ValueError(f"tokens {bad[:5]} are outside the vocabulary [0, {vocab})"))
+        text = await state.tokenize(lambda: state.engine.tokenizer.decode(req.tokens, skip_special_tokens=False))
+        return P.DetokenizeResponse(prompt=text).model_dump()
+
+
+def _tokenize(state: ServerState, req: P.TokenizeRequest) -> list[int]:
+    """The token ids a prompt or a conversation gives (on the tokenize thread)."""
+    conversation, tok = req.conversation(), state.engine.tokenizer
+    if tok is None:
+        raise ValueError("this model ships no tokenizer: there is no text to tokenize")
+    if conversation is None:
+        inputs.check_text("prompt", req.prompt, state.byte_limit, state.engine.max_model_len)
+        return tok.encode(req.prompt, add_special_tokens=req.add_special_tokens)
+    tools = check_tools(req.tools)
+    return inputs.chat_token_ids(tok, conversation, req.add_generation_prompt, state.byte_limit,
+                                 state.engine.max_model_len, state.special_in_content, tools)["prompt_token_ids"]
 
 
 def _completion_prompts(state: ServerState, prompts: list) -> list[dict]:
@@ -443,14 +505,15 @@ def _usage(outputs: list[RequestOutput], streamed: list[StreamedChoice] | None =
 
 
 def _completion_response(state: ServerState, params: SamplingParams, rid: str,
-                         finals: list[RequestOutput]) -> P.CompletionResponse:
+                         finals: list[RequestOutput], echo: bool = False) -> P.CompletionResponse:
     choices = []
     for i, out in enumerate(finals):
         for c in out.outputs:
-            logprobs = None
+            echoed, logprobs = _echoed(state, out, params, echo)
             if params.logprobs is not None:
-                logprobs = _completion_logprobs(state, c, 0, len(c.token_ids), params.logprobs, 0)
-            choices.append(P.CompletionChoice(index=i * params.n + c.index, text=c.text, logprobs=logprobs,
+                logprobs = _completion_logprobs(state, c, 0, len(c.token_ids), params.logprobs, len(echoed),
+                                                logprobs)
+            choices.append(P.CompletionChoice(index=i * params.n + c.index, text=echoed + c.text, logprobs=logprobs,
                                               finish_reason=c.finish_reason, stop_reason=c.stop_reason))
     choices.sort(key=lambda ch: ch.index)
     return P.CompletionResponse(id=rid, model=state.model_name, choices=choices, usage=_usage(finals))
@@ -476,9 +539,29 @@ def _top(entry: dict, k: int) -> list[tuple[int, float]]:
     return [(tok, lp) for rank, tok, lp in ranked if 1 <= rank <= k]
 
 
+def _echoed(state: ServerState, out: RequestOutput, params: SamplingParams,
+            echo: bool) -> tuple[str, P.CompletionLogprobs | None]:
+    """echo: the prompt's text, and with logprobs the prompt tokens' entries (the first one null)."""
+    if not echo:
+        return "", None
+    text = out.prompt if out.prompt is not None else state.engine.tokenizer.decode(out.prompt_token_ids)
+    if params.logprobs is None:
+        return text, None
+    lp, offset = P.CompletionLogprobs(), 0
+    for tok, entry in zip(out.prompt_token_ids, out.prompt_logprobs or [None] * len(out.prompt_token_ids)):
+        piece = state.decode_token(tok)
+        lp.tokens.append(piece)
+        lp.token_logprobs.append(entry[tok].logprob if entry is not None and tok in entry else None)
+        lp.top_logprobs.append(None if entry is None else
+                               {state.decode_token(t): v for t, v in _top(entry, params.logprobs)})
+        lp.text_offset.append(offset)
+        offset += len(piece)
+    return text, lp
+
+
 def _completion_logprobs(state: ServerState, c: CompletionOutput, start: int, end: int, k: int,
-                         offset: int) -> P.CompletionLogprobs:
-    out = P.CompletionLogprobs()
+                         offset: int, out: P.CompletionLogprobs | None = None) -> P.CompletionLogprobs:
+    out = out if out is not None else P.CompletionLogprobs()
     entries = c.logprobs or []
     for i in range(start, min(end, len(entries))):
         tok = c.token_ids[i]
@@ -515,6 +598,7 @@ class StreamedChoice:
         self.offset = 0      # characters sent so far (completions' logprobs text_offset)
         self.tokens = 0      # tokens sent so far (the usage chunk)
         self.done = False
+        self.echoed = False  # completions with echo: the prompt went out with the first chunk
 
 
 class EventStreamResponse(StreamingResponse):
@@ -567,22 +651,26 @@ async def _merge(streams: list[RequestStream]) -> AsyncIterator[tuple[int, Reque
 
 
 class CompletionChunks:
-    """How /v1/completions streams: text choices with the completions logprobs format."""
+    """How /v1/completions streams: text choices with the completions logprobs format (with `echo`,
+    each choice's first chunk starts with the prompt)."""
 
-    def __init__(self, state: ServerState, params: SamplingParams, rid: str):
+    def __init__(self, state: ServerState, params: SamplingParams, rid: str, echo: bool = False):
         self.state, self.params, self.rid, self.created = state, params, rid, int(time.time())
+        self.echo = echo
 
     def opening(self) -> list:
         return []
 
-    def choice(self, index: int, c: CompletionOutput, d: StreamedChoice) -> P.CompletionChoice | None:
-        logprobs = None
+    def choice(self, index: int, c: CompletionOutput, d: StreamedChoice, out: RequestOutput) -> P.CompletionChoice | None:
+        echoed, logprobs = _echoed(self.state, out, self.params, self.echo and not d.echoed)
+        d.echoed = True
         if self.params.logprobs is not None:
-            logprobs = _completion_logprobs(self.state, c, 0, len(c.token_ids), self.params.logprobs, d.offset)
+            logprobs = _completion_logprobs(self.state, c, 0, len(c.token_ids), self.params.logprobs,
+                                            d.offset + len(echoed), logprobs)
             d.offset += sum(len(t) for t in logprobs.tokens)
-        if not (c.text or d.done or (logprobs is not None and logprobs.tokens)):
+        if not (echoed or c.text or d.done or (logprobs is not None and logprobs.tokens)):
             return None
-        return P.CompletionChoice(index=index, text=c.text, logprobs=logprobs,
+        return P.CompletionChoice(index=index, text=echoed + c.text, logprobs=logprobs,
                                   finish_reason=c.finish_reason, stop_reason=c.stop_reason)
 
     def chunk(self, choices: list, usage: P.UsageInfo | None = None) -> str:
@@ -608,7 +696,7 @@ class ChatChunks(CompletionChunks):
         return [P.ChatStreamChoice(index=i, delta=P.DeltaMessage(role="assistant", content=""))
                 for i in range(self.params.n)]
 
-    def choice(self, index: int, c: CompletionOutput, d: StreamedChoice) -> P.ChatStreamChoice | None:
+    def choice(self, index: int, c: CompletionOutput, d: StreamedChoice, out: RequestOutput) -> P.ChatStreamChoice | None:
         logprobs = None
         if self.params.logprobs is not None:
             logprobs = _chat_logprobs(self.state, c, 0, len(c.token_ids), self.params.logprobs)
@@ -649,7 +737,7 @@ async def _events(chunks: CompletionChunks, streams: list[RequestStream], includ
                 if d.done:
                     continue
                 d.done, d.tokens = c.finish_reason is not None, d.tokens + len(c.token_ids)
-                choice = chunks.choice(i * n + c.index, c, d)
+                choice = chunks.choice(i * n + c.index, c, d, out)
                 if choice is not None:
                     choices.append(choice)
             if out.finished:

@@ -95,7 +95,10 @@ class _SamplingRequest(_Request):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
-    logit_bias: dict[str, float] | None = None
+    logit_bias: dict[str, float] | None = None   # OpenAI's: token id (as a string) -> bias in [-100, 100]
+    allowed_token_ids: list[int] | None = None   # vLLM's
+    bad_words: list[str] | None = None           # vLLM's
+    priority: int = 0                            # vLLM's: lower runs first under --scheduling-policy priority
     kv_policy: str | None = None   # kvserve extra: KV eviction for this request (docs/EVICTION.md)
     cache_salt: str | None = None  # vLLM's: share prefix-cache blocks only with requests of this salt
     kv_retention: dict[str, Any] | None = None  # kvserve extra: pin the prompt's blocks (priority, ttl_s, max_tokens)
@@ -111,8 +114,6 @@ class _SamplingRequest(_Request):
 
     def _sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         """SamplingParams from the request; raises ValueError naming a bad field."""
-        if self.logit_bias:
-            raise ValueError("logit_bias is not supported; leave it out")
         given = {
             "temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k,
             "min_p": self.min_p, "presence_penalty": self.presence_penalty,
@@ -124,6 +125,8 @@ class _SamplingRequest(_Request):
             logprobs=logprobs, skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output, kv_policy=self.kv_policy,
             cache_salt=self.cache_salt, kv_retention=self.kv_retention, structured_outputs=self._structured(),
+            logit_bias=self.logit_bias, allowed_token_ids=self.allowed_token_ids, bad_words=self.bad_words,
+            priority=self.priority,
             **{k: v for k, v in given.items() if v is not None})
 
     @property
@@ -155,13 +158,14 @@ class CompletionRequest(_SamplingRequest):
 
     def sampling_params(self) -> SamplingParams:
         """SamplingParams for each prompt of this request."""
-        if self.echo:
-            raise ValueError("echo is not supported; leave it out or set it to false")
         if self.suffix:
             raise ValueError("suffix is not supported; leave it out")
         if self.best_of is not None and self.best_of != self.n:
             raise ValueError("best_of must equal n (or be left out); best-of sampling is not supported")
-        return self._sampling_params(self.max_tokens, self.logprobs)
+        params = self._sampling_params(self.max_tokens, self.logprobs)
+        if self.echo and self.logprobs is not None:   # the prompt tokens' logprobs come back too
+            params = dataclasses.replace(params, prompt_logprobs=self.logprobs)
+        return params
 
 
 class ContentPart(_Request):
@@ -246,6 +250,43 @@ class ChatCompletionRequest(_SamplingRequest):
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
         return self._sampling_params(max_tokens, logprobs)
+
+
+class TokenizeRequest(_Request):
+    """POST /tokenize (vLLM's): a prompt, or messages through the chat template."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+    return_token_strs: bool = False
+    tools: list[Any] | None = None
+
+    def conversation(self) -> list[dict] | None:
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give either prompt or messages")
+        if self.messages is None:
+            return None
+        return ChatCompletionRequest(messages=self.messages).conversation()
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeRequest(_Request):
+    """POST /detokenize (vLLM's): token ids back to text."""
+
+    model: str | None = None
+    tokens: list[int]
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
 
 
 # ---- responses ------------------------------------------------------------------------
