@@ -376,13 +376,19 @@ def _add_info_routes(app: FastAPI, state: ServerState) -> None:
         return Response(state.metrics.render(snapshot), media_type=CONTENT_TYPE_LATEST)
 
 
+async def _body(state: ServerState, request: Request, model):
+    """The request's JSON body as `model`, for this server's model (400 / 404 otherwise)."""
+    req = parse_model(model, await read_json(request, state.max_body_bytes))
+    check_model(state, req.model)
+    return req
+
+
 def _add_generation_routes(app: FastAPI, state: ServerState) -> None:
     """/v1/completions and /v1/chat/completions: streamed (server-sent events) or whole."""
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        req = parse_model(P.CompletionRequest, await read_json(request, state.max_body_bytes))
-        check_model(state, req.model)
+        req = await _body(state, request, P.CompletionRequest)
         try:
             params, prompts = isolate(state, request, req.sampling_params()), req.prompts()
             state.async_engine.check_batch_size(len(prompts))
@@ -400,8 +406,7 @@ def _add_generation_routes(app: FastAPI, state: ServerState) -> None:
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        req = parse_model(P.ChatCompletionRequest, await read_json(request, state.max_body_bytes))
-        check_model(state, req.model)
+        req = await _body(state, request, P.ChatCompletionRequest)
         try:
             plan = req.tool_plan(state.tool_call_parser, state.auto_tool_choice)
             conversation, params = req.conversation(), isolate(state, request, req.sampling_params(plan))
@@ -425,8 +430,7 @@ def _add_token_routes(app: FastAPI, state: ServerState) -> None:
 
     @app.post("/tokenize")
     async def tokenize(request: Request):
-        req = parse_model(P.TokenizeRequest, await read_json(request, state.max_body_bytes))
-        check_model(state, req.model)
+        req = await _body(state, request, P.TokenizeRequest)
         try:
             ids = await state.tokenize(_tokenize, state, req)
         except ValueError as exc:
@@ -437,8 +441,7 @@ def _add_token_routes(app: FastAPI, state: ServerState) -> None:
 
     @app.post("/detokenize")
     async def detokenize(request: Request):
-        req = parse_model(P.DetokenizeRequest, await read_json(request, state.max_body_bytes))
-        check_model(state, req.model)
+        req = await _body(state, request, P.DetokenizeRequest)
         vocab = state.engine.model_config.vocab_size
         bad = [t for t in req.tokens if not 0 <= t < vocab]
         if bad:
