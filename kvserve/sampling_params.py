@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import enum
+import json
 import math
 from dataclasses import dataclass, fields
 
 _SAMPLING_EPS = 1e-5
 _MIN_TEMPERATURE = 1e-2  # vLLM's floor for a non-zero temperature: smaller ones overflow
 MAX_LOGPROBS = 20
+MAX_CONSTRAINT_BYTES = 64 * 1024   # a structured-output schema, regex or grammar
 # The sampler computes in float32: a value it turns into 0 or inf makes NaN logits.
 FLOAT32_MAX = 3.4028234663852886e38
 FLOAT32_TINY = 1.1754943508222875e-38  # the smallest normal float32
@@ -111,6 +113,20 @@ class StructuredOutputsParams:
                    "a non-empty string")
         _check("structured_outputs.json", self.json, self.json is None or isinstance(self.json, (str, dict)),
                "a JSON schema (an object, or its JSON text)")
+        size = len(self.text.encode("utf-8", "replace"))
+        if size > MAX_CONSTRAINT_BYTES:
+            raise ValueError(f"structured_outputs.{self.kind} is {size} bytes; a constraint may be at most "
+                             f"{MAX_CONSTRAINT_BYTES} bytes (compiling it would hold up other requests)")
+
+    @property
+    def text(self) -> str:
+        """The constraint as text (a schema as JSON), what its size is measured on."""
+        value = getattr(self, self.kind)
+        if isinstance(value, dict):
+            return json.dumps(value)
+        if isinstance(value, list):
+            return "\n".join(value)
+        return value if isinstance(value, str) else ""
 
     @property
     def kind(self) -> str:

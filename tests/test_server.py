@@ -284,6 +284,50 @@ def test_response_format_json_schema_and_structured_outputs_equal_the_engine(ser
     assert streamed == done.choices[0].text
 
 
+def test_openai_parse_with_a_pydantic_model_returns_the_parsed_object(server):
+    """client.chat.completions.parse(response_format=Model): OpenAI's strict json_schema from a
+    pydantic class; the reply parses back into it, and the stream gives the same text."""
+    from pydantic import BaseModel, Field
+
+    class City(BaseModel):
+        name: str = Field(max_length=20)
+        country: str = Field(max_length=20)
+        population: int
+
+    client = server.client()
+    messages = [{"role": "user", "content": "Tell me about Paris as JSON."}]
+    done = client.chat.completions.parse(model=server.model, messages=messages, response_format=City,
+                                         max_tokens=80, temperature=0)
+    city = done.choices[0].message.parsed
+    assert isinstance(city, City) and city.model_dump() == json.loads(done.choices[0].message.content)
+    fmt = {"type": "json_schema", "json_schema": {"name": "City", "schema": City.model_json_schema()}}
+    streamed = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(
+        model=server.model, messages=messages, response_format=fmt, max_tokens=80, temperature=0, stream=True)
+        if c.choices)
+    assert City.model_validate_json(streamed) == city
+
+
+def test_a_tool_round_trip_streamed_and_not(server):
+    """tool_choice 'required' -> tool_calls -> the caller's role 'tool' reply -> a text answer
+    (tool_choice 'none' on the second turn), each turn streamed and not giving the same result."""
+    client = server.client()
+    kw = dict(model=server.model, tools=[WEATHER_TOOL], max_tokens=60, temperature=0)
+    first = client.chat.completions.create(messages=WEATHER_ASK, tool_choice="required", **kw).choices[0]
+    calls, reason = _streamed_calls(client.chat.completions.create(messages=WEATHER_ASK, tool_choice="required",
+                                                                    stream=True, **kw))
+    assert first.finish_reason == reason == "tool_calls"
+    assert [(c.function.name, c.function.arguments) for c in first.message.tool_calls] == [
+        (c["name"], c["arguments"]) for c in calls]
+    history = WEATHER_ASK + [
+        {"role": "assistant", "content": None, "tool_calls": [c.model_dump() for c in first.message.tool_calls]},
+        *({"role": "tool", "tool_call_id": c.id, "content": "18 degrees and cloudy"} for c in first.message.tool_calls)]
+    answer = client.chat.completions.create(messages=history, tool_choice="none", **kw).choices[0]
+    assert answer.message.content and not answer.message.tool_calls
+    streamed = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(
+        messages=history, tool_choice="none", stream=True, **kw) if c.choices)
+    assert streamed == answer.message.content
+
+
 @pytest.mark.parametrize("body,why", [
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "objekt"}}}},
      "structured_outputs.json cannot be compiled"),
@@ -375,6 +419,13 @@ def test_auto_tool_choice_without_the_server_flags_is_a_400_naming_them(engine):
         r = c.post("/v1/chat/completions", json={"messages": WEATHER_ASK, "tools": [WEATHER_TOOL], "max_tokens": 4,
                                                  "tool_choice": "required", "response_format": {"type": "json_object"}})
         assert r.status_code == 400 and "leave out response_format" in r.json()["error"]["message"]
+        r = c.post("/v1/chat/completions", json={"messages": WEATHER_ASK, "tools": [WEATHER_TOOL], "max_tokens": 4,
+                                                 "tool_choice": {"type": "function", "function": {"name": "nope"}}})
+        assert r.status_code == 400 and "not among the tools" in r.json()["error"]["message"]
+        big = {"type": "object", "description": "x" * (1 << 20)}   # a 1 MB schema (the default body limit is 2 MiB)
+        r = c.post("/v1/chat/completions", json={"messages": WEATHER_ASK, "max_tokens": 4, "response_format": {
+            "type": "json_schema", "json_schema": {"name": "big", "schema": big}}})
+        assert r.status_code == 400 and "structured_outputs.json is" in r.json()["error"]["message"]
         ok = c.post("/v1/chat/completions", json={"messages": WEATHER_ASK, "max_tokens": 2})
         assert ok.status_code == 200
 

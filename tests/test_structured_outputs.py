@@ -111,6 +111,66 @@ def test_a_constraint_that_cannot_compile_is_refused_and_nothing_is_lost(llm, ba
     assert len(out.outputs[0].token_ids) == 4 and all_blocks_free(llm)
 
 
+NESTED = {"type": "object",
+          "properties": {"title": {"type": "string", "maxLength": 30},
+                         "kind": {"enum": ["book", "film", "song"]},
+                         "year": {"type": "integer", "minimum": 1900, "maximum": 2030},
+                         "author": {"type": "object", "properties": {"name": {"type": "string", "maxLength": 20},
+                                                                     "alive": {"type": "boolean"}},
+                                    "required": ["name", "alive"]},
+                         "genres": {"type": "array", "items": {"enum": ["drama", "comedy", "sci-fi"]},
+                                    "minItems": 1, "maxItems": 3}},
+          "required": ["title", "kind", "year", "author", "genres"]}
+
+
+def test_every_seed_and_temperature_gives_output_the_constraint_accepts(llm):
+    """Nested objects, enums, arrays and required fields; a choice; a regex: over 8 seeds at two
+    temperatures each output validates / matches (outputs cut by max_tokens are prefixes: none here
+    with these bounds)."""
+    cases = [(StructuredOutputsParams(json=NESTED, disable_any_whitespace=True), "A work of fiction as JSON:"),
+             (StructuredOutputsParams(choice=["alpha", "beta", "gamma delta"]), "Pick one:"),
+             (StructuredOutputsParams(regex=r"(\+|-)?[0-9]{1,4}\.[0-9]{2}"), "A price:")]
+    prompts, params = [], []
+    for c, prompt in cases:
+        for seed in range(8):
+            for temperature in (0.7, 1.5):
+                prompts.append(prompt)
+                params.append(SamplingParams(temperature=temperature, seed=seed, max_tokens=150, structured_outputs=c))
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    for p, o in zip(params, outs):
+        c, text = p.structured_outputs, o.outputs[0].text
+        assert o.outputs[0].finish_reason == "stop", (c.kind, text)
+        if c.kind == "json":
+            jsonschema.validate(json.loads(text), NESTED)
+        elif c.kind == "choice":
+            assert text in c.choice
+        else:
+            assert re.fullmatch(c.regex, text), text
+
+
+def test_the_engines_mask_is_the_matchers_and_leaves_allowed_logits_as_they_are(llm):
+    """After a prefix of tokens, the engine's bitmask for a request equals a fresh matcher's on the
+    same tokens, the masked logits equal the raw ones wherever allowed, and a row without a
+    constraint (all allowed) samples from exactly the raw logits."""
+    params = StructuredOutputsParams(json=PERSON)
+    tok = llm.engine.tokenizer
+    prefix = tok.encode('{"name": "Ada", "ag', add_special_tokens=False)
+    grammar = llm.engine.structured.grammar(params)
+    fresh = _matcher(llm, params)
+    for t in prefix:
+        assert grammar.accept(t) and fresh.accept_token(t)
+    vocab = llm.engine.model_config.vocab_size
+    mask = llm.engine.structured.bitmask([grammar, None])
+    want = new_bitmask(1, vocab)
+    fresh.fill_next_token_bitmask(want, 0)
+    assert torch.equal(mask[0], want[0]) and bool((mask[1] == -1).all())
+    logits = torch.randn(2, vocab)
+    out = apply_bitmask(logits.clone(), mask)
+    allowed = out[0] > float("-inf")
+    assert 0 < int(allowed.sum()) < vocab and torch.equal(out[0][allowed], logits[0][allowed])
+    assert torch.equal(out[1], logits[1])
+
+
 def test_params_take_exactly_one_constraint():
     with pytest.raises(ValueError, match="exactly one of"):
         StructuredOutputsParams()
@@ -120,6 +180,8 @@ def test_params_take_exactly_one_constraint():
         SamplingParams(structured_outputs={"jsonschema": {}})
     with pytest.raises(ValueError, match="choice"):
         StructuredOutputsParams(choice=["a", ""])
+    with pytest.raises(ValueError, match=r"structured_outputs.json is \d+ bytes; a constraint may be at most"):
+        StructuredOutputsParams(json={"type": "object", "description": "x" * (1 << 20)})
 
 
 def test_preemption_chunked_prefill_and_the_prefix_cache_keep_constrained_output_valid():

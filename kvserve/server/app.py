@@ -393,6 +393,7 @@ def _add_generation_routes(app: FastAPI, state: ServerState) -> None:
             params, prompts = isolate(state, request, req.sampling_params()), req.prompts()
             state.async_engine.check_batch_size(len(prompts))
             prompts = await state.tokenize(_completion_prompts, state, prompts)
+            await state.tokenize(state.engine.structured.precompile, params.structured_outputs)
         except ValueError as exc:
             raise bad_request(exc) from None
         rid = P.random_id("cmpl")
@@ -413,6 +414,7 @@ def _add_generation_routes(app: FastAPI, state: ServerState) -> None:
             prompt = await state.tokenize(
                 inputs.chat_token_ids, state.engine.tokenizer, conversation, req.add_generation_prompt,
                 state.byte_limit, state.engine.max_model_len, state.special_in_content, plan.offered)
+            await state.tokenize(state.engine.structured.precompile, params.structured_outputs)
         except ValueError as exc:
             raise bad_request(exc) from None
         rid = P.random_id("chatcmpl")

@@ -4,6 +4,8 @@ bitmask over the rows that sample, and the drawn tokens fed back to the matchers
 
 from __future__ import annotations
 
+import threading
+
 import torch
 
 from kvserve.sampling_params import StructuredOutputsParams
@@ -18,15 +20,23 @@ class StructuredOutputs:
         self.vocab_size = vocab_size
         self.stop_token_ids = list(stop_token_ids)
         self._compiler: GrammarCompiler | None = None
+        self._lock = threading.Lock()   # the server compiles on its tokenize thread, the engine on its own
         self.num_constrained = 0   # requests made with a grammar
 
     @property
     def compiler(self) -> GrammarCompiler:
-        if self._compiler is None:
-            if self.tokenizer is None:
-                raise ValueError("structured_outputs needs the model's tokenizer, and this model ships none")
-            self._compiler = GrammarCompiler(self.tokenizer.hf_tokenizer, self.vocab_size, self.stop_token_ids)
-        return self._compiler
+        with self._lock:
+            if self._compiler is None:
+                if self.tokenizer is None:
+                    raise ValueError("structured_outputs needs the model's tokenizer, and this model ships none")
+                self._compiler = GrammarCompiler(self.tokenizer.hf_tokenizer, self.vocab_size, self.stop_token_ids)
+            return self._compiler
+
+    def precompile(self, params: StructuredOutputsParams | None) -> None:
+        """Compile `params` now (xgrammar keeps the result), so that the request's own compile on the
+        engine thread is a cache hit; ValueError as `grammar` raises it."""
+        if params is not None:
+            self.compiler.compile(params)
 
     def grammar(self, params: StructuredOutputsParams | None) -> Grammar | None:
         """A fresh matcher for a request with these params (None without a constraint); ValueError
