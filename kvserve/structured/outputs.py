@@ -21,7 +21,6 @@ class StructuredOutputs:
         self.stop_token_ids = list(stop_token_ids)
         self._compiler: GrammarCompiler | None = None
         self._lock = threading.Lock()   # the server compiles on its tokenize thread, the engine on its own
-        self.num_constrained = 0   # requests made with a grammar
 
     @property
     def compiler(self) -> GrammarCompiler:
@@ -43,9 +42,7 @@ class StructuredOutputs:
         when the constraint cannot be compiled."""
         if params is None:
             return None
-        grammar = self.compiler.grammar(params)
-        self.num_constrained += 1
-        return grammar
+        return self.compiler.grammar(params)
 
     def bitmask(self, grammars: list[Grammar | None]) -> torch.Tensor | None:
         """The tokens each row may draw next (int32 [rows, words]; unconstrained rows allow all), or
