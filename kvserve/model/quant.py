@@ -596,7 +596,7 @@ def cpu_gemv(device: torch.device, fmt: str) -> bool:
     if device.type != "cpu" or fmt not in ("int8", "int4", "bfloat16", "float16"):
         return False
     from kvserve.model import cpu
-    return cpu.available()
+    return cpu.available() and (fmt != "int4" or cpu.vector_int4())
 
 
 def slow_half(device: torch.device) -> bool:

@@ -46,6 +46,12 @@ def library() -> Path:
     return native.build(SOURCE, flags, libs)
 
 
+def vector_int4() -> bool:
+    """True when the int4 GEMV builds with its AVX-512 nibble unpacking (a CPU with avx512f, no
+    -mno-avx512f): its portable path unpacks one nibble at a time and loses to torch's int4 kernel."""
+    return "avx512f" in native.cpu_flags().split() and "-mno-avx512f" not in os.environ.get(FLAGS_ENV, "").split()
+
+
 def available() -> bool:
     """True once the ops are loaded (built on the first call; False, logged once, where they cannot be)."""
     if "ok" not in _state:
