@@ -82,7 +82,8 @@ def grammar_engines(llm: LLM, reps: int) -> dict:
 
     tok = llm.engine.tokenizer
     vocab = llm.engine.model_config.vocab_size
-    text = json.dumps({"name": "Ada Lovelace", "age": 36, "city": "London", "skills": ["math", "poetry"]})
+    text = json.dumps({"name": "Ada Lovelace", "age": 36, "role": "engineer",
+                       "address": {"city": "London", "country": "England"}, "skills": ["math", "poetry"]})
     ids = tok.encode(text, add_special_tokens=False)
     compiled = llm.engine.structured.compiler.compile(StructuredOutputsParams(json=SCHEMA))
     xmask = xgr.allocate_token_bitmask(1, vocab)
