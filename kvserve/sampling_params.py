@@ -65,17 +65,22 @@ class KVRetention:
             _check_int("kv_retention.max_tokens", self.max_tokens, 1)
 
 
-def as_retention(value: object) -> KVRetention | None:
-    """A KVRetention from None, a KVRetention or a dict of its fields (ValueError naming what is wrong)."""
-    if value is None or isinstance(value, KVRetention):
+def _from_fields(cls, name: str, value: object, wants: str = ""):
+    """A `cls` from None, a `cls` or a dict of its fields; ValueError naming `name` and what is wrong."""
+    if value is None or isinstance(value, cls):
         return value
-    names = [f.name for f in fields(KVRetention)]
+    names = [f.name for f in fields(cls)]
     if not isinstance(value, dict):
-        raise ValueError(f"kv_retention must be an object with {names}, got {value!r}")
+        raise ValueError(f"{name} must be an object with {wants}{names}, got {value!r}")
     unknown = sorted(set(value) - set(names))
     if unknown:
-        raise ValueError(f"kv_retention has unknown keys {unknown}; use {names}")
-    return KVRetention(**value)
+        raise ValueError(f"{name} has unknown keys {unknown}; use {names}")
+    return cls(**value)
+
+
+def as_retention(value: object) -> KVRetention | None:
+    """A KVRetention from None, a KVRetention or a dict of its fields (ValueError naming what is wrong)."""
+    return _from_fields(KVRetention, "kv_retention", value)
 
 
 @dataclass(frozen=True)
@@ -136,15 +141,7 @@ class StructuredOutputsParams:
 
 def as_structured_outputs(value: object) -> StructuredOutputsParams | None:
     """StructuredOutputsParams from None, itself or a dict of its fields (ValueError naming what is wrong)."""
-    if value is None or isinstance(value, StructuredOutputsParams):
-        return value
-    names = [f.name for f in fields(StructuredOutputsParams)]
-    if not isinstance(value, dict):
-        raise ValueError(f"structured_outputs must be an object with some of {names}, got {value!r}")
-    unknown = sorted(set(value) - set(names))
-    if unknown:
-        raise ValueError(f"structured_outputs has unknown keys {unknown}; use {names}")
-    return StructuredOutputsParams(**value)
+    return _from_fields(StructuredOutputsParams, "structured_outputs", value, "some of ")
 
 
 class RequestOutputKind(enum.IntEnum):
