@@ -160,6 +160,9 @@ class EngineConfig:
     kv_events_replay: str | None = opt(None, "ZeroMQ ROUTER endpoint that replays buffered event batches from a "
                                        "sequence number, e.g. tcp://127.0.0.1:5558", group="KV events",
                                        metavar="ENDPOINT")
+    speculative_config: dict | str | None = opt(
+        None, "speculative decoding, vLLM's JSON: '{\"method\": \"ngram\", \"num_speculative_tokens\": 4}' "
+        "(methods ngram, suffix, draft_model; docs/SPECULATIVE.md)", type=str, metavar="JSON")
     tensor_parallel_size: int = opt(1, "processes the model is split over: attention by KV head, the MLP by "
                                     "columns and rows; gloo on CPU, NCCL on CUDA (docs/DISTRIBUTED.md)",
                                     group="distributed")

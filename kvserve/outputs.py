@@ -23,6 +23,13 @@ class RequestMetrics:
     first_token_time: float | None = None
     last_token_time: float | None = None
     finished_time: float | None = None
+    spec_draft_tokens: int = 0       # speculative decoding: tokens proposed and verified
+    spec_accepted_tokens: int = 0    # of those, accepted
+
+    @property
+    def spec_acceptance_rate(self) -> float | None:
+        """Share of proposed tokens accepted (None before any was verified)."""
+        return self.spec_accepted_tokens / self.spec_draft_tokens if self.spec_draft_tokens else None
 
     @property
     def ttft(self) -> float | None:

@@ -25,6 +25,7 @@ from kvserve.engine.output_processor import OutputProcessor
 from kvserve.engine.request import Request, RequestStatus
 from kvserve.engine.sampler import Sampler, SamplingError, SamplingInput
 from kvserve.engine.scheduler import Scheduler
+from kvserve.engine.spec import build_speculator
 from kvserve.kv.events import build_publisher
 from kvserve.outputs import RequestOutput
 from kvserve.sampling_params import SamplingParams, check_cache_salt
@@ -74,6 +75,7 @@ class LLMEngine:
             self._build_cache(loaded)
         self.output_processor = OutputProcessor(self.tokenizer, self.sampler.eos_token_ids, self.stats, self.release)
         self.groups = self.output_processor.groups   # user request id -> its requests (n > 1: forks)
+        self.speculator = build_speculator(config.speculative_config, self.max_model_len)
         self._ids = itertools.count()
         # after the KV pool: its size never depends on compiling (engine/compile.py)
         self.startup = startup_compile(self, loaded.compiled)
@@ -216,7 +218,11 @@ class LLMEngine:
             self.kv_events.flush()  # this step's KV events, one batch
         if batch is None:
             return []
-        (sample or self._sample)(batch.logits, batch.requests)
+        if sample is None:
+            self._sample(batch.logits, batch.requests)
+            self.speculator.propose(self.scheduler.running)   # the next step verifies them
+        else:
+            sample(batch.logits, batch.requests)
         self.evictor.after_step(batch.scheduled)
         return self.output_processor.outputs({r.group_id for r, _ in batch.scheduled})
 
@@ -234,7 +240,7 @@ class LLMEngine:
         for req, n in sched.scheduled:
             done = req.num_computed_tokens
             self.stats.prompt_tokens_computed += max(0, min(done + n, req.num_prompt_tokens) - done)
-            req.num_computed_tokens += n
+            req.num_computed_tokens += n - len(req.spec_token_ids)   # proposals wait for their verdict
             self.kv.cache_blocks(req.request_id, req.token_ids, req.num_computed_tokens)
         if self.tiers is not None:
             self.tiers.write_through()  # copies of the blocks just registered go to the writer threads
@@ -242,25 +248,78 @@ class LLMEngine:
         return ModelStep(sched.scheduled, inp.sampling_reqs, logits)
 
     def _sample(self, logits: torch.Tensor, reqs: list[Request]) -> None:
-        inputs = [SamplingInput(r.params, r.prompt_token_ids, r.output_token_ids, r.generator,
-                                r.params.n if r.index == 0 and r.num_output_tokens == 0 else 1, r.bad_words)
-                  for r in reqs]
+        """Sample each request's rows (one, or one per proposed token: speculation) and give it its
+        tokens. A seeded sampled request with proposals draws its rows one at a time, stopping at the
+        first rejection: its generator advances once per token, as without speculation."""
+        in_order = [_draws_in_order(r) for r in reqs]
+        if not any(in_order):
+            return self._sample_batch(logits, reqs)
+        starts = list(itertools.accumulate((1 + len(r.spec_token_ids) for r in reqs), initial=0))
+        batch = [i for i, lone in enumerate(in_order) if not lone]
+        if batch:
+            rows = [row for i in batch for row in range(starts[i], starts[i + 1])]
+            self._sample_batch(logits[rows], [reqs[i] for i in batch])
+        for i, lone in enumerate(in_order):
+            if lone:
+                self._verify_in_order(reqs[i], logits[starts[i]:starts[i + 1]])
+
+    def _verify_in_order(self, req: Request, logits: torch.Tensor) -> None:
+        drafts, drawn = req.spec_token_ids, []
+        for i, inp in enumerate(_sampling_inputs(req)):
+            try:
+                res = self.sampler(logits[i:i + 1], [inp])[0]
+            except SamplingError:
+                self.output_processor.fail(req, _sampling_failure(req.params))
+                return
+            drawn.append(res)
+            if i == len(drafts) or res.token_ids[0] != drafts[i]:
+                break
+        self._verify(req, drawn)
+
+    def _sample_batch(self, logits: torch.Tensor, reqs: list[Request]) -> None:
+        owners = [r for r in reqs for _ in range(1 + len(r.spec_token_ids))]   # the request of each row
+        inputs = [x for r in reqs for x in _sampling_inputs(r)]
         try:
-            results = self.sampler(logits, inputs, self.structured.bitmask([r.grammar for r in reqs]))
+            results = self.sampler(logits, inputs, self.structured.bitmask([r.grammar for r in owners]))
         except SamplingError as exc:  # nothing was drawn: fail those requests, sample the rest
             for i in exc.rows:
-                self.output_processor.fail(reqs[i], _sampling_failure(reqs[i].params))
-            keep = [i for i, r in enumerate(reqs) if not r.is_finished]
+                if not owners[i].is_finished:
+                    self.output_processor.fail(owners[i], _sampling_failure(owners[i].params))
+            keep = [i for i, r in enumerate(owners) if not r.is_finished]
             if keep:
-                self._sample(logits[keep], [reqs[i] for i in keep])
+                self._sample_batch(logits[keep], list(dict.fromkeys(owners[i] for i in keep)))
             return
-        for req, res in zip(reqs, results):
-            top = res.top_logprobs or [None] * len(res.token_ids)
-            for i in range(1, len(res.token_ids)):  # n > 1: the other samples fork from the first
-                child = self.fork(req, f"{req.request_id}#{i}", i, _generator(req.params.seed, self.device, i))
-                self.output_processor.add(child)
-                self.append_token(child, res.token_ids[i], res.logprobs[i], top[i])
-            self.append_token(req, res.token_ids[0], res.logprobs[0], top[0])
+        row = 0
+        for req in reqs:
+            rows = results[row:row + 1 + len(req.spec_token_ids)]
+            row += len(rows)
+            if req.spec_token_ids:
+                self._verify(req, rows)
+            else:
+                self._give(req, rows[0])
+
+    def _give(self, req: Request, res) -> None:
+        """A request's sampled token(s): n > 1 at its first token forks the other samples."""
+        top = res.top_logprobs or [None] * len(res.token_ids)
+        for i in range(1, len(res.token_ids)):  # n > 1: the other samples fork from the first
+            child = self.fork(req, f"{req.request_id}#{i}", i, _generator(req.params.seed, self.device, i))
+            self.output_processor.add(child)
+            self.append_token(child, res.token_ids[i], res.logprobs[i], top[i])
+        self.append_token(req, res.token_ids[0], res.logprobs[0], top[0])
+
+    def _verify(self, req: Request, rows: list) -> None:
+        """Speculation's verdict: the accepted proposals and the token after them join the request
+        (each drawn by its own row, as without speculation); the K/V of the accepted ones stays in the
+        cache, the blocks past them go back to the pool and the accepted full blocks are hashed."""
+        accepted = self.speculator.verdict(req, [res.token_ids[0] for res in rows])
+        req.spec_token_ids = []
+        for res in rows[:accepted + 1]:
+            self.append_token(req, res.token_ids[0], res.logprobs[0], (res.top_logprobs or [None])[0])
+            if req.is_finished:
+                return   # its blocks are freed
+        req.num_computed_tokens += accepted
+        self.kv.trim(req.request_id, req.num_tokens)
+        self.kv.cache_blocks(req.request_id, req.token_ids, req.num_computed_tokens)
 
     # ---- the step API for drivers (sample functions) ----------------------------------------------
     def append_token(self, req: Request, token: int, logprob: float = 0.0, top=None) -> None:
@@ -294,6 +353,7 @@ class LLMEngine:
         """End `req` with `status` and free its blocks and eviction state (no output, not counted)."""
         self.scheduler.finish(req, status)
         self.evictor.drop(req.request_id)
+        self.speculator.finished(req)
 
     # ---- state ---------------------------------------------------------------------
     def get_metrics(self) -> dict:
@@ -318,6 +378,7 @@ class LLMEngine:
         m.update(_kv_metrics(self.kv, self.storage))
         m.update(offload_metrics(self))
         m.update(self.evictor.metrics())
+        m.update(self.speculator.metrics())
         return m
 
     def reset_prefix_cache(self, offload: bool = False) -> int:
@@ -338,6 +399,22 @@ class LLMEngine:
             self.kv_events.close()
         if self.tp is not None:
             self.tp.close()
+
+
+def _draws_in_order(req: Request) -> bool:
+    """True for a seeded sampled request with proposals (see LLMEngine._sample)."""
+    return bool(req.spec_token_ids) and req.generator is not None and not req.params.greedy
+
+
+def _sampling_inputs(req: Request) -> list[SamplingInput]:
+    """What the sampler needs for each row of `req`: its last token's, then (speculation) one per
+    proposed token, each as if the proposals before it were accepted."""
+    p = req.params
+    if not req.spec_token_ids:
+        n = p.n if req.index == 0 and req.num_output_tokens == 0 else 1
+        return [SamplingInput(p, req.prompt_token_ids, req.output_token_ids, req.generator, n, req.bad_words)]
+    return [SamplingInput(p, req.prompt_token_ids, req.output_token_ids + req.spec_token_ids[:i], req.generator,
+                          1, req.bad_words) for i in range(len(req.spec_token_ids) + 1)]
 
 
 def _check_token_ids(params: SamplingParams, vocab_size: int) -> None:

@@ -27,7 +27,8 @@ class ModelInput:
     positions: torch.Tensor            # [num_tokens]
     meta: AttentionMetadata
     order: list[tuple[Request, int]]   # requests in batch order with their new-token counts
-    logits_rows: list[int]             # row of the last token of each request that samples
+    logits_rows: list[int]             # row of the last token of each request that samples (and of
+                                       # each of its proposed tokens, speculative decoding)
     sampling_reqs: list[Request]       # requests owning those rows
     step: StepBatch | None = None      # what each group's backend prepared its metadata from
     tables: list[torch.Tensor] | None = None  # per group: block tables [R, W] in batch order
@@ -88,7 +89,7 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, scheduled: list[tuple[Request, int]], prompt_logprob_reqs=()):
-        """Run one step; returns (input, logits [len(sampling_reqs), vocab], prompt logits per request)."""
+        """Run one step; returns (input, logits [len(logits_rows), vocab], prompt logits per request)."""
         inp = self.prepare(scheduled)
         hidden = self.forward(inp)
         logits = self.model.compute_logits(hidden[inp.logits_rows])
@@ -111,15 +112,18 @@ class ModelRunner:
         return ModelInput(self._tensor(ids), self._tensor(pos), meta, order, logits_rows, sampling)
 
     def _prepare_cached(self, scheduled: list[tuple[Request, int]]) -> ModelInput:
-        """Decodes first, then prefill chunks; each group's backend builds its metadata."""
-        decodes = [(r, n) for r, n in scheduled if n == 1]
-        prefills = [(r, n) for r, n in scheduled if n != 1]
+        """Decodes first, then prefill chunks; each group's backend builds its metadata. A request
+        with proposals (speculative decoding) runs as one decode row per token, row i seeing i more
+        cache entries than the first: the rows attend as lone decodes of those tokens would."""
+        decodes = [(r, n) for r, n in scheduled if n == 1 or r.spec_token_ids]
+        prefills = [(r, n) for r, n in scheduled if n != 1 and not r.spec_token_ids]
         order = decodes + prefills
         ids, pos, logits_rows, sampling = self._flatten(order)
-        spans = self._spans(prefills, len(decodes))
+        rows = [(r, 1, i) for r, n in decodes for i in range(n)] + [(r, n, 0) for r, n in prefills]
+        spans = self._spans(prefills, len(rows) - len(prefills))
         self.input_batch.release(lambda rid: rid in self.kv.reqs)
-        tables = self.input_batch.tables([r.request_id for r, _ in order], self.kv.block_ids)
-        step = self._step_batch(order, len(decodes), len(ids))
+        tables = self.input_batch.tables([r.request_id for r, _, _ in rows], self.kv.block_ids)
+        step = self._step_batch(rows, len(rows) - len(prefills), len(ids))
         meta = self.attn.metadata(step, tables, spans, self.eviction.score_hook(decodes, prefills))
         if self.captured is not None:
             meta.one_token = self.captured.inputs(meta)
@@ -130,11 +134,12 @@ class ModelRunner:
         ids, pos, logits_rows, sampling = [], [], [], []
         for req, n in order:
             start = req.num_computed_tokens
-            ids.extend(req.token_ids[start:start + n])
+            ids.extend(req.step_tokens(start, n))
             shift = self.eviction.position_shift(req)
             pos.extend(range(start - shift, start - shift + n))
-            if start + n == req.num_tokens:
-                logits_rows.append(len(ids) - 1)
+            rows = 1 + len(req.spec_token_ids)   # its last token's row, and one per proposal
+            if start + n == req.num_tokens + rows - 1:
+                logits_rows.extend(range(len(ids) - rows, len(ids)))
                 sampling.append(req)
         return ids, pos, logits_rows, sampling
 
@@ -147,18 +152,19 @@ class ModelRunner:
             row += n
         return spans
 
-    def _step_batch(self, order, num_decodes: int, num_tokens: int) -> StepBatch:
-        counts = [n for _, n in order]
-        req_idx = self._tensor(range(len(order)))
+    def _step_batch(self, rows: list[tuple[Request, int, int]], num_decodes: int, num_tokens: int) -> StepBatch:
+        """`rows`: (request, new tokens, entries its cache holds past num_computed_tokens) in batch order."""
+        counts = [n for _, n, _ in rows]
+        req_idx = self._tensor(range(len(rows)))
         count_t = self._tensor(counts)
         token_req = torch.repeat_interleave(req_idx, count_t)
         first = torch.cumsum(count_t, 0) - count_t
         token_off = torch.arange(num_tokens, device=self.device) - first[token_req]
         if self.eviction.uniform:  # every group holds num_computed_tokens: one list for all
-            lens = [r.num_computed_tokens for r, _ in order]
+            lens = [r.num_computed_tokens + ahead for r, _, ahead in rows]
             cache_lens, cache_len_t = [lens] * len(self.backends), [self._tensor(lens)] * len(self.backends)
-        else:
-            cache_lens = [[self.eviction.cache_len(r, g) for r, _ in order] for g in range(len(self.backends))]
+        else:   # (speculation, which runs rows ahead, does not run under an evicting kv_policy)
+            cache_lens = [[self.eviction.cache_len(r, g) for r, _, _ in rows] for g in range(len(self.backends))]
             cache_len_t = [self._tensor(x) for x in cache_lens]
         return StepBatch(num_decodes, counts, token_req, token_off, cache_lens, cache_len_t)
 

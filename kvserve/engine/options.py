@@ -7,6 +7,7 @@ import dataclasses
 
 from kvserve.config import EngineConfig
 from kvserve.engine.offload import check_tiers
+from kvserve.engine.spec.config import check_combination, parse_speculative_config
 from kvserve.kv.events import check_endpoint
 from kvserve.kv.formats import format_options
 from kvserve.kv.hashing import digest_fn
@@ -27,6 +28,10 @@ def engine_options(config: EngineConfig) -> EngineConfig:
     check_endpoint("kv_events", config.kv_events)
     check_endpoint("kv_events_replay", config.kv_events_replay)
     digest_fn(config.prefix_caching_hash_algo)  # names the choices, or says to pip install xxhash
-    return dataclasses.replace(config, **dataclasses.asdict(fmt),
-                               kv_cache_memory=config.kv_cache_memory_bytes(),
-                               kv_tiers=config.tier_names() if config.kv_tiers is not None else None)
+    checked = dataclasses.replace(config, **dataclasses.asdict(fmt),
+                                  kv_cache_memory=config.kv_cache_memory_bytes(),
+                                  kv_tiers=config.tier_names() if config.kv_tiers is not None else None,
+                                  speculative_config=parse_speculative_config(config.speculative_config))
+    if checked.speculative_config is not None:
+        check_combination(checked, checked.speculative_config)
+    return checked

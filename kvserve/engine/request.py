@@ -54,6 +54,7 @@ class Request:
         self.num_sent_chars = 0
         self.num_prompt_tokens = len(self.prompt_token_ids)
         self.num_computed_tokens = 0                   # tokens whose K/V are in the cache
+        self.spec_token_ids: list[int] = []            # proposed next tokens the coming step verifies
         self.num_cached_tokens = 0                     # prompt tokens served from the prefix cache
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None
@@ -70,6 +71,11 @@ class Request:
     def num_tokens(self) -> int:
         """Prompt plus generated tokens."""
         return len(self.token_ids)
+
+    def step_tokens(self, start: int, n: int) -> list[int]:
+        """The `n` tokens a step runs from position `start`: its own, then its proposals."""
+        head = self.token_ids[start:start + n]
+        return head + self.spec_token_ids[:n - len(head)] if len(head) < n else head
 
     @property
     def num_output_tokens(self) -> int:

@@ -103,11 +103,15 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            n = _chunk(req, req.num_computed_tokens, budget)
+            n = _chunk(req, req.num_computed_tokens, budget) + _lookahead(req, budget)
             if n == 0:  # nothing new to run (a beam waiting for its siblings)
                 i += 1
                 continue
-            while not self.kv.allocate_slots(req.request_id, req.num_computed_tokens, n):
+            fits = self.kv.allocate_slots(req.request_id, req.num_computed_tokens, n)
+            if not fits and req.spec_token_ids:   # lookahead slots never preempt anyone
+                req.spec_token_ids, n = [], 1
+                fits = self.kv.allocate_slots(req.request_id, req.num_computed_tokens, n)
+            while not fits:
                 victim = self.order.victim(self.running)
                 budget += self._unschedule(out, victim)
                 self._preempt(victim)
@@ -115,6 +119,7 @@ class Scheduler:
                 if victim is req:
                     return budget
                 i = self.running.index(req)
+                fits = self.kv.allocate_slots(req.request_id, req.num_computed_tokens, n)
             out.scheduled.append((req, n))
             budget -= n
             i += 1
@@ -167,6 +172,7 @@ class Scheduler:
         return self.kv.get_computed_blocks(req.request_id, req.token_ids)
 
     def _preempt(self, req: Request) -> None:
+        req.spec_token_ids = []
         if self._prefer_swap(req) and self.swap.swap_out(req.request_id, req.num_computed_tokens):
             self.num_swap_preemptions += 1  # keeps num_computed_tokens: its KV comes back on resume
         else:
@@ -218,6 +224,14 @@ class Scheduler:
         self.kv.drop_salt(req.request_id)
         if self.swap is not None:
             self.swap.drop(req.request_id)
+
+
+def _lookahead(req: Request, budget: int) -> int:
+    """Slots for a decoding request's proposals (speculative decoding) within what the budget
+    leaves after its own token; the proposals beyond them are dropped."""
+    if req.spec_token_ids:
+        del req.spec_token_ids[max(0, budget - 1):]
+    return len(req.spec_token_ids)
 
 
 def _chunk(req: Request, start: int, budget: int) -> int:

@@ -410,6 +410,13 @@ class KVCacheManager:
         self.pool.free(tail)
         return len(tail)
 
+    def trim(self, req_id: str, num_tokens: int) -> int:
+        """Keep the blocks holding the request's first `num_tokens` tokens in every group and free
+        the rest (speculative decoding: the lookahead slots of rejected tokens); returns how many
+        were freed. Their hashes were never registered: cache_blocks runs on accepted tokens only."""
+        keep = self.blocks_for_tokens(num_tokens)
+        return sum(self.release_tail(req_id, g, keep) for g in range(len(self.groups)))
+
     def _offsets(self, req_id: str) -> list[int] | None:
         return self.eviction.offsets(req_id)
 
