@@ -22,6 +22,7 @@ from kvserve.engine.model_runner import ModelRunner
 from kvserve.engine.offload import build_swap, offload_metrics
 from kvserve.engine.options import engine_options
 from kvserve.engine.output_processor import OutputProcessor
+from kvserve.engine.poison import PoisonedPrefixes
 from kvserve.engine.request import Request, RequestStatus
 from kvserve.engine.sampler import Sampler, SamplingError, SamplingInput
 from kvserve.engine.scheduler import Scheduler
@@ -114,6 +115,7 @@ class LLMEngine:
         self.swap = build_swap(cfg, self.storage, self.kv)   # host swap pool (swap_space GiB)
         self.scheduler = Scheduler(self.kv, cfg.max_num_seqs, planner.token_budget, self.swap, cfg.preemption_mode,
                                    cfg.scheduling_policy)
+        self.poison = PoisonedPrefixes(self.kv)   # evicts the prefix a request's NaN logits point at
         planner.log(self.storage)
 
     def _build_kv(self, planner):
@@ -249,7 +251,7 @@ class LLMEngine:
             results = self.sampler(logits, inputs, self.structured.bitmask([r.grammar for r in reqs]))
         except SamplingError as exc:  # nothing was drawn: fail those requests, sample the rest
             for i in exc.rows:
-                self.output_processor.fail(reqs[i], _sampling_failure(reqs[i].params))
+                self._fail_sampling(reqs[i], logits[i])
             keep = [i for i, r in enumerate(reqs) if not r.is_finished]
             if keep:
                 self._sample(logits[keep], [reqs[i] for i in keep])
@@ -261,6 +263,13 @@ class LLMEngine:
                 self.output_processor.add(child)
                 self.append_token(child, res.token_ids[i], res.logprobs[i], top[i])
             self.append_token(req, res.token_ids[0], res.logprobs[0], top[0])
+
+    def _fail_sampling(self, req: Request, row: torch.Tensor) -> None:
+        """Fail a request no token could be drawn for; non-finite logits evict its prefix first (poison.py)."""
+        if req.is_finished:
+            return   # a fork of a group failed by an earlier row
+        prefix_error = self.poison.evict(req, row)
+        self.output_processor.fail(req, prefix_error or _sampling_failure(req.params), prefix_fault=bool(prefix_error))
 
     # ---- the step API for drivers (sample functions) ----------------------------------------------
     def append_token(self, req: Request, token: int, logprob: float = 0.0, top=None) -> None:
@@ -318,6 +327,7 @@ class LLMEngine:
         m.update(_kv_metrics(self.kv, self.storage))
         m.update(offload_metrics(self))
         m.update(self.evictor.metrics())
+        m.update(self.poison.metrics())
         return m
 
     def reset_prefix_cache(self, offload: bool = False) -> int:
