@@ -612,9 +612,11 @@ def test_prometheus_exports_swap_and_tier_metrics():
     from kvserve.server.metrics import ServerMetrics
     snap = {"swap_usage_bytes": 1024, "num_requests_swapped": 1, "num_swapped_out_blocks": 3,
             "num_swapped_in_blocks": 2, "prefix_cache_hits_by_source": {"device": 32, "disk": 16},
+            "kv_poisoned_blocks_evicted": 25, "kv_poisoned_prefix_failures": 1,
             "kv_tiers": {"disk": {"hits": 1, "misses": 2, "bytes_read": 10, "bytes_written": 20,
                                   "errors": 1, "corrupt": 1, "usage_bytes": 20, "entries_written": 2,
-                                  "write_drops": 4, "flush_seconds": 0.5, "pending_writes": 3}}}
+                                  "write_drops": 4, "flush_seconds": 0.5, "pending_writes": 3,
+                                  "refused": 5, "poisoned": 6, "write_errors": 7}}}
     text = ServerMetrics("m", 512).render(snap).decode()
     for line in ('kvserve:swap_usage_bytes{model_name="m"} 1024.0',
                  'kvserve:num_requests_swapped{model_name="m"} 1.0',
@@ -626,7 +628,12 @@ def test_prometheus_exports_swap_and_tier_metrics():
                  'kvserve:kv_tier_written_entries_total{model_name="m",tier="disk"} 2.0',
                  'kvserve:kv_tier_write_drops_total{model_name="m",tier="disk"} 4.0',
                  'kvserve:kv_tier_flush_seconds_total{model_name="m",tier="disk"} 0.5',
-                 'kvserve:kv_tier_pending_writes{model_name="m",tier="disk"} 3.0'):
+                 'kvserve:kv_tier_pending_writes{model_name="m",tier="disk"} 3.0',
+                 'kvserve:kv_tier_refused_entries_total{model_name="m",tier="disk"} 5.0',
+                 'kvserve:kv_tier_poisoned_entries_total{model_name="m",tier="disk"} 6.0',
+                 'kvserve:kv_tier_write_errors_total{model_name="m",tier="disk"} 7.0',
+                 'kvserve:kv_poisoned_blocks_evicted_total{model_name="m"} 25.0',
+                 'kvserve:kv_poisoned_prefix_failures_total{model_name="m"} 1.0'):
         assert line in text, line
 
 
