@@ -357,6 +357,24 @@ def test_a_dropped_prefix_leaves_the_device_every_tier_and_the_write_queues(tmp_
     assert kv.get_computed_blocks("c", prompt)[1] == 0    # nothing of it is found again
 
 
+def test_a_dropped_prefix_is_deleted_from_redis(redis_server):
+    tier = RedisTier(redis_server.url)
+    kv, storage, bridge = tiered_cache([tier])
+    prompt = list(range(100, 117))                        # 4 full blocks
+    hits, num_hit = kv.get_computed_blocks("a", prompt)
+    assert kv.allocate_slots("a", num_hit, len(prompt), hits)
+    fill(storage, kv.block_ids("a"), seed=1)
+    kv.cache_blocks("a", prompt, len(prompt))
+    bridge.write_through()
+    assert bridge.flush(timeout=10)
+    keys = [bridge.key(_chain_hash(kv, prompt, i)) for i in range(4)]
+    assert tier.contains(keys) == [True] * 4
+    assert kv.drop_prefix("a") == 4
+    assert tier.contains(keys) == [False] * 4 and tier.stats.poisoned == 4
+    kv.free("a")
+    assert kv.get_computed_blocks("b", prompt)[1] == 0
+
+
 def test_unwritable_disk_tier_warns_once_and_counts_the_rest(tmp_path, caplog):
     tier = DiskTier(tmp_path, 1 << 20)
     (tmp_path / "ns").write_text("a file where the namespace's directory should be")
