@@ -148,6 +148,13 @@ class EngineConfig:
                                      "cpu:4GiB, disk:/path:20GiB, redis://127.0.0.1:6379/0; append :write_through "
                                      "(default for disk, redis) or :write_back (default for cpu)",
                                      flag="--kv-tier", group="swap and KV tiers", metavar="TIER")
+    kv_tier_key: str | None = field(default=None, repr=False, metadata={
+        "help": "sign KV tier entries with HMAC-SHA256 under this key and serve only entries signed with it "
+                "(every engine sharing a tier needs the same key; prefer --kv-tier-key-file: a flag shows in ps)",
+        "group": "swap and KV tiers", "metavar": "KEY"})
+    kv_tier_key_file: str | None = opt(None, "read the KV tier key (--kv-tier-key) from this file (its bytes, "
+                                       "less a trailing newline), e.g. one made by `openssl rand -hex 32`",
+                                       group="swap and KV tiers", metavar="PATH")
     kv_pin_fraction: float = opt(0.5, "most share of the KV pool that retention pins (a request's kv_retention) "
                                   "may hold; pins beyond it are refused, 0 turns pins off", group="swap and KV tiers")
     kv_policy: str | None = opt(None, "KV eviction for every request (docs/EVICTION.md): window:W, sinks:S,W, "
@@ -244,6 +251,10 @@ class EngineConfig:
             raise ValueError("preemption_mode='swap' needs swap_space > 0 (GiB of host memory)")
         if self.tier_names() and (self.kv_cache_mode != "paged" or not self.enable_prefix_caching):
             raise ValueError("kv_tiers extend the prefix cache: they need kv_cache_mode='paged' and prefix caching on")
+        if self.kv_tier_key is not None and self.kv_tier_key_file is not None:
+            raise ValueError("give the KV tier key once: kv_tier_key or kv_tier_key_file, not both")
+        if (self.kv_tier_key is not None or self.kv_tier_key_file is not None) and not self.tier_names():
+            raise ValueError("kv_tier_key signs KV tier entries: give kv_tiers too, or leave the key out")
 
     def tier_names(self) -> list[str]:
         """kv_tiers as a list (one tier may be given as a string)."""

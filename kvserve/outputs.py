@@ -76,6 +76,7 @@ class RequestOutput:
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     metrics: RequestMetrics | None = None
     error: str | None = None     # set when the engine failed this request (finish reason 'abort')
+    prefix_fault: bool = False   # with error: a cached prefix it read was at fault and is evicted (a retry recomputes it)
 
 
 class DeltaCollector:

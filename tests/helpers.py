@@ -40,3 +40,24 @@ class PoisonedSampler:
             if seed is not None and seed >= 1000 and len(inp.output_token_ids) == seed - 1000:
                 logits[row] = float("nan")
         return self.real(logits, inputs, bitmask)
+
+
+def tier_keys(engine, token_ids: list[int]) -> list[str]:
+    """The tier key of each full block of `token_ids` (no cache salt, group 0) under `engine`'s tiers."""
+    from kvserve.kv.hashing import hash_full_blocks
+    kv = engine.kv
+    hashes = hash_full_blocks(kv.namespace, token_ids, kv.block_size, algo=kv.hash_algo)
+    return [engine.tiers.key(h) for h in hashes]
+
+
+def poison_entry(path, seed: int = 0) -> None:
+    """Replace a CRC-sealed tier entry's payload with random bytes and fix up its CRC-32: an entry every
+    check passes whose K/V are garbage (NaN and huge values among them)."""
+    import random
+    import struct
+    import zlib
+    data = path.read_bytes()
+    (hlen,) = struct.unpack("<I", data[4:8])
+    start = 8 + hlen
+    body = data[:start] + random.Random(seed).randbytes(len(data) - 4 - start)
+    path.write_bytes(body + struct.pack("<I", zlib.crc32(body)))

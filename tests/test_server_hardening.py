@@ -1,4 +1,5 @@
-"""The server under requests that fail inside the engine, hostile chat content and huge prompts.
+"""The server under requests that fail inside the engine (a poisoned KV tier entry among them),
+hostile chat content and huge prompts.
 
 These run the app in this process (uvicorn on a loopback port) over the session's shared engine,
 so a test can poison the sampler or break a step without loading another model.
@@ -8,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import signal
 import socket
 import threading
@@ -16,9 +18,9 @@ from contextlib import contextmanager
 
 import httpx
 import pytest
-from helpers import all_blocks_free
+from helpers import all_blocks_free, poison_entry, tier_keys
 
-from kvserve import SamplingParams
+from kvserve import LLM, SamplingParams
 from kvserve.engine.async_engine import AsyncEngine, RequestFailedError
 from kvserve.server import inputs
 from kvserve.server.app import build_app
@@ -214,3 +216,84 @@ def test_an_engine_failure_ends_the_server_with_status_1(llm, monkeypatch):
     assert answers == [503]
     monkeypatch.undo()
     assert all_blocks_free(llm) and not llm.engine.has_unfinished_requests()
+
+
+# ---- a poisoned KV tier entry -------------------------------------------------------------------
+GREEDY = SamplingParams(temperature=0, max_tokens=6)
+
+
+@pytest.fixture(scope="module")
+def document(llm) -> list[int]:
+    """A 401-token prompt: 25 full blocks of 16."""
+    from pydoc_data.topics import topics
+    return llm.get_tokenizer().encode(topics["assignment"])[:401]
+
+
+def _poisoned_tier_engine(tmp_path, document, **options) -> LLM:
+    """An engine whose disk tier holds `document`'s blocks, block 3 a random payload with a valid CRC;
+    its device cache is empty, so the next lookup loads the poisoned block."""
+    engine = LLM(kv_cache_memory="64MiB", max_model_len=1024, kv_tiers=[f"disk:{tmp_path}:1GiB"], dtype="float32",
+                 **options)
+    engine.generate([document], GREEDY, use_tqdm=False)
+    engine.engine.tiers.flush()
+    poison_entry(engine.engine.tiers.tiers[0]._path(tier_keys(engine.engine, document)[3]))
+    engine.reset_prefix_cache()
+    return engine
+
+
+def test_a_poisoned_tier_entry_fails_one_request_and_the_server_keeps_serving(tmp_path, llm, document):
+    engine = _poisoned_tier_engine(tmp_path, document)
+    cold = llm.generate([document], GREEDY, use_tqdm=False)[0].outputs[0].text
+    with serving(build_app(engine.engine)) as url:
+        failed = _completion(url, prompt=document, max_tokens=6, temperature=0)
+        assert failed.status_code == 500, failed.text
+        assert "NaN or infinite" in failed.json()["error"]["message"]
+        retry = _completion(url, prompt=document, max_tokens=6, temperature=0)   # what a client does next
+        assert retry.status_code == 200, retry.text
+        assert httpx.get(f"{url}/health").status_code == 200
+        again = _completion(url, prompt=document, max_tokens=6, temperature=0)
+        assert again.status_code == 200 and again.json()["choices"][0]["text"] == retry.json()["choices"][0]["text"]
+        metrics = httpx.get(f"{url}/metrics").text
+    assert retry.json()["choices"][0]["text"] == cold
+    assert re.search(r'^kvserve:kv_poisoned_blocks_evicted_total\{model_name="[^"]*"\} 25\.0$', metrics, re.M)
+    assert re.search(r'^kvserve:kv_tier_poisoned_entries_total\{model_name="[^"]*",tier="disk"\} 25\.0$', metrics, re.M)
+    assert all_blocks_free(engine)
+
+
+def test_failures_that_follow_one_poisoned_prefix_are_not_an_engine_fault(tmp_path, llm, document):
+    engine = _poisoned_tier_engine(tmp_path, document, max_num_batched_tokens=64)
+    longer = document + llm.get_tokenizer().encode(" And then the story went on for a while longer." * 8)[:100]
+    cold = llm.generate([longer], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+    fatal = []
+
+    async def run():
+        aengine = AsyncEngine(engine.engine, on_fatal=fatal.append)
+        aengine.start()
+        gate = threading.Event()
+        hold = asyncio.ensure_future(aengine.call(lambda eng: gate.wait(10)))  # both join one step
+        # `document` needs 1 token (fails in that step), `longer` 101: 63 then, the rest (and its
+        # failure) in the next step; both read the poisoned block
+        adds = aengine.add_batch([document, longer], GREEDY, ["doc", "longer"])
+        adds = asyncio.ensure_future(adds)
+        await asyncio.sleep(0.2)
+        gate.set()
+        await hold
+        for stream in await adds:
+            with pytest.raises(RequestFailedError, match="evicted"):
+                async for _ in stream:
+                    pass
+        await aengine.call(lambda eng: eng.tiers.flush())
+        keys = tier_keys(engine.engine, longer)
+        left = await aengine.call(lambda eng: eng.tiers.tiers[0].contains(keys))
+        retry = [out async for out in aengine.generate(longer, GREEDY, "retry")][-1]
+        running = aengine.is_running
+        await aengine.shutdown()
+        return left, retry, running
+
+    left, retry, running = asyncio.run(run())
+    assert running and not fatal                          # two steps failed in a row, the engine kept going
+    assert left == [False] * len(left)                    # none of the two prompts' blocks is on disk
+    assert retry.error is None and retry.outputs[0].token_ids == cold
+    m = engine.get_metrics()
+    assert m["kv_poisoned_prefix_failures"] == 2
+    assert all_blocks_free(engine)

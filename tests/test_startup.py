@@ -81,6 +81,8 @@ def test_the_key_follows_model_config_torch_and_cpu(tmp_path):
     # the compile mode and how the model was named build the same graphs
     assert artifact_key(EngineConfig(kv_cache_memory="64MiB", compile_mode="blocking", model=str(model)),
                         str(model)) == key
+    # a KV tier key is a secret that changes no graph: it stays out of the key
+    assert artifact_key(EngineConfig(kv_cache_memory="64MiB", kv_tier_key="k" * 32), str(model)) == key
     changed = {
         artifact_key(EngineConfig(kv_cache_memory="128MiB"), str(model)),
         artifact_key(EngineConfig(kv_cache_memory="64MiB", max_model_len=512), str(model)),

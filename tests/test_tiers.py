@@ -1,6 +1,7 @@
-"""KV tiers: entries and checksums, each tier's LRU bound, the bridge under the manager, write
+"""KV tiers: entries, checksums and MACs, each tier's LRU bound, the bridge under the manager, write
 policies (write-through off the step loop, write-back on eviction), and engines sharing a disk or
-Redis tier across processes, with faults (corrupt entries, Redis down or hung)."""
+Redis tier across processes, with faults (corrupt, forged and poisoned entries, an unwritable
+directory, Redis down or hung)."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import all_blocks_free, poison_entry, tier_keys
 
 from kvserve import LLM, SamplingParams
 from kvserve.kv.hashing import namespace_hash
@@ -23,10 +25,13 @@ from kvserve.kv.manager import KVCacheManager, new_pool
 from kvserve.kv.spec import KVGroup, KVSpec
 from kvserve.kv.storage import KVStorage
 from kvserve.kv.tiers import (
+    CRC,
     CorruptEntry,
     CpuTier,
     DiskTier,
+    HmacSeal,
     RedisTier,
+    RefusedEntry,
     TierBridge,
     TierSpec,
     TierStats,
@@ -89,6 +94,31 @@ def test_entry_for_another_block_or_layout_is_refused():
         unpack_entry(data, KEY, (1, 2, 3, 5), LAYOUT)            # a hash collision: other tokens
     with pytest.raises(CorruptEntry):
         unpack_entry(data, KEY, TOKENS, LAYOUT[:2] + [(torch.int8, (4, 5))])  # another format
+
+
+KEY_A, KEY_B = b"a" * 32, b"b" * 32
+
+
+def test_signed_entries_open_only_under_their_key_and_namespace():
+    seal = HmacSeal(KEY_A, "ns")
+    data = pack_entry(KEY, TOKENS, LAYOUT, pack_rows(block(3))[0], seal)
+    assert data[:4] == b"KVH1" and data[:4] != entry()[:4]
+    assert same_bits(unpack_rows(unpack_entry(data, KEY, TOKENS, LAYOUT, seal)[None], LAYOUT), block(3))
+    for reader in (HmacSeal(KEY_B, "ns"), HmacSeal(KEY_A, "other-namespace")):
+        with pytest.raises(RefusedEntry, match="MAC does not match") as refused:
+            unpack_entry(data, KEY, TOKENS, LAYOUT, reader)
+        assert not refused.value.keep                         # deleted: the reader writes its own
+    tampered = bytearray(data)
+    tampered[len(data) // 2] ^= 0x01
+    with pytest.raises(RefusedEntry, match="MAC"):
+        unpack_entry(bytes(tampered), KEY, TOKENS, LAYOUT, seal)
+    with pytest.raises(RefusedEntry, match="not signed") as refused:   # a keyless writer's entry
+        unpack_entry(entry(), KEY, TOKENS, LAYOUT, seal)
+    assert not refused.value.keep
+    with pytest.raises(RefusedEntry, match="has none") as refused:     # a keyless reader
+        unpack_entry(data, KEY, TOKENS, LAYOUT, CRC)
+    assert refused.value.keep                                 # kept: valid for the key's holders
+    assert "key" not in repr(seal).replace("<key>", "") and KEY_A.decode() not in repr(seal)
 
 
 def test_namespace_names_what_makes_caches_incompatible():
@@ -253,12 +283,13 @@ def test_write_through_stores_blocks_when_registered_write_back_on_eviction(tmp_
 
 
 class SlowTier:
-    """A write-through tier whose stores wait until `gate` opens."""
+    """A write-through tier whose stores wait until `gate` opens (`writing` is set while one waits)."""
 
     name, write_policy, usage_bytes = "slow", "write_through", None
 
     def __init__(self):
         self.stats, self.gate, self.stored = TierStats(), threading.Event(), {}
+        self.writing = threading.Event()
 
     def contains(self, keys):
         return [k in self.stored for k in keys]
@@ -267,9 +298,13 @@ class SlowTier:
         return self.stored.get(key)
 
     def put_many(self, items):
+        self.writing.set()
         self.gate.wait(30)
         self.stored.update(items)
         self.stats.add(entries_written=len(items))
+
+    def delete(self, key):
+        self.stored.pop(key, None)
 
 
 def test_full_write_queue_drops_and_counts_instead_of_blocking():
@@ -289,6 +324,86 @@ def test_full_write_queue_drops_and_counts_instead_of_blocking():
     assert set(tier.stored) == {bridge.key(_chain_hash(kv, prompt, i)) for i in range(2)}  # the leading blocks
     m = bridge.metrics()["slow"]
     assert m["pending_writes"] == 0 and m["entries_written"] == 2 and m["flush_seconds"] > 0
+
+
+def test_a_dropped_prefix_leaves_the_device_every_tier_and_the_write_queues(tmp_path):
+    slow, disk, cpu = SlowTier(), DiskTier(tmp_path, 1 << 20), CpuTier(1 << 20, write_policy="write_through")
+    kv, storage, bridge = tiered_cache([cpu, disk, slow], num_blocks=16)
+    first = list(range(100, 109))                         # 2 full blocks: stored in every tier
+    run_request(kv, storage, "a", first, seed=1)
+    bridge.write_through()
+    slow.gate.set()
+    assert bridge.flush(timeout=10)
+    slow.gate.clear()
+    slow.writing.clear()
+    prompt = first + list(range(109, 117))                # its 2 blocks hit, 2 more are computed
+    hits, num_hit = kv.get_computed_blocks("b", prompt)
+    assert num_hit == 8 and kv.allocate_slots("b", num_hit, len(prompt) - num_hit, hits)
+    fill(storage, kv.block_ids("b")[2:], seed=2)
+    kv.cache_blocks("b", prompt, len(prompt))
+    bridge.write_through()                                # b's 2 new blocks are queued
+    assert all(w.flush(10) for w in bridge.writers[:2])   # in the cpu and disk tiers already
+    assert slow.writing.wait(10)                          # the slow tier's writer is inside put_many
+    keys = [bridge.key(_chain_hash(kv, prompt, i)) for i in range(4)]
+    assert kv.drop_prefix("b") == 4                       # b fails: its prefix is not to be trusted
+    assert not any(k in kv.pool.cached for k in (_chain_hash(kv, prompt, i) for i in range(4)))
+    slow.gate.set()
+    assert bridge.flush(timeout=10)
+    assert cpu.contains(keys) == disk.contains(keys) == slow.contains(keys) == [False] * 4
+    assert not any(tmp_path.rglob("*.kvb"))
+    assert [t.stats.poisoned for t in (cpu, disk, slow)] == [4, 4, 4]   # slow: 2 deleted once written
+    kv.free("b")
+    assert kv.pool.num_free == kv.num_blocks
+    assert kv.get_computed_blocks("c", prompt)[1] == 0    # nothing of it is found again
+
+
+def test_a_dropped_prefix_is_deleted_from_redis(redis_server):
+    tier = RedisTier(redis_server.url)
+    kv, storage, bridge = tiered_cache([tier])
+    prompt = list(range(100, 117))                        # 4 full blocks
+    hits, num_hit = kv.get_computed_blocks("a", prompt)
+    assert kv.allocate_slots("a", num_hit, len(prompt), hits)
+    fill(storage, kv.block_ids("a"), seed=1)
+    kv.cache_blocks("a", prompt, len(prompt))
+    bridge.write_through()
+    assert bridge.flush(timeout=10)
+    keys = [bridge.key(_chain_hash(kv, prompt, i)) for i in range(4)]
+    assert tier.contains(keys) == [True] * 4
+    assert kv.drop_prefix("a") == 4
+    assert tier.contains(keys) == [False] * 4 and tier.stats.poisoned == 4
+    kv.free("a")
+    assert kv.get_computed_blocks("b", prompt)[1] == 0
+
+
+def test_unwritable_disk_tier_warns_once_and_counts_the_rest(tmp_path, caplog):
+    tier = DiskTier(tmp_path, 1 << 20)
+    (tmp_path / "ns").write_text("a file where the namespace's directory should be")
+    with caplog.at_level(logging.WARNING, logger="kvserve"):
+        for i in range(3):
+            tier.put_many([(f"ns/{i:02x}", entry(i)), (f"ns/1{i:01x}", entry(i))])
+    warnings = [r.getMessage() for r in caplog.records if "cannot write" in r.getMessage()]
+    assert len(warnings) == 1 and "write_errors" in warnings[0]
+    assert tier.stats.write_errors == tier.stats.errors == 6 and tier.stats.entries_written == 0
+    with pytest.raises(ValueError, match="cannot create the directory"):
+        DiskTier(tmp_path / "ns" / "below-a-file", 1 << 20)
+
+
+@pytest.mark.parametrize("policy", ["write_through", "write_back"])
+def test_write_through_disk_entries_are_fsynced_with_their_directory(tmp_path, monkeypatch, policy):
+    synced = []
+    real = os.fsync
+
+    def fsync(fd):
+        synced.append(os.path.isdir(f"/proc/self/fd/{fd}"))
+        real(fd)
+    monkeypatch.setattr(os, "fsync", fsync)
+    tier = DiskTier(tmp_path, 1 << 20, write_policy=policy)
+    tier.put_many([("ns/aa01", entry(0)), ("ns/aa02", entry(1)), ("ns/bb03", entry(2))])
+    if policy == "write_through":
+        assert sorted(synced) == [False] * 3 + [True] * 2  # each file, then each of its 2 directories once
+    else:
+        assert synced == []                                # the step thread does not wait for the disk
+    assert len(list(tmp_path.rglob("*.kvb"))) == 3
 
 
 EXIT_WITHOUT_CLOSE = """
@@ -515,9 +630,11 @@ def test_prometheus_exports_swap_and_tier_metrics():
     from kvserve.server.metrics import ServerMetrics
     snap = {"swap_usage_bytes": 1024, "num_requests_swapped": 1, "num_swapped_out_blocks": 3,
             "num_swapped_in_blocks": 2, "prefix_cache_hits_by_source": {"device": 32, "disk": 16},
+            "kv_poisoned_blocks_evicted": 25, "kv_poisoned_prefix_failures": 1,
             "kv_tiers": {"disk": {"hits": 1, "misses": 2, "bytes_read": 10, "bytes_written": 20,
                                   "errors": 1, "corrupt": 1, "usage_bytes": 20, "entries_written": 2,
-                                  "write_drops": 4, "flush_seconds": 0.5, "pending_writes": 3}}}
+                                  "write_drops": 4, "flush_seconds": 0.5, "pending_writes": 3,
+                                  "refused": 5, "poisoned": 6, "write_errors": 7}}}
     text = ServerMetrics("m", 512).render(snap).decode()
     for line in ('kvserve:swap_usage_bytes{model_name="m"} 1024.0',
                  'kvserve:num_requests_swapped{model_name="m"} 1.0',
@@ -529,7 +646,12 @@ def test_prometheus_exports_swap_and_tier_metrics():
                  'kvserve:kv_tier_written_entries_total{model_name="m",tier="disk"} 2.0',
                  'kvserve:kv_tier_write_drops_total{model_name="m",tier="disk"} 4.0',
                  'kvserve:kv_tier_flush_seconds_total{model_name="m",tier="disk"} 0.5',
-                 'kvserve:kv_tier_pending_writes{model_name="m",tier="disk"} 3.0'):
+                 'kvserve:kv_tier_pending_writes{model_name="m",tier="disk"} 3.0',
+                 'kvserve:kv_tier_refused_entries_total{model_name="m",tier="disk"} 5.0',
+                 'kvserve:kv_tier_poisoned_entries_total{model_name="m",tier="disk"} 6.0',
+                 'kvserve:kv_tier_write_errors_total{model_name="m",tier="disk"} 7.0',
+                 'kvserve:kv_poisoned_blocks_evicted_total{model_name="m"} 25.0',
+                 'kvserve:kv_poisoned_prefix_failures_total{model_name="m"} 1.0'):
         assert line in text, line
 
 
@@ -573,3 +695,103 @@ def test_tier_specs_from_config_and_cli(tmp_path):
                                       f"disk:{tmp_path}:1GiB", "--swap-space", "2", "--preemption-mode", "swap"])
     assert args.kv_tiers == ["cpu:1GiB", f"disk:{tmp_path}:1GiB"]
     assert (args.swap_space, args.preemption_mode) == (2.0, "swap")
+
+
+# ---- poisoned and forged entries --------------------------------------------------------------
+def test_a_poisoned_disk_entry_fails_one_request_and_is_evicted(tmp_path, llm, doc, reference):
+    tiers = [f"disk:{tmp_path}:1GiB"]
+    engine = LLM(kv_cache_memory="64MiB", max_model_len=512, kv_tiers=tiers, dtype="float32")
+    assert engine.generate([doc], GREEDY, use_tqdm=False)[0].outputs[0].token_ids == reference
+    engine.engine.tiers.flush()
+    disk = engine.engine.tiers.tiers[0]
+    keys = tier_keys(engine.engine, doc)
+    assert disk.contains(keys) == [True] * 25
+    poison_entry(disk._path(keys[3]))                     # random payload, CRC fixed up: every check passes
+    engine.reset_prefix_cache()                           # the device forgets: the disk serves the prefix
+    failed = engine.generate([doc], GREEDY, use_tqdm=False)[0]
+    assert failed.error is not None and "NaN or infinite" in failed.error and "evicted" in failed.error
+    assert failed.prefix_fault and failed.num_cached_tokens == 400
+    m = engine.get_metrics()
+    assert m["kv_poisoned_blocks_evicted"] == 25 and m["kv_poisoned_prefix_failures"] == 1
+    assert m["kv_tiers"]["disk"]["poisoned"] == 25 and m["kv_tiers"]["disk"]["hits"] == 25
+    assert not disk._path(keys[3]).exists() and disk.contains(keys) == [False] * 25
+    assert engine.engine.kv.pool.num_cached == 0          # nothing of the prefix left on the device
+    assert all_blocks_free(engine)
+    again = engine.generate([doc], GREEDY, use_tqdm=False)[0]   # the retry recomputes from scratch
+    assert again.error is None and again.num_cached_tokens == 0
+    assert again.outputs[0].token_ids == reference
+    engine.close()
+    assert disk.contains(keys) == [True] * 25             # written again, from the recomputed blocks
+    assert all_blocks_free(engine)
+    fresh = LLM(kv_cache_memory="64MiB", max_model_len=512, kv_tiers=tiers, dtype="float32")
+    out = fresh.generate([doc], GREEDY, use_tqdm=False)[0]
+    assert out.num_cached_tokens == 400 and out.outputs[0].token_ids == reference
+    assert fresh.get_metrics()["kv_poisoned_blocks_evicted"] == 0
+
+
+def _keyed(tiers: list[str], key: bytes | None = None, **extra) -> LLM:
+    options = {"kv_tier_key": key.decode()} if key is not None else {}
+    return LLM(kv_cache_memory="32MiB", max_model_len=512, kv_tiers=tiers, dtype="float32", **options, **extra)
+
+
+def _run(engine: LLM, prompt):
+    out = engine.generate([prompt], GREEDY, use_tqdm=False)[0]
+    engine.close()
+    return out, engine.get_metrics()["kv_tiers"]
+
+
+def test_signed_disk_entries_are_served_only_under_the_writers_key(tmp_path, llm, doc):
+    prompt = doc[:100]                                    # 6 full blocks
+    cold = llm.generate([prompt], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+    tiers = [f"disk:{tmp_path}:1GiB"]
+    key_file = tmp_path.parent / f"{tmp_path.name}.key"
+    key_file.write_bytes(KEY_A + b"\n")
+    out, _ = _run(_keyed(tiers, kv_tier_key_file=str(key_file)), prompt)   # key A, from a file
+    files = sorted(tmp_path.rglob("*.kvb"))
+    assert len(files) == 6 and all(p.read_bytes()[:4] == b"KVH1" for p in files)
+    same, stats = _run(_keyed(tiers, KEY_A), prompt)
+    assert same.num_cached_tokens == 96 and stats["disk"]["hits"] == 6 and stats["disk"]["refused"] == 0
+    assert same.outputs[0].token_ids == out.outputs[0].token_ids == cold
+    keyless, stats = _run(_keyed(tiers), prompt)          # no key: signed entries refused, kept
+    assert keyless.num_cached_tokens == 0 and stats["disk"]["refused"] >= 1 and stats["disk"]["hits"] == 0
+    assert keyless.outputs[0].token_ids == cold and all(p.exists() for p in files)
+    tampered = bytearray(files[0].read_bytes())
+    tampered[-100] ^= 0x01                                # one bit of one payload
+    files[0].write_bytes(bytes(tampered))
+    partial, stats = _run(_keyed(tiers, KEY_A), prompt)
+    assert stats["disk"]["refused"] == 1 and partial.num_cached_tokens < 96
+    assert partial.outputs[0].token_ids == cold
+    other, stats = _run(_keyed(tiers, KEY_B), prompt)     # key B: every entry refused, a miss
+    assert other.num_cached_tokens == 0 and stats["disk"]["hits"] == 0 and stats["disk"]["refused"] >= 1
+    assert other.outputs[0].token_ids == cold
+
+
+def test_signed_redis_entries_are_refused_under_another_key(redis_server, llm, doc):
+    prompt = doc[:100]
+    cold = llm.generate([prompt], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+    tiers = [redis_server.url]
+    _run(_keyed(tiers, KEY_A), prompt)
+    other, stats = _run(_keyed(tiers, KEY_B), prompt)
+    assert other.num_cached_tokens == 0 and stats["redis"]["refused"] == 6 and stats["redis"]["hits"] == 0
+    assert other.outputs[0].token_ids == cold
+    same, stats = _run(_keyed(tiers, KEY_B), prompt)      # B deleted A's entries and wrote its own
+    assert same.num_cached_tokens == 96 and stats["redis"]["hits"] == 6 and same.outputs[0].token_ids == cold
+
+
+def test_tier_key_options_are_checked_before_the_model_loads(tmp_path):
+    from kvserve.cli import build_parser
+    from kvserve.config import EngineConfig
+    from kvserve.engine.options import engine_options
+    tiers = [f"disk:{tmp_path}:1GiB"]
+    with pytest.raises(ValueError, match="at least 16"):
+        engine_options(EngineConfig(kv_tiers=tiers, kv_tier_key="short", dtype="float32"))
+    with pytest.raises(ValueError, match="cannot read kv_tier_key_file"):
+        engine_options(EngineConfig(kv_tiers=tiers, kv_tier_key_file=str(tmp_path / "missing"), dtype="float32"))
+    with pytest.raises(ValueError, match="not both"):
+        engine_options(EngineConfig(kv_tiers=tiers, kv_tier_key="k" * 16, kv_tier_key_file="f", dtype="float32"))
+    with pytest.raises(ValueError, match="give kv_tiers too"):
+        engine_options(EngineConfig(kv_tier_key="k" * 16, dtype="float32"))
+    secret = "s3cret-s3cret-s3cret"
+    assert secret not in repr(EngineConfig(kv_tiers=tiers, kv_tier_key=secret))
+    args = build_parser().parse_args(["generate", "hi", "--kv-tier", tiers[0], "--kv-tier-key-file", "/k"])
+    assert (args.kv_tier_key, args.kv_tier_key_file) == (None, "/k")

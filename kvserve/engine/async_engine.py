@@ -280,10 +280,11 @@ class AsyncEngine:
             self.on_fatal(self.error)
 
     def _step(self) -> None:
-        """One engine step; requests it failed get an error, a second such step in a row is fatal."""
+        """One engine step; requests it failed get an error, a second such step in a row is fatal.
+        A failure a cached prefix caused (`prefix_fault`: that prefix is evicted) is not the engine's."""
         outputs = self.engine.step()
         self._dispatch(outputs, time.monotonic())
-        failed = [out.request_id for out in outputs if out.error is not None]
+        failed = [out.request_id for out in outputs if out.error is not None and not out.prefix_fault]
         if failed and self._failed_last_step:
             raise RuntimeError(f"the engine failed requests in two steps in a row (now {failed}): "
                                "the engine itself, not one request, is at fault")

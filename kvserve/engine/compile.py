@@ -40,7 +40,9 @@ log = logging.getLogger("kvserve")
 
 SOURCES = Path(__file__).resolve().parents[1]       # the kvserve package
 THREAD_NAME = "kvserve-compile"
-KEY_EXCLUDED = ("model", "compile_mode")  # the resolved model file is keyed instead; both modes build the same graphs
+# the resolved model file is keyed instead; both modes build the same graphs; a tier key is a secret
+# that changes no graph
+KEY_EXCLUDED = ("model", "compile_mode", "kv_tier_key", "kv_tier_key_file")
 
 
 def artifact_key(config: EngineConfig, model_path: str, torch_version: str = torch.__version__,

@@ -22,6 +22,7 @@ from kvserve.engine.model_runner import ModelRunner
 from kvserve.engine.offload import build_swap, offload_metrics
 from kvserve.engine.options import engine_options
 from kvserve.engine.output_processor import OutputProcessor
+from kvserve.engine.poison import PoisonedPrefixes
 from kvserve.engine.request import Request, RequestStatus
 from kvserve.engine.sampler import Sampler, SamplingError, SamplingInput
 from kvserve.engine.scheduler import Scheduler
@@ -116,6 +117,7 @@ class LLMEngine:
         self.swap = build_swap(cfg, self.storage, self.kv)   # host swap pool (swap_space GiB)
         self.scheduler = Scheduler(self.kv, cfg.max_num_seqs, planner.token_budget, self.swap, cfg.preemption_mode,
                                    cfg.scheduling_policy)
+        self.poison = PoisonedPrefixes(self.kv)   # evicts the prefix a request's NaN logits point at
         planner.log(self.storage)
 
     def _build_kv(self, planner):
@@ -269,7 +271,7 @@ class LLMEngine:
             try:
                 res = self.sampler(logits[i:i + 1], [inp])[0]
             except SamplingError:
-                self.output_processor.fail(req, _sampling_failure(req.params))
+                self._fail_sampling(req, logits[i])
                 return
             drawn.append(res)
             if i == len(drafts) or res.token_ids[0] != drafts[i]:
@@ -283,8 +285,7 @@ class LLMEngine:
             results = self.sampler(logits, inputs, self.structured.bitmask([r.grammar for r in owners]))
         except SamplingError as exc:  # nothing was drawn: fail those requests, sample the rest
             for i in exc.rows:
-                if not owners[i].is_finished:
-                    self.output_processor.fail(owners[i], _sampling_failure(owners[i].params))
+                self._fail_sampling(owners[i], logits[i])
             keep = [i for i, r in enumerate(owners) if not r.is_finished]
             if keep:
                 self._sample_batch(logits[keep], list(dict.fromkeys(owners[i] for i in keep)))
@@ -320,6 +321,13 @@ class LLMEngine:
         req.num_computed_tokens += accepted
         self.kv.trim(req.request_id, req.num_tokens)
         self.kv.cache_blocks(req.request_id, req.token_ids, req.num_computed_tokens)
+
+    def _fail_sampling(self, req: Request, row: torch.Tensor) -> None:
+        """Fail a request no token could be drawn for; non-finite logits evict its prefix first (poison.py)."""
+        if req.is_finished:
+            return   # a fork of a group failed by an earlier row
+        prefix_error = self.poison.evict(req, row)
+        self.output_processor.fail(req, prefix_error or _sampling_failure(req.params), prefix_fault=bool(prefix_error))
 
     # ---- the step API for drivers (sample functions) ----------------------------------------------
     def append_token(self, req: Request, token: int, logprob: float = 0.0, top=None) -> None:
@@ -378,6 +386,7 @@ class LLMEngine:
         m.update(_kv_metrics(self.kv, self.storage))
         m.update(offload_metrics(self))
         m.update(self.evictor.metrics())
+        m.update(self.poison.metrics())
         m.update(self.speculator.metrics())
         return m
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 
 from kvserve.kv.swap import SwapSpace
 from kvserve.kv.tiers import (
@@ -12,9 +13,11 @@ from kvserve.kv.tiers import (
     fingerprint_path,
     make_tier,
     tier_namespace,
+    tier_seal,
 )
 
 log = logging.getLogger("kvserve")
+MIN_TIER_KEY_BYTES = 16
 
 
 def build_swap(config, storage, kv) -> SwapSpace | None:
@@ -49,6 +52,25 @@ def check_tiers(specs: list, given) -> None:
         raise ValueError(f"kv_tiers may name each kind (cpu, disk, redis) once, got {given}")
 
 
+def tier_key(config) -> bytes | None:
+    """The key of kv_tier_key or kv_tier_key_file as bytes (None without one); ValueError when the file
+    cannot be read or the key is short. The key itself is never logged."""
+    if config.kv_tier_key_file is not None:
+        try:
+            key = Path(config.kv_tier_key_file).read_bytes().rstrip(b"\r\n")
+        except OSError as e:
+            raise ValueError(f"cannot read kv_tier_key_file {config.kv_tier_key_file}: {e.strerror}") from None
+        source = f"kv_tier_key_file {config.kv_tier_key_file}"
+    elif config.kv_tier_key is not None:
+        key, source = config.kv_tier_key.encode(), "kv_tier_key"
+    else:
+        return None
+    if len(key) < MIN_TIER_KEY_BYTES:
+        raise ValueError(f"the KV tier key ({source}) has {len(key)} bytes: give at least {MIN_TIER_KEY_BYTES}, "
+                         "e.g. a file made by `openssl rand -hex 32`")
+    return key
+
+
 def build_tiers(planner, storage, pool, events=None) -> TierBridge | None:
     """The prefix-store tiers of `kv_tiers` over `storage` and the device `pool` (None without any);
     `events`: the KV events queue the tiers report into."""
@@ -63,9 +85,11 @@ def build_tiers(planner, storage, pool, events=None) -> TierBridge | None:
                                kv_format=kv_format_name(config, storage), block_size=storage.block_size,
                                layer_specs=planner.groups, layout=storage.block_layout(), hash_algo=hash_algo)
     tier_events = TierEvents(events, namespace, hash_algo) if events is not None else None
-    bridge = TierBridge([make_tier(s, tier_events) for s in specs], storage, namespace, pool, events=tier_events)
-    log.info("KV tiers: %s (namespace %s)", ", ".join(f"{t.name} {t.write_policy}" for t in bridge.tiers),
-             namespace)
+    key = tier_key(config)
+    bridge = TierBridge([make_tier(s, tier_events) for s in specs], storage, namespace, pool, events=tier_events,
+                        seal=tier_seal(key, namespace))
+    log.info("KV tiers: %s (namespace %s, entries %s)", ", ".join(f"{t.name} {t.write_policy}" for t in bridge.tiers),
+             namespace, "signed with the tier key (HMAC-SHA256)" if key is not None else "checksummed (CRC-32)")
     return bridge
 
 

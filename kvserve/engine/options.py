@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 
 from kvserve.config import EngineConfig
-from kvserve.engine.offload import check_tiers
+from kvserve.engine.offload import check_tiers, tier_key
 from kvserve.engine.spec.config import check_combination, parse_speculative_config
 from kvserve.kv.events import check_endpoint
 from kvserve.kv.formats import format_options
@@ -23,6 +23,7 @@ def engine_options(config: EngineConfig) -> EngineConfig:
                          config.kv_cache_head_precision, config.kv_cache_head_precision_dtype,
                          config.block_size, config.kv_cache_mode)
     check_tiers(config.tier_specs(), config.kv_tiers)
+    tier_key(config)   # a key file that cannot be read, or a short key, fails now
     if config.kv_policy is not None:
         parse_policy(config.kv_policy)
     check_endpoint("kv_events", config.kv_events)

@@ -51,10 +51,11 @@ class OutputProcessor:
             tpot = (m.last_token_time - m.first_token_time) / (n - 1)
         self.stats.record_finished(status.value, m.ttft, tpot, m.finished_time - m.arrival_time, m.queue_time)
 
-    def fail(self, req: Request, error: str) -> None:
-        """End the whole group of `req` with an error (finish reason 'abort')."""
+    def fail(self, req: Request, error: str, prefix_fault: bool = False) -> None:
+        """End the whole group of `req` with an error (finish reason 'abort'); `prefix_fault`: a cached
+        prefix it read was at fault, not the engine."""
         for r in self.groups.get(req.group_id, [req]):
-            r.error = error
+            r.error, r.prefix_fault = error, prefix_fault
             if not r.is_finished:
                 self.finish(r, RequestStatus.FINISHED_ABORTED)
 
@@ -134,7 +135,8 @@ class OutputProcessor:
         outs = [completion(r) for r in members]
         finished = self.finished(group_id)
         out = RequestOutput(group_id, head.prompt, head.prompt_token_ids, outs, finished,
-                            head.num_cached_tokens, head.prompt_logprobs, head.metrics, head.error)
+                            head.num_cached_tokens, head.prompt_logprobs, head.metrics, head.error,
+                            head.prefix_fault)
         if finished:
             self._drop(group_id)
         return out

@@ -8,8 +8,9 @@ checked when blocks are allocated or pinned); an expired pin's block rejoins the
 tail, as if freed then. At most `pin_limit` blocks are pinned at once; pins beyond it are refused.
 
 The pool calls no one. What happens to its cached blocks (a block stored under a hash, cached blocks
-evicted for reuse, a block pinned) the KV manager that owns it tells its `BlockPoolListener`s: the
-pool's methods return or fill in what they did (`allocate(n, evicted)`, `register`, `pin`).
+evicted for reuse, a block pinned, blocks forgotten because a request failed on them) the KV
+manager that owns it tells its `BlockPoolListener`s: the pool's methods return or fill in what they
+did (`allocate(n, evicted)`, `register`, `pin`, `forget`).
 """
 
 from __future__ import annotations
@@ -39,6 +40,10 @@ class BlockPoolListener:
 
     def pinned(self, block_id: int, block_hash: BlockHash, token_ids: tuple[int, ...]) -> None:
         """A cached block was newly pinned by a retention request."""
+
+    def removed(self, keys: list[BlockHash]) -> None:
+        """The blocks under these pool keys are not to be trusted (a request failed on them): the
+        device forgot them; forget them everywhere else too, and never write them down."""
 
 
 @dataclass
@@ -186,6 +191,23 @@ class BlockPool:
         for block_id, _, _ in dropped:
             self._forget_hash(self.blocks[block_id], now)
         return len(dropped)
+
+    def forget(self, keys: list[BlockHash]) -> list[BlockHash]:
+        """Drop these hashes from the cache, owned or free blocks (pinned ones unpinned); a free block
+        becomes the next one handed out. Returns the keys that were cached."""
+        now, out = self.clock(), []
+        for key in keys:
+            block_id = self.cached.get(key)
+            if block_id is None:
+                continue
+            block = self.blocks[block_id]
+            if block.pin_priority is not None:
+                self._unpin(block)
+            self._forget_hash(block, now)
+            if block.ref_cnt == 0:
+                self.free_queue.move_to_end(block_id, last=False)
+            out.append(key)
+        return out
 
     def _forget_hash(self, block: Block, now: float) -> None:
         if block.block_hash is not None:

@@ -2,7 +2,7 @@
 
 Everything the manager works with is handed to it when it is built: the pool (or its size), the
 listeners it tells about the pool's cached blocks (kv/block_pool.py `BlockPoolListener`: stored,
-evicted, pinned), an optional lower tier (kv/tiers.py `TierBridge`) that extends the prefix cache
+evicted, pinned, removed), an optional lower tier (kv/tiers.py `TierBridge`) that extends the prefix cache
 below the device (a lookup that misses on the device asks `lower.locate` / `lower.load` to bring
 blocks back into fresh device blocks; the bridge is also a listener, which writes blocks down),
 the KV events queue (kv/events.py) and a factory of its eviction strategy (kv/eviction.py's
@@ -237,6 +237,21 @@ class KVCacheManager:
         expires_at = math.inf if ttl is None else self.pool.clock() + ttl
         n = num_prompt_tokens if retention.max_tokens is None else min(num_prompt_tokens, retention.max_tokens)
         self.retention[req_id] = _Retention(retention.priority, expires_at, n // self.block_size)
+
+    def drop_prefix(self, req_id: str) -> int:
+        """Forget every block the request read from the prefix cache or registered in it, on the device
+        and (the listeners' `removed`) in the tiers: a request failed on them. Returns how many
+        device blocks lost their hash."""
+        state = self.reqs.get(req_id)
+        if state is None or not self.enable_prefix_caching:
+            return 0
+        keys = [self._key(g, h) for h in state.block_hashes[:state.num_registered] for g in range(len(self.groups))]
+        dropped = self.pool.forget(keys)
+        for listener in self.listeners:
+            listener.removed(keys)
+        if self.events is not None and dropped:
+            self._report_removed(dropped)
+        return len(dropped)
 
     def drop_salt(self, req_id: str) -> None:
         """Forget a finished request's salt."""

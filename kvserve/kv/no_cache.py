@@ -89,6 +89,10 @@ class NoCacheManager:
     def drop_salt(self, req_id: str) -> None:
         """Nothing was kept for the request."""
 
+    def drop_prefix(self, req_id: str) -> int:
+        """No block was cached for the request: 0 dropped."""
+        return 0
+
     def reset_prefix_cache(self, offload: bool = False) -> int:
         """No cached blocks to forget: 0."""
         return 0

@@ -3,7 +3,8 @@
 The step thread hands over copies of whole blocks (a `WriteBatch`, never the live pool); the
 writer packs them into entries once, skips the ones its tier already holds and stores the rest.
 A full queue drops blocks (counted in the tier's `write_drops`) instead of blocking the step;
-`flush` waits until everything queued is written (or the tier gave up on it).
+`flush` waits until everything queued is written (or the tier gave up on it). `discard` takes
+keys back: they are not written, or deleted again if their write was under way.
 """
 
 from __future__ import annotations
@@ -54,6 +55,7 @@ class TierWriter:
         self._thread: threading.Thread | None = None
         self._stop = False
         self._warned = False
+        self._discarded: set[str] = set()  # keys of queued blocks not to store (cleared when the queue empties)
         self.on_stored = on_stored
 
     def room(self, bytes_per_block: int) -> int:
@@ -81,6 +83,12 @@ class TierWriter:
                             "(further drops are only counted, in write_drops)", self.tier.name,
                             self.pending_bytes >> 20)
         return n
+
+    def discard(self, keys: set[str]) -> None:
+        """Store none of these keys from what is queued now; one being written is deleted after."""
+        with self._cond:
+            if self._queue:
+                self._discarded |= keys
 
     def flush(self, timeout: float | None = FLUSH_TIMEOUT) -> bool:
         """Wait until every queued block is handled; False if `timeout` seconds passed first."""
@@ -128,19 +136,32 @@ class TierWriter:
                 self._queue.popleft()
                 self.pending_bytes -= nbytes
                 self.pending_blocks -= n
+                if not self._queue:
+                    self._discarded.clear()
                 self._cond.notify_all()
 
     def _write(self, batch: WriteBatch, n: int) -> None:
-        keys = batch.keys[:n]
-        present = self.tier.contains(keys)
+        keys, skip = batch.keys[:n], self._taken_back()
+        todo = [i for i in range(n) if keys[i] not in skip]
+        present = self.tier.contains([keys[i] for i in todo]) if todo else []
         if present is None:  # the tier is unavailable now (it counted the error): skip these blocks
             return
-        missing = [i for i, p in enumerate(present) if not p]
+        missing = [i for i, p in zip(todo, present) if not p]
         if missing:
             entries = batch.entries()
             self.tier.put_many([(keys[i], entries[i]) for i in missing])
-            if self.on_stored is not None:
+            late = self._taken_back()
+            for i in missing:
+                if keys[i] in late:   # discarded while it was being written
+                    self.tier.delete(keys[i])
+                    self.tier.stats.add(poisoned=1)
+            missing = [i for i in missing if keys[i] not in late]
+            if self.on_stored is not None and missing:
                 self.on_stored(batch, missing)
+
+    def _taken_back(self) -> set[str]:
+        with self._cond:
+            return set(self._discarded)
 
 
 def close_writers(writers: list[TierWriter], timeout: float | None = FLUSH_TIMEOUT) -> None:

@@ -3,9 +3,10 @@
 A tier entry is one whole block — every tensor of every storage slot, whatever the KV format —
 keyed by the block's chained hash (with its KV group) under a namespace that names everything
 that makes two caches incompatible (weights, dtype, KV format, block size, layer specs, tensor
-layout). Entries are self-describing and checksummed (CRC-32 over header and payload, plus the
-expected key, tokens, dtypes, shapes and length): a corrupt or truncated entry is dropped,
-counted and never served.
+layout). Entries are self-describing and sealed — a CRC-32 over header and payload, or with a
+tier key an HMAC-SHA256 (`Seal`, chosen once when the tiers are built) — and checked against the
+expected key, tokens, dtypes, shapes and length: a corrupt, truncated or unsigned entry is never
+served.
 
 `TierBridge` connects the tiers to the device pool and its KVStorage: it is built with both and
 handed to the KVCacheManager as its lower tier and one of its pool listeners
@@ -15,13 +16,15 @@ and stored by a background writer (kv/tier_writer.py); a `write_back` tier gets 
 the pool is about to overwrite (`evicted`, while their memory still holds the data), and also each
 block a retention pin takes, through the same background writers (`pinned`). A prefix lookup that
 misses on the device asks the bridge which tiers hold the next blocks (`locate`) and loads them
-into fresh device blocks (`load`). `TierEvents`, built before the tiers, turns what each tier
+into fresh device blocks (`load`). Blocks a request failed on (`removed`) are deleted from every
+tier and from what the writers have queued. `TierEvents`, built before the tiers, turns what each tier
 gains and loses into KV events.
 """
 
 from __future__ import annotations
 
 import hashlib
+import hmac
 import json
 import logging
 import os
@@ -52,12 +55,102 @@ from kvserve.kv.tier_writer import (
 log = logging.getLogger("kvserve")
 
 TIER_FORMAT_VERSION = 1
-ENTRY_MAGIC = b"KVT1"
 TIER_KINDS = ("cpu", "disk", "redis")
 
 
 class CorruptEntry(ValueError):
     """A tier entry that fails its checksum or does not describe the expected block."""
+
+
+class RefusedEntry(CorruptEntry):
+    """An entry whose seal this engine does not accept (unsigned, signed under another key, or signed
+    while this engine has no key); `keep`: leave it in the tier (it may be valid for other engines)."""
+
+    def __init__(self, message: str, keep: bool = False):
+        super().__init__(message)
+        self.keep = keep
+
+
+# ---- seals: what makes an entry trusted ----------------------------------------------------------
+class Seal:
+    """Appends a tag to an entry's bytes and checks it on the way back; `magic` starts every entry."""
+
+    magic = b""
+    tag_size = 0
+    foreign = b""      # the other seal's magic
+    foreign_help = ""  # what a foreign entry means to this engine
+    keep_foreign = False
+
+    def tag(self, body: bytes) -> bytes:
+        """The tag of `body`."""
+        raise NotImplementedError
+
+    def seal(self, body: bytes) -> bytes:
+        """`body` (starting with `magic`) with its tag appended."""
+        return body + self.tag(body)
+
+    def open(self, data: bytes) -> memoryview:
+        """The body of a sealed entry (tag checked); CorruptEntry or RefusedEntry otherwise."""
+        magic = data[:4]
+        if magic == self.foreign:
+            raise RefusedEntry(self.foreign_help, keep=self.keep_foreign)
+        if len(data) < 8 + self.tag_size or magic != self.magic:
+            raise CorruptEntry("bad magic or truncated header")
+        body = memoryview(data)[:-self.tag_size]
+        self.check(body, data[-self.tag_size:])
+        return body
+
+    def check(self, body: memoryview, tag: bytes) -> None:
+        """Raise CorruptEntry (RefusedEntry) unless `tag` is the tag of `body`."""
+        raise NotImplementedError
+
+
+class CrcSeal(Seal):
+    """A CRC-32 of the entry: catches torn, truncated and flipped bytes, not a writer's intent."""
+
+    magic, tag_size, foreign = b"KVT1", 4, b"KVH1"
+    foreign_help = ("the entry is signed with a tier key and this engine has none: give it the key the "
+                    "writers use (--kv-tier-key-file)")
+    keep_foreign = True   # valid for the engines that hold the key
+
+    def tag(self, body) -> bytes:
+        return struct.pack("<I", zlib.crc32(body))
+
+    def check(self, body, tag) -> None:
+        if struct.pack("<I", zlib.crc32(body)) != tag:
+            raise CorruptEntry("checksum mismatch (corrupt or truncated)")
+
+
+class HmacSeal(Seal):
+    """HMAC-SHA256 under a shared key over the namespace and the entry: only a holder of the key can
+    write an entry this engine serves (what that does not protect: docs/TIERS.md)."""
+
+    magic, tag_size, foreign = b"KVH1", 32, b"KVT1"
+    foreign_help = "the entry is not signed (written by an engine without the tier key)"
+
+    def __init__(self, key: bytes, namespace: str):
+        self._key = key
+        self._namespace = namespace.encode()
+
+    def __repr__(self) -> str:
+        return "HmacSeal(<key>)"
+
+    def tag(self, body) -> bytes:
+        mac = hmac.new(self._key, self._namespace + b"\0", hashlib.sha256)
+        mac.update(body)
+        return mac.digest()
+
+    def check(self, body, tag) -> None:
+        if not hmac.compare_digest(self.tag(body), tag):
+            raise RefusedEntry("the entry's MAC does not match: signed under another tier key, or altered")
+
+
+CRC = CrcSeal()
+
+
+def tier_seal(key: bytes | None, namespace: str) -> Seal:
+    """The seal of a namespace's entries: HMAC-SHA256 under `key`, or a CRC-32 without one."""
+    return CRC if key is None else HmacSeal(key, namespace)
 
 
 # ---- entries ---------------------------------------------------------------------------------
@@ -85,24 +178,21 @@ def unpack_rows(rows: torch.Tensor, layout: Layout) -> list[torch.Tensor]:
     return out
 
 
-def pack_entry(key: BlockHash, token_ids: tuple[int, ...], layout: Layout, row: torch.Tensor) -> bytes:
-    """One block's entry: magic | header length | JSON header | payload | CRC-32 of all before."""
+def pack_entry(key: BlockHash, token_ids: tuple[int, ...], layout: Layout, row: torch.Tensor,
+               seal: Seal = CRC) -> bytes:
+    """One block's entry: magic | header length | JSON header | payload | the seal's tag of all before."""
     header = json.dumps({"v": TIER_FORMAT_VERSION, "key": key.hex(), "tokens": list(token_ids),
                          "layout": _layout_json(layout), "nbytes": row.numel()}).encode()
-    body = ENTRY_MAGIC + struct.pack("<I", len(header)) + header + row.numpy().tobytes()
-    return body + struct.pack("<I", zlib.crc32(body))
+    return seal.seal(seal.magic + struct.pack("<I", len(header)) + header + row.numpy().tobytes())
 
 
-def unpack_entry(data: bytes, key: BlockHash, token_ids: tuple[int, ...], layout: Layout) -> torch.Tensor:
-    """The payload row [bytes_per_block] of a verified entry; raises CorruptEntry otherwise."""
-    if len(data) < 12 or data[:4] != ENTRY_MAGIC:
-        raise CorruptEntry("bad magic or truncated header")
-    (crc,) = struct.unpack("<I", data[-4:])
-    if zlib.crc32(memoryview(data)[:-4]) != crc:
-        raise CorruptEntry("checksum mismatch (corrupt or truncated)")
-    (hlen,) = struct.unpack("<I", data[4:8])
+def unpack_entry(data: bytes, key: BlockHash, token_ids: tuple[int, ...], layout: Layout,
+                 seal: Seal = CRC) -> torch.Tensor:
+    """The payload row [bytes_per_block] of a verified entry; raises CorruptEntry (RefusedEntry) otherwise."""
+    body = seal.open(data)
+    (hlen,) = struct.unpack("<I", body[4:8])
     try:
-        header = json.loads(data[8:8 + hlen])
+        header = json.loads(bytes(body[8:8 + hlen]))
     except ValueError as e:
         raise CorruptEntry(f"unreadable header: {e}") from None
     expected = {"v": TIER_FORMAT_VERSION, "key": key.hex(), "tokens": list(token_ids),
@@ -110,7 +200,7 @@ def unpack_entry(data: bytes, key: BlockHash, token_ids: tuple[int, ...], layout
     for name, want in expected.items():
         if header.get(name) != want:
             raise CorruptEntry(f"entry {name} does not match the block asked for")
-    payload = bytearray(memoryview(data)[8 + hlen:-4])
+    payload = bytearray(body[8 + hlen:])
     if len(payload) != header.get("nbytes"):
         raise CorruptEntry(f"payload has {len(payload)} bytes, header says {header.get('nbytes')}")
     return torch.frombuffer(payload, dtype=torch.uint8)
@@ -167,7 +257,10 @@ class TierStats:
     entries_written: int = 0
     evictions: int = 0     # entries dropped by the tier's own size bound
     corrupt: int = 0       # entries that failed verification (dropped, never served)
+    refused: int = 0       # entries whose seal this engine does not accept (never served)
+    poisoned: int = 0      # entries deleted because a request failed on their block
     errors: int = 0        # I/O and connection errors, corrupt entries included
+    write_errors: int = 0  # entries that could not be stored (counted in errors too)
     write_drops: int = 0   # blocks a full write-through queue dropped
     flush_seconds: float = 0.0  # time spent waiting for pending write-through writes
 
@@ -248,8 +341,12 @@ class DiskTier:
     """One file per entry under a directory, bounded in bytes, LRU by file mtime (survives restarts).
 
     Writes go to a temporary file renamed into place, so a reader sees a whole entry or none; a
-    file torn by a crash fails its checksum. Several processes may share the directory; each
-    enforces the bound over the files it knows (those it wrote, read or found at start).
+    file torn by a crash fails its checksum. Under write_through (the writer thread) each file is
+    fsynced before the rename and its directory after, so an entry written survives a power loss;
+    write_back stores run on the step thread and skip the fsyncs (an entry lost is a miss). Several
+    processes may share the directory; each enforces the bound over the files it knows (those it
+    wrote, read or found at start). The first failed write is logged, every one is counted
+    (`write_errors`).
     """
 
     name = "disk"
@@ -261,9 +358,15 @@ class DiskTier:
         self.root = Path(root)
         self.capacity = capacity
         self.write_policy = write_policy
+        self.durable = write_policy == "write_through"   # fsync entries and their directories
         self.stats = TierStats()
         self.lock = threading.Lock()  # guards the index: a writer thread stores while the step thread reads
-        self.root.mkdir(parents=True, exist_ok=True)
+        self.write_warned = False     # the first failed write is logged, the rest only counted
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise ValueError(f"disk KV tier: cannot create the directory {self.root} ({e}); give a "
+                             "directory this process can write") from None
         self.index: OrderedDict[Path, int] = OrderedDict()  # path -> size, least recent first
         self.usage_bytes = 0
         self._scan()
@@ -315,21 +418,39 @@ class DiskTier:
 
     def put_many(self, items: list[tuple[str, bytes]]) -> None:
         """Write entries atomically (temp file + rename), then enforce the size bound."""
+        folders = set()
         for key, data in items:
             if len(data) > self.capacity:
                 continue
             p = self._path(key)
             try:
                 p.parent.mkdir(parents=True, exist_ok=True)
-                _atomic_write(p, data)
+                _atomic_write(p, data, sync=self.durable)
             except OSError as e:
-                self.stats.add(errors=1)
-                log.warning("disk tier: cannot write %s: %s", p, e)
+                self._write_failed(p, e)
                 continue
+            folders.add(p.parent)
             self._remember(p, len(data))
             self.stats.add(bytes_written=len(data), entries_written=1)
+        self._sync_folders(folders)
         with self.lock:
             self._enforce_bound()
+
+    def _write_failed(self, p: Path, e: OSError) -> None:
+        """Count a failed write; warn for the first one."""
+        self.stats.add(errors=1, write_errors=1)
+        if not self.write_warned:
+            self.write_warned = True
+            log.warning("disk tier: cannot write %s (%s); the blocks stay on the device only. Make %s "
+                        "writable; further failed writes are only counted (write_errors)", p, e, self.root)
+
+    def _sync_folders(self, folders: set[Path]) -> None:
+        """Make the renames into `folders` durable (write_through only)."""
+        for folder in folders if self.durable else ():
+            try:
+                _fsync_dir(folder)
+            except OSError as e:
+                self._write_failed(folder, e)
 
     def delete(self, key: str) -> None:
         """Remove one entry's file if present."""
@@ -508,6 +629,7 @@ class TierBridge(BlockPoolListener):
     pool: object                          # the device BlockPool: a block still holds the hash it was queued under
     queue_bytes: int = DEFAULT_QUEUE_BYTES           # per write-through tier
     events: TierEvents | None = None                 # when KV events are on
+    seal: Seal = CRC                                 # how entries are sealed and checked (tier_seal)
     layout: Layout = field(init=False)
     writers: list[TierWriter] = field(init=False)    # one per write_through tier
     pin_writers: list[TierWriter] = field(init=False)  # one per write_back tier: pinned blocks
@@ -610,7 +732,27 @@ class TierBridge(BlockPoolListener):
 
     def _pack(self, blocks: Evicted, tensors: list[torch.Tensor]) -> list[bytes]:
         """One entry per block from `read_blocks` tensors of those blocks."""
-        return [pack_entry(h, tokens, self.layout, row) for (_, h, tokens), row in zip(blocks, pack_rows(tensors))]
+        return [pack_entry(h, tokens, self.layout, row, self.seal)
+                for (_, h, tokens), row in zip(blocks, pack_rows(tensors))]
+
+    # ---- blocks not to be trusted ------------------------------------------------------
+    def removed(self, keys: list[BlockHash]) -> None:
+        """A request failed on these blocks: delete their entries from every tier (counted in
+        `poisoned`) and from the blocks the writers still hold, so no engine serves them again."""
+        doomed = {self.key(h) for h in keys}
+        self._fresh = [b for b in self._fresh if self.key(b[1]) not in doomed]
+        self._pinned = [b for b in self._pinned if self.key(b[1]) not in doomed]
+        for w in self.writers + self.pin_writers:
+            w.discard(doomed)
+        ordered = sorted(doomed)
+        for tier in self.tiers:
+            present = tier.contains(ordered)
+            gone = [k for k, p in zip(ordered, present or []) if p]
+            for k in gone:
+                tier.delete(k)
+                if self.events is not None:
+                    self.events.evicted(tier.name, k)
+            tier.stats.add(poisoned=len(gone))
 
     def _report_stored(self, tier, blocks: Evicted) -> None:
         if self.events is not None:
@@ -673,17 +815,25 @@ class TierBridge(BlockPoolListener):
             tier.stats.add(misses=1)
             return None
         try:
-            row = unpack_entry(data, block_hash, tokens, self.layout)
+            row = unpack_entry(data, block_hash, tokens, self.layout, self.seal)
+        except RefusedEntry as e:
+            tier.stats.add(refused=1)
+            if not e.keep:
+                tier.delete(key)
+            self._warn_once(tier, "refused", f"refused an entry {key} ({e}){'' if e.keep else ', deleted it'}")
+            return None
         except CorruptEntry as e:
             tier.stats.add(corrupt=1, errors=1)
             tier.delete(key)
-            if tier.name not in self._warned:
-                self._warned.add(tier.name)
-                log.warning("%s tier: dropped a corrupt entry %s (%s); counting further ones quietly",
-                            tier.name, key, e)
+            self._warn_once(tier, "corrupt", f"dropped a corrupt entry {key} ({e})")
             return None
         tier.stats.add(hits=1, bytes_read=len(data))
         return row
+
+    def _warn_once(self, tier, kind: str, message: str) -> None:
+        if (tier.name, kind) not in self._warned:
+            self._warned.add((tier.name, kind))
+            log.warning("%s tier: %s; counting further ones quietly (%s)", tier.name, message, kind)
 
     def metrics(self) -> dict[str, dict]:
         """Counters per tier, plus bytes held where the tier knows, its write policy and queued blocks."""
@@ -692,12 +842,26 @@ class TierBridge(BlockPoolListener):
                          "pending_writes": pending.get(id(t), 0)} for t in self.tiers}
 
 
-def _atomic_write(target: Path, data: bytes) -> None:
+def _atomic_write(target: Path, data: bytes, sync: bool = False) -> None:
+    """Write `target` through a temporary file renamed into place; `sync`: fsync the file first
+    (the caller fsyncs the directory, once for many files)."""
     tmp = target.with_name(f".{target.name}.{os.getpid()}.{time.monotonic_ns()}.tmp")
     try:
         with open(tmp, "wb") as f:
             f.write(data)
+            if sync:
+                f.flush()
+                os.fsync(f.fileno())
         os.replace(tmp, target)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
+
+
+def _fsync_dir(folder: Path) -> None:
+    """fsync a directory, so the renames into it survive a power loss."""
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

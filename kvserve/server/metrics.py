@@ -76,6 +76,10 @@ COUNTERS = [
     ("kv_pins_refused", "KV block pins refused because the pin share was full.", "kv_pins_refused"),
     ("kv_pins_expired", "KV block pins that reached their ttl.", "kv_pins_expired"),
     ("kv_pins_evicted", "Pinned free KV blocks reused because no unpinned block was free.", "kv_pins_evicted"),
+    ("kv_poisoned_blocks_evicted", "Device KV blocks evicted from the prefix cache because a request that read or "
+     "wrote them got NaN or infinite logits.", "kv_poisoned_blocks_evicted"),
+    ("kv_poisoned_prefix_failures", "Requests failed with NaN or infinite logits after reading a cached prefix "
+     "(the prefix is evicted).", "kv_poisoned_prefix_failures"),
 ]
 
 TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
@@ -136,6 +140,11 @@ TIER_COUNTERS = [
     ("kv_tier_written_bytes", "Bytes written to a KV tier.", "bytes_written"),
     ("kv_tier_errors", "I/O, connection and corrupt-entry errors of a KV tier.", "errors"),
     ("kv_tier_corrupt_entries", "Entries of a KV tier that failed verification and were dropped.", "corrupt"),
+    ("kv_tier_refused_entries", "Entries of a KV tier whose seal this engine does not accept (unsigned, or "
+     "signed under another tier key); never served.", "refused"),
+    ("kv_tier_poisoned_entries", "Entries deleted from a KV tier because a request failed on their block.",
+     "poisoned"),
+    ("kv_tier_write_errors", "Entries a KV tier could not store (I/O errors).", "write_errors"),
     ("kv_tier_written_entries", "Blocks written to a KV tier.", "entries_written"),
     ("kv_tier_write_drops", "Blocks a KV tier's full write-through queue dropped.", "write_drops"),
     ("kv_tier_flush_seconds", "Seconds spent waiting for a KV tier's pending write-through writes.",
