@@ -24,8 +24,8 @@ def engine_options(config: EngineConfig) -> EngineConfig:
     check_tiers(config.tier_specs(), config.kv_tiers)
     if config.kv_policy is not None:
         parse_policy(config.kv_policy)
-    check_endpoint("kv_events", config.kv_events)
-    check_endpoint("kv_events_replay", config.kv_events_replay)
+    check_endpoint("kv_events", config.kv_events, config.kv_events_allow_remote)
+    check_endpoint("kv_events_replay", config.kv_events_replay, config.kv_events_allow_remote)
     digest_fn(config.prefix_caching_hash_algo)  # names the choices, or says to pip install xxhash
     return dataclasses.replace(config, **dataclasses.asdict(fmt),
                                kv_cache_memory=config.kv_cache_memory_bytes(),
