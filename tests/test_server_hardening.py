@@ -105,6 +105,27 @@ def test_the_allow_special_tokens_flag_reaches_the_app():
     assert not build_parser().parse_args(["serve"]).allow_special_tokens_in_content
 
 
+def test_the_limit_flags_reach_the_app_and_bad_ones_are_refused(monkeypatch):
+    from kvserve.cli import build_parser
+    from kvserve.server.cli import admin_key_of, check_limits
+    from kvserve.server.connections import raise_open_files_limit
+    args = build_parser().parse_args(["serve", "--admin-api-key", "adm", "--max-request-tokens", "0",
+                                      "--max-running-per-key", "3", "--request-header-timeout", "1.5"])
+    assert (admin_key_of(args), args.max_request_tokens, args.max_running_per_key) == ("adm", 0, 3)
+    assert (args.request_header_timeout, args.request_body_timeout, args.max_concurrent_requests) == (1.5, 30.0, 1024)
+    monkeypatch.setenv("KVSERVE_ADMIN_API_KEY", "env-adm")
+    assert admin_key_of(build_parser().parse_args(["serve"])) == "env-adm"
+    check_limits(args)
+    with pytest.raises(ValueError, match="--max-running-per-key must be >= 0"):
+        check_limits(build_parser().parse_args(["serve", "--max-running-per-key", "-1"]))
+    with pytest.raises(ValueError, match="--request-body-timeout must be > 0"):
+        check_limits(build_parser().parse_args(["serve", "--request-body-timeout", "0"]))
+    import resource
+    raise_open_files_limit()
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    assert soft == hard or hard == resource.RLIM_INFINITY
+
+
 def test_tokenizing_never_runs_on_the_engine_thread(llm, monkeypatch):
     tok = llm.engine.tokenizer
     threads = []
