@@ -167,6 +167,10 @@ class EngineConfig:
     kv_events_replay: str | None = opt(None, "ZeroMQ ROUTER endpoint that replays buffered event batches from a "
                                        "sequence number, e.g. tcp://127.0.0.1:5558", group="KV events",
                                        metavar="ENDPOINT")
+    kv_events_allow_remote: bool = opt(False, "let --kv-events / --kv-events-replay bind an address other "
+                                       "machines reach (tcp://*, a LAN address): events carry every "
+                                       "tenant's prompt token ids and the sockets have no authentication",
+                                       group="KV events")
     speculative_config: dict | str | None = opt(
         None, "speculative decoding, vLLM's JSON: '{\"method\": \"ngram\", \"num_speculative_tokens\": 4}' "
         "(methods ngram, suffix, draft_model; docs/SPECULATIVE.md)", type=str, metavar="JSON")

@@ -288,3 +288,32 @@ def test_cache_isolation_flags(monkeypatch):
     monkeypatch.setenv("KVSERVE_API_KEY", "env-key")
     assert api_keys_of(lonely) == ["env-key"]
     assert tenant_salt("sk-a") != tenant_salt("sk-b") and "sk-a" not in tenant_salt("sk-a")
+
+
+def test_metrics_and_the_kv_state_need_the_admin_key_and_tenants_get_403(llm):
+    def get(url: str, path: str, key: str | None) -> httpx.Response:
+        return httpx.get(f"{url}{path}", headers={"Authorization": f"Bearer {key}"} if key else {}, timeout=30)
+
+    app = build_app(llm.engine, served_model_name="m", api_key=["key-a", "key-b"], admin_api_key="adm",
+                    cache_isolation="api-key")
+    with serving(app) as url:
+        for path in ("/metrics", "/v1/kv/state"):
+            assert get(url, path, None).status_code == 401
+            r = get(url, path, "key-a")
+            err = r.json()["error"]
+            assert r.status_code == 403 and err["code"] == "admin_key_required" and "--admin-api-key" in err["message"]
+            assert get(url, path, "adm").status_code == 200
+        with httpx.stream("GET", f"{url}/v1/kv/stream", headers={"Authorization": "Bearer key-b"}) as r:
+            assert r.status_code == 403
+        with httpx.stream("GET", f"{url}/v1/kv/stream", headers={"Authorization": "Bearer adm"}) as r:
+            assert r.status_code == 200 and next(r.iter_lines()).startswith("data: {")
+        assert get(url, "/v1/models", "key-a").status_code == get(url, "/v1/models", "adm").status_code == 200
+        assert get(url, "/dashboard", None).status_code == 200          # the page itself holds no data
+    app = build_app(llm.engine, api_key=["key-a", "key-b"], cache_isolation="api-key")   # no admin key
+    with serving(app) as url:
+        r = get(url, "/metrics", "key-a")
+        assert r.status_code == 403 and "start the server with --admin-api-key" in r.json()["error"]["message"]
+    with serving(build_app(llm.engine, api_key=["key-a", "key-b"])) as url:          # salt: one operator
+        assert get(url, "/metrics", "key-a").status_code == 200
+    with pytest.raises(ValueError, match="must differ from every --api-key"):
+        build_app(llm.engine, api_key=["key-a"], admin_api_key="key-a")

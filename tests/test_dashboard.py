@@ -1,5 +1,6 @@
 """The dashboard page in a real headless browser (Debian's chromium through selenium) against an
-in-process server on the session model: the key, the block map, live updates, replay, no console errors.
+in-process server on the session model: the key (typed into the page's form, never taken from its
+address), the block map, live updates, replay, no console errors.
 
 KVSERVE_UPDATE_SCREENSHOT=1 also writes the screenshot taken under load to docs/dashboard.png.
 """
@@ -71,11 +72,17 @@ def errors(driver) -> list[dict]:
 
 
 def test_the_page_shows_the_pool_live_with_the_key(served, browser, tmp_path):
-    browser.get(f"{served.url}/dashboard?key={KEY}")
+    browser.get(f"{served.url}/dashboard?key={KEY}")         # an old bookmark: the key in the address
+    login = browser.find_element("id", "login")
+    wait_for(login.is_displayed, what="the key form")
+    assert "key=" not in browser.current_url                 # dropped from the address bar, and not used
+    assert "not used" in browser.find_element("id", "login-error").text
+    assert browser.execute_script("return sessionStorage.getItem('kvserve.apiKey')") is None
+    browser.find_element("id", "login-key").send_keys(KEY + "\n")
     total = len(state(served.url)["pool"]["state"])
     wait_for(lambda: len(map_classes(browser)) == total, what="one cell per block")
-    assert "key=" not in browser.current_url
     assert browser.execute_script("return sessionStorage.getItem('kvserve.apiKey')") == KEY
+    browser.get_log("browser")  # the 401 before the key was given is expected
     wait_for(lambda: "live" in browser.find_element("id", "status").text, what="the live stream")
     before = map_classes(browser)
     threads = start_load(served.url, [PREFIX + f"Dashboard {i}:" for i in range(3)], 80, n=2)   # long enough for several snapshots

@@ -181,6 +181,18 @@ def test_bad_endpoints_fail_at_start_up_with_a_clear_error():
     assert EngineConfig().kv_events is None  # off by default
 
 
+def test_events_bind_only_loopback_unless_allowed():
+    """Events carry every prompt's token ids and ZeroMQ has no authentication."""
+    for remote in ("tcp://*:5557", "tcp://0.0.0.0:5557", "tcp://10.1.2.3:5557", "tcp://[::]:5557", "tcp://eth0:5557"):
+        with pytest.raises(ValueError, match="--kv-events-allow-remote"):
+            engine_options(EngineConfig(kv_events=remote))
+        engine_options(EngineConfig(kv_events=remote, kv_events_allow_remote=True))
+    with pytest.raises(ValueError, match="kv_events_replay: 'tcp://\\*:5558' can be reached"):
+        engine_options(EngineConfig(kv_events="tcp://127.0.0.1:5557", kv_events_replay="tcp://*:5558"))
+    for local in ("tcp://127.0.0.1:5557", "tcp://localhost:5557", "tcp://[::1]:5557", "ipc:///tmp/kv-events"):
+        engine_options(EngineConfig(kv_events=local))
+
+
 def test_manager_reports_each_kv_group_under_the_chain_hash():
     """Two KV groups (full + sliding): the same chained hashes, told apart by `group`, stored and removed."""
     from kvserve.kv.events import KVEventQueue

@@ -41,7 +41,7 @@ class Server:
     """A `kvserve serve` subprocess; output goes to a temp file (a full pipe would block it)."""
 
     def __init__(self, *extra: str, api_key: str | None = None, env: dict | None = None,
-                 command: list[str] | None = None):
+                 command: list[str] | None = None, admin_key: str | None = None):
         """`command` runs kvserve (default: this interpreter's `-m kvserve.cli`)."""
         from kvserve.model.loader import resolve_model_path
         resolve_model_path(None)  # fails with the install command if the bundled model is missing
@@ -50,7 +50,7 @@ class Server:
         self.log = tempfile.NamedTemporaryFile("w+", prefix="kvserve-serve-", suffix=".log", delete=False)
         cmd = [*(command or [sys.executable, "-m", "kvserve.cli"]), "serve", "--port", str(self.port),
                "--uvicorn-log-level", "warning", *ENGINE_ARGS, *extra]
-        self.api_key = api_key
+        self.api_key, self.admin_key = api_key, admin_key
         full_env = {**os.environ, "OMP_NUM_THREADS": "1"}
         full_env.pop("KVSERVE_API_KEY", None)
         full_env.update(env or {})
@@ -60,6 +60,10 @@ class Server:
 
     def headers(self) -> dict:
         return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+
+    def admin_headers(self) -> dict:
+        """What /metrics needs: the admin key, else the API key."""
+        return {"Authorization": f"Bearer {self.admin_key}"} if self.admin_key else self.headers()
 
     def _wait_ready(self) -> None:
         deadline = time.monotonic() + STARTUP_TIMEOUT
@@ -95,7 +99,7 @@ class Server:
 
     def metrics(self, headers: dict | None = None) -> dict:
         """{sample name + sorted labels except model_name: value} from /metrics."""
-        r = httpx.get(f"{self.url}/metrics", headers=headers or self.headers(), timeout=10)
+        r = httpx.get(f"{self.url}/metrics", headers=headers or self.admin_headers(), timeout=10)
         assert r.status_code == 200
         out = {}
         for family in text_string_to_metric_families(r.text):
@@ -123,10 +127,11 @@ def engine():
 
 @pytest.fixture(scope="module")
 def limited():
-    """Two API keys (tenants with their own prefix cache), one running sequence at a time and room
-    for one waiting request."""
+    """Two API keys (tenants with their own prefix cache) and an admin key (/metrics), one running
+    sequence at a time and room for one waiting request."""
     srv = Server("--api-key", "sekrit", "--api-key", "other", "--cache-isolation", "api-key",
-                 "--max-num-seqs", "1", "--max-queue", "1", api_key="sekrit")
+                 "--admin-api-key", "adm", "--max-num-seqs", "1", "--max-queue", "1", api_key="sekrit",
+                 admin_key="adm")
     yield srv
     srv.stop()
 

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import re
+import select
 import signal
 import socket
 import threading
@@ -34,16 +36,16 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _config(app):
+def _config(app, **options):
     import uvicorn
-    return uvicorn.Config(app, host="127.0.0.1", port=_free_port(), log_level="warning")
+    return uvicorn.Config(app, **{"host": "127.0.0.1", "port": _free_port(), "log_level": "warning", **options})
 
 
 @contextmanager
-def serving(app):
-    """The app on a loopback port in a background thread; yields its base URL."""
+def serving(app, **options):
+    """The app on a loopback port in a background thread (uvicorn.Config `options`); yields its base URL."""
     import uvicorn
-    config = _config(app)
+    config = _config(app, **options)
     server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
@@ -103,6 +105,27 @@ def test_the_allow_special_tokens_flag_reaches_the_app():
     args = build_parser().parse_args(["serve", "--allow-special-tokens-in-content"])
     assert args.allow_special_tokens_in_content
     assert not build_parser().parse_args(["serve"]).allow_special_tokens_in_content
+
+
+def test_the_limit_flags_reach_the_app_and_bad_ones_are_refused(monkeypatch):
+    from kvserve.cli import build_parser
+    from kvserve.server.cli import admin_key_of, check_limits
+    from kvserve.server.connections import raise_open_files_limit
+    args = build_parser().parse_args(["serve", "--admin-api-key", "adm", "--max-request-tokens", "0",
+                                      "--max-running-per-key", "3", "--request-header-timeout", "1.5"])
+    assert (admin_key_of(args), args.max_request_tokens, args.max_running_per_key) == ("adm", 0, 3)
+    assert (args.request_header_timeout, args.request_body_timeout, args.max_concurrent_requests) == (1.5, 30.0, 1024)
+    monkeypatch.setenv("KVSERVE_ADMIN_API_KEY", "env-adm")
+    assert admin_key_of(build_parser().parse_args(["serve"])) == "env-adm"
+    check_limits(args)
+    with pytest.raises(ValueError, match="--max-running-per-key must be >= 0"):
+        check_limits(build_parser().parse_args(["serve", "--max-running-per-key", "-1"]))
+    with pytest.raises(ValueError, match="--request-body-timeout must be > 0"):
+        check_limits(build_parser().parse_args(["serve", "--request-body-timeout", "0"]))
+    import resource
+    raise_open_files_limit()
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    assert soft == hard or hard == resource.RLIM_INFINITY
 
 
 def test_tokenizing_never_runs_on_the_engine_thread(llm, monkeypatch):
@@ -297,3 +320,174 @@ def test_failures_that_follow_one_poisoned_prefix_are_not_an_engine_fault(tmp_pa
     m = engine.get_metrics()
     assert m["kv_poisoned_prefix_failures"] == 2
     assert all_blocks_free(engine)
+
+
+# ---- one client's share of the server (issue 33) ------------------------------------------------
+
+FLOOD = {"prompt": [[1, 2, 3]] * 200, "n": 128, "max_tokens": 200}   # 25,600 sequences in one request
+STORY = {"prompt": "Once upon a time", "max_tokens": 400, "ignore_eos": True, "stream": True}
+
+
+def _auth(key: str) -> dict:
+    return {"Authorization": f"Bearer {key}"}
+
+
+def _port(url: str) -> int:
+    return int(url.rsplit(":", 1)[1])
+
+
+def _raw_post(url: str, path: str, body: dict, headers: dict | None = None) -> socket.socket:
+    """A request sent on a raw socket, left open (closing the socket is the client going away)."""
+    data = json.dumps(body).encode()
+    head = [f"POST {path} HTTP/1.1", "Host: 127.0.0.1", "Content-Type: application/json",
+            f"Content-Length: {len(data)}", *(f"{k}: {v}" for k, v in (headers or {}).items())]
+    sock = socket.create_connection(("127.0.0.1", _port(url)))
+    sock.sendall(("\r\n".join(head) + "\r\n\r\n").encode() + data)
+    return sock
+
+
+def _read_until(sock: socket.socket, marker: bytes, timeout: float = 30) -> bytes:
+    sock.settimeout(timeout)
+    data = b""
+    while marker not in data:
+        chunk = sock.recv(65536)
+        assert chunk, f"closed before {marker!r}: {data[:300]!r}"
+        data += chunk
+    return data
+
+
+def _read_to_eof(sock: socket.socket, timeout: float) -> bytes:
+    sock.settimeout(timeout)
+    data = b""
+    while chunk := sock.recv(65536):
+        data += chunk
+    return data
+
+
+def _gauge(url: str, name: str, headers: dict | None = None) -> float:
+    text = httpx.get(f"{url}/metrics", headers=headers, timeout=10).text
+    return float(next(line.rsplit(" ", 1)[1] for line in text.splitlines() if line.startswith(f"kvserve:{name}{{")))
+
+
+def _wait_idle(url: str, headers: dict | None = None, within: float = 10) -> None:
+    deadline = time.monotonic() + within
+    while _gauge(url, "num_blocks_free", headers) != _gauge(url, "num_blocks_total", headers) or \
+            _gauge(url, "num_requests_running", headers) or _gauge(url, "num_requests_waiting", headers):
+        assert time.monotonic() < deadline, "blocks not freed"
+        time.sleep(0.05)
+
+
+def _error(r: httpx.Response, status: int) -> dict:
+    assert r.status_code == status, r.text
+    return r.json()["error"]
+
+
+def test_the_flood_request_is_refused_and_a_keys_large_requests_wait_for_its_share(llm):
+    app = build_app(llm.engine, api_key=["flood", "other"], max_queue=8, max_request_tokens=4000,
+                    max_running_per_key=2)
+    shares = app.state.kvserve.shares
+    with serving(app) as url:
+        post = lambda path, body, key="flood": httpx.post(f"{url}{path}", json=body, headers=_auth(key), timeout=60)  # noqa: E731
+        err = _error(post("/v1/completions", FLOOD), 400)
+        assert "25600 sequences" in err["message"] and "--max-queue 8" in err["message"] and err["param"] == "prompt"
+        err = _error(post("/v1/completions", {"prompt": "Hi", "n": 4, "max_tokens": 1500}), 400)
+        assert err["code"] == "request_tokens_exceeded" and "--max-request-tokens 4000" in err["message"]
+        chat = {"messages": [{"role": "user", "content": "Hi"}], "n": 2}   # no max_tokens: the room left
+        assert _error(post("/v1/chat/completions", chat), 400)["code"] == "request_tokens_exceeded"
+
+        flood = [_raw_post(url, "/v1/completions", {**STORY, "n": 2}, _auth("flood")) for _ in range(3)]
+        try:
+            readable, _, _ = select.select(flood, [], [], 30)
+            assert readable, "no flood request started"
+            _read_until(readable[0], b"data: ")     # one runs: the key's whole share
+            deadline = time.monotonic() + 10
+            while _gauge(url, "num_requests_waiting", _auth("flood")) < 2:   # the others wait in the server
+                assert time.monotonic() < deadline, "the key's further requests never waited"
+                time.sleep(0.05)
+            err = _error(post("/v1/completions", {"prompt": "Hi", "n": 8, "max_tokens": 4}), 429)
+            assert err["code"] == "queue_full" and "--max-running-per-key 2" in err["message"]
+            t0 = time.monotonic()
+            ok = post("/v1/completions", {"prompt": "Hi", "max_tokens": 4}, key="other")
+            assert ok.status_code == 200 and time.monotonic() - t0 < 10, ok.text
+            assert sum(shares.held.values()) == 2 and shares.num_waiting_requests == 2  # still flooding
+        finally:
+            for sock in flood:
+                sock.close()
+        _wait_idle(url, _auth("other"))
+        deadline = time.monotonic() + 5
+        while shares.held or shares.queues:
+            assert time.monotonic() < deadline, (shares.held, shares.queues)
+            time.sleep(0.05)
+    assert all_blocks_free(llm)
+
+
+def test_requests_past_the_concurrency_limit_get_503_and_health_still_answers(llm):
+    with serving(build_app(llm.engine, max_concurrent_requests=1)) as url:
+        running = _raw_post(url, "/v1/completions", STORY)
+        try:
+            _read_until(running, b"data: ")
+            r = _completion(url)
+            err = _error(r, 503)
+            assert err["code"] == "too_many_concurrent_requests" and "--max-concurrent-requests 1" in err["message"]
+            assert r.headers["Retry-After"] == "1"
+            assert httpx.get(f"{url}/health").status_code == 200
+        finally:
+            running.close()
+        deadline = time.monotonic() + 10
+        while _completion(url).status_code == 503:   # the aborted stream leaves the limit
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        _wait_idle(url)
+
+
+@pytest.mark.parametrize("impl", ["auto", "h11"])
+def test_slow_and_silent_connections_are_closed_and_health_keeps_answering(llm, impl):
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    from kvserve.server.connections import read_timeout_protocol
+    protocol = read_timeout_protocol(0.5, 0.5, base=H11Protocol if impl == "h11" else None)
+    with serving(build_app(llm.engine), http=protocol) as url:
+        def connect(data: bytes = b"") -> socket.socket:
+            sock = socket.create_connection(("127.0.0.1", _port(url)))
+            sock.sendall(data)
+            return sock
+        bare = [connect() for _ in range(200)]
+        heads = [connect(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Le") for _ in range(10)]
+        bodies = [connect(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                          b"Content-Length: 100\r\n\r\n{\"prompt\": ") for _ in range(10)]
+        kept = connect(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+        _read_until(kept, b'"ok"')
+        kept.sendall(b"GET /hea")                                   # the next request, dripped
+        t0 = time.monotonic()
+        assert httpx.get(f"{url}/health", timeout=5).status_code == 200   # with all of them open
+        for sock in [*heads, *bodies, kept, *bare]:
+            answer = _read_to_eof(sock, timeout=5)
+            assert b" 408 " in answer and b"request_timeout" in answer, answer[:200]
+            sock.close()
+        assert time.monotonic() - t0 < 3
+        assert httpx.get(f"{url}/health", timeout=5).status_code == 200
+        ok = _completion(url)
+        assert ok.status_code == 200, ok.text
+
+
+def test_a_non_streamed_n_request_whose_client_leaves_logs_nothing_unretrieved(llm, caplog):
+    import gc
+    with serving(build_app(llm.engine)) as url:
+        with pytest.raises(httpx.TimeoutException):
+            httpx.post(f"{url}/v1/completions", json={**STORY, "stream": False, "n": 3, "max_tokens": 1500},
+                       timeout=1.0)
+        _wait_idle(url)
+        gc.collect()
+    gc.collect()
+    assert not [r for r in caplog.records if "never retrieved" in r.getMessage()]
+    assert all_blocks_free(llm)
+
+
+def test_access_log_lines_never_carry_a_key(llm, caplog):
+    caplog.set_level(logging.INFO, logger="uvicorn.access")
+    with serving(build_app(llm.engine, api_key="s3cret"), log_config=None, log_level="info") as url:
+        assert httpx.get(f"{url}/dashboard?key=s3cret&x=1").status_code == 200
+        assert httpx.get(f"{url}/version?api_key=s3cret", headers=_auth("s3cret")).status_code == 200
+    lines = [r.getMessage() for r in caplog.records if r.name == "uvicorn.access"]
+    assert any("/dashboard?key=REDACTED&x=1" in line for line in lines), lines
+    assert any("api_key=REDACTED" in line for line in lines) and not any("s3cret" in line for line in lines)

@@ -201,7 +201,7 @@ class AsyncEngine:
         prompt is tokenized here on the engine thread, where it stalls every running request.
         """
         self._check_accepting()
-        self.check_batch_size(len(prompts))
+        self.check_batch_size(len(prompts), params.n)
         streams = [RequestStream(self, rid) for rid in request_ids]
         for s in streams:
             self._streams[s.request_id] = s
@@ -214,12 +214,15 @@ class AsyncEngine:
             raise
         return streams
 
-    def check_batch_size(self, num_prompts: int) -> None:
-        """ValueError for a batch that could never be queued, however idle the engine."""
-        if self.max_queue is not None and num_prompts > self.max_queue:
-            raise ValueError(f"prompt holds a batch of {num_prompts} prompts, more than can ever wait "
-                             f"at once (--max-queue {self.max_queue}): send at most {self.max_queue} "
-                             "prompts per request")
+    def check_batch_size(self, num_prompts: int, n: int = 1) -> None:
+        """ValueError for a batch whose sequences (prompts x n) could never be queued, however idle
+        the engine; it names `prompt` for a batch, `n` for one prompt."""
+        sequences = num_prompts * n
+        if self.max_queue is None or sequences <= self.max_queue:
+            return
+        shape = f"prompt holds {num_prompts} prompts x n={n}" if num_prompts > 1 else f"n={n}"
+        raise ValueError(f"{shape}: {sequences} sequences, more than can ever wait at once (--max-queue "
+                         f"{self.max_queue}): send at most {self.max_queue} sequences (prompts x n) per request")
 
     async def generate(self, prompt: PromptType, params: SamplingParams,
                        request_id: str) -> AsyncIterator[RequestOutput]:
@@ -323,9 +326,10 @@ class AsyncEngine:
     def _add_now(self, prompts: list, params: SamplingParams, request_ids: list[str]) -> None:
         """Validate every prompt, then add them all (engine thread)."""
         waiting = len(self.engine.scheduler.waiting)
-        if self.max_queue is not None and waiting + len(prompts) > self.max_queue:
-            raise QueueFullError(f"{waiting} requests are already waiting (--max-queue "
-                                 f"{self.max_queue}); retry later", retry_after=1)
+        if self.max_queue is not None and waiting + len(prompts) * params.n > self.max_queue:
+            raise QueueFullError(f"{waiting} requests are already waiting (--max-queue {self.max_queue}) and this "
+                                 f"one adds {len(prompts) * params.n} sequences (prompts x n); retry later",
+                                 retry_after=1)
         for p, rid in zip(prompts, request_ids):
             self.engine.make_request(p, params, rid)
         for p, rid in zip(prompts, request_ids):

@@ -26,8 +26,8 @@ def engine_options(config: EngineConfig) -> EngineConfig:
     tier_key(config)   # a key file that cannot be read, or a short key, fails now
     if config.kv_policy is not None:
         parse_policy(config.kv_policy)
-    check_endpoint("kv_events", config.kv_events)
-    check_endpoint("kv_events_replay", config.kv_events_replay)
+    check_endpoint("kv_events", config.kv_events, config.kv_events_allow_remote)
+    check_endpoint("kv_events_replay", config.kv_events_replay, config.kv_events_allow_remote)
     digest_fn(config.prefix_caching_hash_algo)  # names the choices, or says to pip install xxhash
     checked = dataclasses.replace(config, **dataclasses.asdict(fmt),
                                   kv_cache_memory=config.kv_cache_memory_bytes(),

@@ -21,6 +21,7 @@ pyzmq and msgpack come with the `events` extra and are imported when events are 
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 import queue
 import re
@@ -41,8 +42,9 @@ END_SEQ = (-1).to_bytes(8, "big", signed=True)
 _ENDPOINT = re.compile(r"(tcp://(\*|\[[0-9a-fA-F:.]+\]|[\w.-]+):\d{1,5}|ipc://.+|inproc://.+)")
 
 
-def check_endpoint(name: str, value: str | None) -> None:
-    """ValueError naming option `name` unless `value` is None or a ZeroMQ endpoint to bind."""
+def check_endpoint(name: str, value: str | None, allow_remote: bool = True) -> None:
+    """ValueError naming option `name` unless `value` is None or a ZeroMQ endpoint to bind (one only
+    this machine reaches unless `allow_remote`)."""
     if value is None:
         return
     if not isinstance(value, str) or not _ENDPOINT.fullmatch(value):
@@ -50,6 +52,24 @@ def check_endpoint(name: str, value: str | None) -> None:
                          f"'tcp://*:5557' or 'ipc:///tmp/kv-events', got {value!r}")
     if value.startswith("tcp://") and not 0 < int(value.rsplit(":", 1)[1]) < 65536:
         raise ValueError(f"{name}: the port of {value!r} must be in 1-65535")
+    if not allow_remote and not is_local(value):
+        raise ValueError(f"{name}: {value!r} can be reached from other machines, and KV events carry the "
+                         "token ids of every prompt (every tenant's) with no authentication: bind a loopback "
+                         "address such as 'tcp://127.0.0.1:5557' or an ipc:// path, or pass "
+                         "--kv-events-allow-remote (kv_events_allow_remote=True) on a trusted network")
+
+
+def is_local(endpoint: str) -> bool:
+    """True for an endpoint only this machine reaches: ipc://, inproc://, a loopback tcp:// address."""
+    if not endpoint.startswith("tcp://"):
+        return True
+    host = endpoint[len("tcp://"):].rsplit(":", 1)[0].strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:   # '*', an interface or host name: not known to be loopback
+        return False
 
 
 @dataclass

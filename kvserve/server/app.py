@@ -22,10 +22,11 @@ from dataclasses import dataclass, field
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 import kvserve
 from kvserve.engine.async_engine import (
@@ -39,10 +40,18 @@ from kvserve.engine.async_engine import (
 from kvserve.engine.engine import LLMEngine
 from kvserve.outputs import CompletionOutput, DeltaCollector, RequestOutput
 from kvserve.sampling_params import RequestOutputKind, SamplingParams
-from kvserve.server import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_QUEUE, inputs
+from kvserve.server import (
+    DEFAULT_MAX_BODY_BYTES,
+    DEFAULT_MAX_CONCURRENT_REQUESTS,
+    DEFAULT_MAX_QUEUE,
+    inputs,
+)
 from kvserve.server import protocol as P
+from kvserve.server.connections import redact_access_log
 from kvserve.server.dashboard import add_dashboard_routes, is_public
+from kvserve.server.errors import APIError
 from kvserve.server.kv_state import KVStateTracker, StateHub
+from kvserve.server.limits import ConcurrencyLimit, KeyShares, Lease, check_request_tokens
 from kvserve.server.metrics import ServerMetrics
 from kvserve.server.tools import TOOL_CALL_PARSERS, ToolPlan, ToolStream, check_tools
 
@@ -51,23 +60,6 @@ log = logging.getLogger("kvserve.server")
 DISCONNECT_POLL_SECONDS = 0.25
 CACHE_ISOLATION = ("none", "salt", "api-key")  # docs/SERVING.md "Prefix-cache isolation"
 TENANT_SCOPE_KEY = "kvserve.tenant_salt"       # set by ApiKeyMiddleware: the salt of the key used
-
-
-class APIError(Exception):
-    """An error answered in OpenAI's shape."""
-
-    def __init__(self, status: int, message: str, type: str = "invalid_request_error",
-                 param: str | None = None, code: str | int | None = None,
-                 headers: dict[str, str] | None = None):
-        super().__init__(message)
-        self.status, self.message, self.type = status, message, type
-        self.param, self.code, self.headers = param, code, headers
-
-    def response(self) -> JSONResponse:
-        """The JSON error response."""
-        body = P.ErrorResponse(error=P.ErrorInfo(message=self.message, type=self.type,
-                                                 param=self.param, code=self.code))
-        return JSONResponse(body.model_dump(), status_code=self.status, headers=self.headers)
 
 
 _PARAMS = set(P.CompletionRequest.model_fields) | set(P.ChatCompletionRequest.model_fields)
@@ -101,6 +93,8 @@ class ServerState:
     cache_isolation: str = "salt"
     tool_call_parser: str | None = None   # --tool-call-parser: how tool_choice 'auto' output is read
     auto_tool_choice: bool = False        # --enable-auto-tool-choice
+    max_request_tokens: int | None = None  # prompts x n x max_tokens of one request (None: no limit)
+    shares: KeyShares = field(default_factory=lambda: KeyShares(None, None))  # each key's share of the engine
 
     async def tokenize(self, fn, *args):
         """fn(*args) on the tokenize thread."""
@@ -121,31 +115,68 @@ def tenant_salt(api_key: str) -> str:
     return "tenant:" + hashlib.sha256(b"kvserve cache tenant\0" + api_key.encode()).hexdigest()
 
 
-class ApiKeyMiddleware:
-    """Answer 401 on every route but /health without `Authorization: Bearer <key>` for one of the keys;
-    a request that passes carries its key's tenant salt in scope[TENANT_SCOPE_KEY]."""
+OPERATOR_ROUTES = ("/metrics", "/v1/kv/state", "/v1/kv/stream")  # every tenant's requests show there
 
-    def __init__(self, app, api_keys: list[str]):
+
+class ApiKeyMiddleware:
+    """Who may call what. Tenant keys (`--api-key`) open the API; the operator routes (/metrics and
+    the KV state, which show every tenant's requests) need the admin key when there is one, and are
+    closed to tenant keys under api-key isolation without one; /health and the dashboard page's files
+    are open. A request that passes with a key carries that key's tenant salt in
+    scope[TENANT_SCOPE_KEY] (its identity for cache isolation and the key's share of the engine)."""
+
+    def __init__(self, app, api_keys: list[str], admin_key: str | None = None, cache_isolation: str = "salt"):
         self.app = app
-        self.keys = [(k.encode(), tenant_salt(k)) for k in api_keys]
+        self.keys = [(k.encode(), tenant_salt(k), False) for k in api_keys]
+        if admin_key:
+            self.keys.append((admin_key.encode(), tenant_salt(admin_key), True))
+        self.has_admin = bool(admin_key)
+        self.has_tenants = bool(api_keys)
+        self.isolated = cache_isolation == "api-key"
 
     async def __call__(self, scope, receive, send):
         path = scope.get("path", "")
-        if not self.keys or scope["type"] != "http" or path == "/health" or is_public(path):
+        if scope["type"] != "http" or path == "/health" or is_public(path):
             return await self.app(scope, receive, send)
-        scheme, _, token = dict(scope["headers"]).get(b"authorization", b"").partition(b" ")
-        token = token.strip()
-        salt = None
-        for key, key_salt in self.keys:  # every key is compared, so timing does not tell which matched
-            if hmac.compare_digest(token, key) and scheme.lower() == b"bearer":
-                salt = key_salt
+        salt, admin = self._match(scope)
+        err = self._operator_error(salt, admin) if path in OPERATOR_ROUTES else self._tenant_error(salt)
+        if err is not None:
+            return await err.response()(scope, receive, send)
         if salt is not None:
             scope[TENANT_SCOPE_KEY] = salt
-            return await self.app(scope, receive, send)
-        err = APIError(401, "invalid or missing API key: send 'Authorization: Bearer <key>'",
-                       type="authentication_error", code="invalid_api_key",
-                       headers={"WWW-Authenticate": "Bearer"})
-        await err.response()(scope, receive, send)
+        await self.app(scope, receive, send)
+
+    def _match(self, scope) -> tuple[str | None, bool]:
+        """(tenant salt, is the admin key) of the request's bearer token; (None, False) for none."""
+        scheme, _, token = dict(scope["headers"]).get(b"authorization", b"").partition(b" ")
+        token = token.strip()
+        found: tuple[str | None, bool] = (None, False)
+        for key, salt, admin in self.keys:  # every key is compared, so timing does not tell which matched
+            if hmac.compare_digest(token, key) and scheme.lower() == b"bearer":
+                found = (salt, admin)
+        return found
+
+    def _tenant_error(self, salt: str | None) -> APIError | None:
+        if salt is None and self.has_tenants:
+            return APIError(401, "invalid or missing API key: send 'Authorization: Bearer <key>'",
+                            type="authentication_error", code="invalid_api_key",
+                            headers={"WWW-Authenticate": "Bearer"})
+        return None
+
+    def _operator_error(self, salt: str | None, admin: bool) -> APIError | None:
+        if admin:
+            return None
+        if not self.has_admin and not self.isolated:
+            return self._tenant_error(salt)
+        if salt is None and (self.has_admin or self.has_tenants):
+            return APIError(401, "this route needs the admin key (--admin-api-key): send 'Authorization: "
+                                 "Bearer <admin key>'", type="authentication_error", code="invalid_api_key",
+                            headers={"WWW-Authenticate": "Bearer"})
+        why = ("it needs the admin key (--admin-api-key)" if self.has_admin else
+               "tenants are kept apart (--cache-isolation api-key): start the server with --admin-api-key "
+               "and use that key")
+        return APIError(403, f"this route shows every tenant's requests, so a tenant key cannot open it: {why}",
+                        type="permission_error", code="admin_key_required")
 
 
 def build_app(engine: LLMEngine, *, served_model_name: str | None = None,
@@ -153,7 +184,9 @@ def build_app(engine: LLMEngine, *, served_model_name: str | None = None,
               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
               allow_special_tokens_in_content: bool = False, cache_isolation: str = "salt",
               record: str | None = None, tool_call_parser: str | None = None,
-              enable_auto_tool_choice: bool = False) -> FastAPI:
+              enable_auto_tool_choice: bool = False, admin_api_key: str | None = None,
+              max_request_tokens: int | None = None, max_running_per_key: int | None = None,
+              max_concurrent_requests: int = DEFAULT_MAX_CONCURRENT_REQUESTS) -> FastAPI:
     """A FastAPI app serving `engine`; the engine thread starts and stops with the app.
 
     `api_key`: one key or several (each a tenant under cache_isolation='api-key').
@@ -163,9 +196,15 @@ def build_app(engine: LLMEngine, *, served_model_name: str | None = None,
     `record`: append every KV state snapshot to this JSON-lines file (the dashboard replays it).
     `tool_call_parser` (hermes | json) and `enable_auto_tool_choice`: tool_choice 'auto' reads the
     model's calls out of its output with that parser (server/tools.py).
+    `admin_api_key`: the key /metrics and the KV state routes need (ApiKeyMiddleware).
+    Limits (server/limits.py; None: the default, 0: none): `max_request_tokens` (default
+    max_model_len x max_num_seqs), `max_running_per_key` (default max_num_seqs),
+    `max_concurrent_requests`.
     """
     api_keys = [api_key] if isinstance(api_key, str) else [k for k in api_key or [] if k]
     check_cache_isolation(cache_isolation, api_keys)
+    check_admin_key(admin_api_key, api_keys)
+    redact_access_log()
     name = served_model_name or engine.model_config.name
     metrics = ServerMetrics(name, engine.max_model_len)
     tracker = KVStateTracker(engine, name)
@@ -176,7 +215,9 @@ def build_app(engine: LLMEngine, *, served_model_name: str | None = None,
         raise ValueError(f"tool_call_parser must be one of {list(TOOL_CALL_PARSERS)}, got {tool_call_parser!r}")
     state = ServerState(engine, aengine, metrics, name, max_body_bytes, allow_special_tokens_in_content,
                         cache_isolation=cache_isolation, tool_call_parser=tool_call_parser,
-                        auto_tool_choice=enable_auto_tool_choice)
+                        auto_tool_choice=enable_auto_tool_choice,
+                        max_request_tokens=_limit(max_request_tokens, engine.max_model_len * engine.config.max_num_seqs),
+                        shares=KeyShares(_limit(max_running_per_key, engine.config.max_num_seqs), max_queue))
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -192,14 +233,33 @@ def build_app(engine: LLMEngine, *, served_model_name: str | None = None,
     app = FastAPI(title="kvserve", version=kvserve.__version__, lifespan=lifespan,
                   docs_url=None, redoc_url=None, openapi_url=None)
     app.state.kvserve = state
-    app.add_middleware(ApiKeyMiddleware, api_keys=api_keys)
+    app.add_middleware(ApiKeyMiddleware, api_keys=api_keys, admin_key=admin_api_key, cache_isolation=cache_isolation)
     _add_error_handlers(app)
     _add_info_routes(app, state)
     _add_generation_routes(app, state)
     _add_token_routes(app, state)
     add_dashboard_routes(app, hub)
+    app.add_middleware(ConcurrencyLimit, limit=max_concurrent_requests or None)
     app.add_middleware(RequestIdMiddleware)
     return app
+
+
+def _limit(value: int | None, default: int) -> int | None:
+    """A limit option: None gives `default`, 0 turns it off."""
+    if value is not None and value < 0:
+        raise ValueError(f"a limit must be >= 0 (0: none), got {value}")
+    return default if value is None else value or None
+
+
+def check_admin_key(admin_key: str | None, api_keys: list[str]) -> None:
+    """ValueError for an empty admin key or one that is also a tenant key."""
+    if admin_key is None:
+        return
+    if not admin_key:
+        raise ValueError("--admin-api-key must not be empty: give the key, e.g. --admin-api-key sk-admin")
+    if admin_key in api_keys:
+        raise ValueError("--admin-api-key must differ from every --api-key: a tenant holding it would see "
+                         "every tenant's requests")
 
 
 class RequestIdMiddleware:
@@ -290,11 +350,15 @@ async def read_json(request: Request, max_bytes: int):
         raise APIError(413, f"request body is {length} bytes; the limit is {max_bytes} (--max-body-bytes)",
                        code="request_too_large")
     body = bytearray()
-    async for chunk in request.stream():
-        body += chunk
-        if len(body) > max_bytes:
-            raise APIError(413, f"request body exceeds {max_bytes} bytes (--max-body-bytes)",
-                           code="request_too_large")
+    try:
+        async for chunk in request.stream():
+            body += chunk
+            if len(body) > max_bytes:
+                raise APIError(413, f"request body exceeds {max_bytes} bytes (--max-body-bytes)",
+                               code="request_too_large")
+    except ClientDisconnect:  # gone, or closed by the body read deadline: no one reads the answer
+        raise APIError(400, "the client closed the connection before its body arrived",
+                       code="client_closed_request") from None
     try:
         return json.loads(body, parse_constant=_reject_constant)
     except (ValueError, UnicodeDecodeError) as exc:
@@ -328,11 +392,33 @@ def check_model(state: ServerState, model: str | None) -> None:
                        param="model", code="model_not_found")
 
 
-async def add_requests(state: ServerState, prompts: list, params: SamplingParams,
-                       request_ids: list[str]) -> list[RequestStream]:
-    """Queue requests on the engine, turning its refusals into HTTP errors."""
+@dataclass
+class Admitted:
+    """A request's streams in the engine and its place in its key's share (given back by `close`)."""
+
+    streams: list[RequestStream]
+    lease: Lease
+
+    def close(self) -> None:
+        for s in self.streams:
+            s.close()   # aborts requests still running: the client went away
+        self.lease.release()
+
+
+async def add_requests(state: ServerState, request: Request, prompts: list[dict], params: SamplingParams,
+                       request_ids: list[str]) -> Admitted:
+    """Queue tokenized requests on the engine once they fit the request token limit and their key's
+    share, turning refusals into HTTP errors."""
+    check_request_tokens([len(p["prompt_token_ids"]) for p in prompts], params, state.engine.max_model_len,
+                         state.max_request_tokens)
+    key = request.scope.get(TENANT_SCOPE_KEY)
     try:
-        return await state.async_engine.add_batch(prompts, params, request_ids)
+        lease = await _unless_disconnected(request, state.shares.acquire(key, len(prompts), params.n))
+        try:
+            streams = await state.async_engine.add_batch(prompts, params, request_ids)
+        except BaseException:
+            lease.release()
+            raise
     except ValueError as exc:
         raise bad_request(exc) from None
     except QueueFullError as exc:
@@ -340,6 +426,29 @@ async def add_requests(state: ServerState, prompts: list, params: SamplingParams
                        headers={"Retry-After": str(exc.retry_after)}) from None
     except (EngineDrainingError, EngineDeadError) as exc:
         raise APIError(503, str(exc), type="service_unavailable", code="unavailable") from None
+    return Admitted(streams, lease)
+
+
+async def _unless_disconnected(request: Request, awaitable):
+    """The result of `awaitable`; a 499 (and `awaitable` cancelled) if the client goes away first."""
+    task = asyncio.ensure_future(awaitable)
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_SECONDS)
+            if done:
+                return task.result()
+            if await request.is_disconnected():
+                raise APIError(499, "client disconnected", code="client_closed_request")
+    finally:
+        if not task.done():
+            task.cancel()
+            task.add_done_callback(_retrieve)
+
+
+def _retrieve(future: asyncio.Future) -> None:
+    """Mark a cancelled future's outcome as seen (asyncio logs '... exception was never retrieved')."""
+    if not future.cancelled():
+        future.exception()
 
 
 # ---- routes ---------------------------------------------------------------------------
@@ -373,6 +482,8 @@ def _add_info_routes(app: FastAPI, state: ServerState) -> None:
             snapshot = await aengine.get_metrics()
         except EngineDeadError:
             snapshot = {}
+        if "num_requests_waiting" in snapshot:  # waiting for a slot: in the engine's queue or for their key's share
+            snapshot["num_requests_waiting"] += state.shares.num_waiting_requests
         return Response(state.metrics.render(snapshot), media_type=CONTENT_TYPE_LATEST)
 
 
@@ -391,18 +502,18 @@ def _add_generation_routes(app: FastAPI, state: ServerState) -> None:
         req = await _body(state, request, P.CompletionRequest)
         try:
             params, prompts = isolate(state, request, req.sampling_params()), req.prompts()
-            state.async_engine.check_batch_size(len(prompts))
+            state.async_engine.check_batch_size(len(prompts), params.n)
             prompts = await state.tokenize(_completion_prompts, state, prompts)
             await state.tokenize(state.engine.structured.precompile, params.structured_outputs)
         except ValueError as exc:
             raise bad_request(exc) from None
         rid = P.random_id("cmpl")
         params = output_kind(params)
-        streams = await add_requests(state, prompts, params, [f"{rid}-{i}" for i in range(len(prompts))])
+        admitted = await add_requests(state, request, prompts, params, [f"{rid}-{i}" for i in range(len(prompts))])
         if req.stream:
-            return EventStreamResponse(_events(CompletionChunks(state, params, rid, req.echo), streams,
-                                               req.include_usage), streams)
-        finals = await _collect(request, streams)
+            return EventStreamResponse(_events(CompletionChunks(state, params, rid, req.echo), admitted.streams,
+                                               req.include_usage), admitted)
+        finals = await _collect(request, admitted)
         return _completion_response(state, params, rid, finals, req.echo).model_dump()
 
     @app.post("/v1/chat/completions")
@@ -411,6 +522,7 @@ def _add_generation_routes(app: FastAPI, state: ServerState) -> None:
         try:
             plan = req.tool_plan(state.tool_call_parser, state.auto_tool_choice)
             conversation, params = req.conversation(), isolate(state, request, req.sampling_params(plan))
+            state.async_engine.check_batch_size(1, params.n)
             prompt = await state.tokenize(
                 inputs.chat_token_ids, state.engine.tokenizer, conversation, req.add_generation_prompt,
                 state.byte_limit, state.engine.max_model_len, state.special_in_content, plan.offered)
@@ -419,11 +531,11 @@ def _add_generation_routes(app: FastAPI, state: ServerState) -> None:
             raise bad_request(exc) from None
         rid = P.random_id("chatcmpl")
         params = output_kind(params)
-        streams = await add_requests(state, [prompt], params, [rid])
+        admitted = await add_requests(state, request, [prompt], params, [rid])
         if req.stream:
-            return EventStreamResponse(_events(ChatChunks(state, params, rid, plan), streams, req.include_usage),
-                                       streams)
-        final = (await _collect(request, streams))[0]
+            return EventStreamResponse(_events(ChatChunks(state, params, rid, plan), admitted.streams,
+                                               req.include_usage), admitted)
+        final = (await _collect(request, admitted))[0]
         return _chat_response(state, params, rid, final, plan).model_dump()
 
 
@@ -474,7 +586,7 @@ def _completion_prompts(state: ServerState, prompts: list) -> list[dict]:
 # ---- non-streamed responses -----------------------------------------------------------
 
 
-async def _collect(request: Request, streams: list[RequestStream]) -> list[RequestOutput]:
+async def _collect(request: Request, admitted: Admitted) -> list[RequestOutput]:
     """Wait for every stream's final output; abort them all if the client goes away."""
     async def last(stream: RequestStream) -> RequestOutput:
         collected = DeltaCollector()
@@ -482,19 +594,10 @@ async def _collect(request: Request, streams: list[RequestStream]) -> list[Reque
             collected.add(out)
         return collected.result()
 
-    task = asyncio.ensure_future(asyncio.gather(*(last(s) for s in streams)))
     try:
-        while True:
-            done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_SECONDS)
-            if done:
-                return task.result()
-            if await request.is_disconnected():
-                raise APIError(499, "client disconnected", code="client_closed_request")
+        return await _unless_disconnected(request, asyncio.gather(*(last(s) for s in admitted.streams)))
     finally:
-        if not task.done():
-            task.cancel()
-        for s in streams:
-            s.close()
+        admitted.close()
 
 
 def _usage(outputs: list[RequestOutput], streamed: list[StreamedChoice] | None = None) -> P.UsageInfo:
@@ -609,17 +712,16 @@ class StreamedChoice:
 class EventStreamResponse(StreamingResponse):
     """Server-sent events; however the response ends (done, client gone), its requests end too."""
 
-    def __init__(self, events: AsyncIterator[str], streams: list[RequestStream]):
+    def __init__(self, events: AsyncIterator[str], admitted: Admitted):
         super().__init__(events, media_type="text/event-stream",
                          headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        self.streams = streams
+        self.admitted = admitted
 
     async def __call__(self, scope, receive, send) -> None:
         try:
             await super().__call__(scope, receive, send)
         finally:
-            for s in self.streams:
-                s.close()  # aborts requests still running: the client disconnected
+            self.admitted.close()
 
 
 def _event(model: BaseModel | dict) -> str:

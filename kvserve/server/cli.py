@@ -11,7 +11,13 @@ import logging
 import os
 import signal
 
-from kvserve.server import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_QUEUE
+from kvserve.server import (
+    DEFAULT_BODY_TIMEOUT,
+    DEFAULT_HEADER_TIMEOUT,
+    DEFAULT_MAX_BODY_BYTES,
+    DEFAULT_MAX_CONCURRENT_REQUESTS,
+    DEFAULT_MAX_QUEUE,
+)
 
 log = logging.getLogger("kvserve.server")
 
@@ -36,6 +42,11 @@ def register(subparsers) -> None:
     p.add_argument("--api-key", action="append", default=None, metavar="KEY",
                    help="require 'Authorization: Bearer KEY' on every route but /health; repeat for "
                         "several keys (tenants) (default: $KVSERVE_API_KEY, else no key)")
+    p.add_argument("--admin-api-key", default=None, metavar="KEY",
+                   help="the key /metrics, /v1/kv/state, /v1/kv/stream and the dashboard's data need; tenant "
+                        "keys get 403 there (default: $KVSERVE_ADMIN_API_KEY, else none: under "
+                        "--cache-isolation api-key those routes are then closed to tenant keys, otherwise "
+                        "any --api-key opens them)")
     p.add_argument("--cache-isolation", default="salt", choices=["none", "salt", "api-key"],
                    help="who may share prefix-cache blocks: salt (default) = requests with the same "
                         "cache_salt (none given: all such requests); api-key = only requests made with the "
@@ -50,6 +61,23 @@ def register(subparsers) -> None:
                         "(a batch of more prompts than this gets 400)")
     p.add_argument("--max-body-bytes", type=byte_size, default=DEFAULT_MAX_BODY_BYTES,
                    help="largest request body accepted (413 beyond), e.g. 2MiB")
+    p.add_argument("--max-request-tokens", type=int, default=None, metavar="N",
+                   help="most tokens one request may ask to generate, prompts x n x max_tokens (no max_tokens: "
+                        "the room left in the context); 400 beyond (default: max_model_len x max_num_seqs, "
+                        "0: no limit)")
+    p.add_argument("--max-running-per-key", type=int, default=None, metavar="N",
+                   help="most sequences (prompts x n) one API key has in the engine, running or queued there; "
+                        "its further requests wait their turn in the server, up to --max-queue sequences, "
+                        "then 429 (default: --max-num-seqs, 0: no limit; needs --api-key)")
+    p.add_argument("--max-concurrent-requests", type=int, default=DEFAULT_MAX_CONCURRENT_REQUESTS, metavar="N",
+                   help="HTTP requests in flight before new ones get 503 with Retry-After; /health is never "
+                        "refused (0: no limit)")
+    p.add_argument("--request-header-timeout", type=float, default=DEFAULT_HEADER_TIMEOUT, metavar="SECONDS",
+                   help="a request's line and headers must arrive within this long of the connection opening "
+                        "(or of the previous response on a keep-alive connection); 408 and close otherwise")
+    p.add_argument("--request-body-timeout", type=float, default=DEFAULT_BODY_TIMEOUT, metavar="SECONDS",
+                   help="a request's whole body must arrive within this long of its headers; 408 and close "
+                        "otherwise")
     p.add_argument("--tool-call-parser", default=None, choices=["hermes", "json"],
                    help="how tool_choice 'auto' reads the model's calls: hermes (<tool_call>{...}</tool_call> "
                         "blocks) or json (the whole reply is a call object or an array of them)")
@@ -88,7 +116,12 @@ def cmd_serve(args) -> int:
     from kvserve.engine.options import engine_options
     from kvserve.engine_args import engine_kwargs, make_llm
     from kvserve.model.loader import resolve_model_path
-    from kvserve.server.app import build_app, check_cache_isolation
+    from kvserve.server.app import build_app, check_admin_key, check_cache_isolation
+    from kvserve.server.connections import (
+        raise_open_files_limit,
+        read_timeout_protocol,
+        redact_access_log,
+    )
     from kvserve.server.loading import LoadingApp
     from kvserve.startup import phase, seconds_since_launch
 
@@ -98,8 +131,10 @@ def cmd_serve(args) -> int:
         raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (hermes | json)")
     if args.max_body_bytes < 1:
         raise ValueError(f"--max-body-bytes must be >= 1, got {args.max_body_bytes}")
-    api_keys = api_keys_of(args)
+    check_limits(args)
+    api_keys, admin_key = api_keys_of(args), admin_key_of(args)
     check_cache_isolation(args.cache_isolation, api_keys)
+    check_admin_key(admin_key, api_keys)
     if args.replicas is not None:
         from kvserve.server.replicas import serve_replicas
         return serve_replicas(args, api_keys)
@@ -114,21 +149,46 @@ def cmd_serve(args) -> int:
                         max_queue=args.max_queue, max_body_bytes=args.max_body_bytes,
                         allow_special_tokens_in_content=args.allow_special_tokens_in_content,
                         cache_isolation=args.cache_isolation, record=args.record,
-                        tool_call_parser=args.tool_call_parser, enable_auto_tool_choice=args.enable_auto_tool_choice)
+                        tool_call_parser=args.tool_call_parser, enable_auto_tool_choice=args.enable_auto_tool_choice,
+                        admin_api_key=admin_key, max_request_tokens=args.max_request_tokens,
+                        max_running_per_key=args.max_running_per_key,
+                        max_concurrent_requests=args.max_concurrent_requests)
         if args.metrics_names == "vllm":
             app.state.kvserve.metrics.export_vllm_names()
-        log.info("serving %s on http://%s:%d (api key %s, prefix-cache isolation %s)", app.state.kvserve.model_name,
-                 args.host, args.port, f"required, {len(api_keys)} key(s)" if api_keys else "off",
+        log.info("serving %s on http://%s:%d (api key %s, admin key %s, prefix-cache isolation %s)",
+                 app.state.kvserve.model_name, args.host, args.port,
+                 f"required, {len(api_keys)} key(s)" if api_keys else "off", "set" if admin_key else "none",
                  args.cache_isolation)
         return app
 
+    raise_open_files_limit()
     loading = LoadingApp(build)
     config = uvicorn.Config(loading, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
                             access_log=not args.no_access_log,
-                            timeout_graceful_shutdown=args.shutdown_timeout + 5)
+                            timeout_graceful_shutdown=args.shutdown_timeout + 5,
+                            http=read_timeout_protocol(args.request_header_timeout, args.request_body_timeout))
+    redact_access_log()
     log.info("listening on http://%s:%d while the model loads (/health answers 503 until it is ready)",
              args.host, args.port)
     return serve(loading, config, args.shutdown_timeout)
+
+
+def check_limits(args) -> None:
+    """ValueError naming the first negative limit or non-positive timeout."""
+    for flag in ("max_request_tokens", "max_running_per_key", "max_concurrent_requests"):
+        value = getattr(args, flag)
+        if value is not None and value < 0:
+            raise ValueError(f"--{flag.replace('_', '-')} must be >= 0 (0: no limit), got {value}")
+    for flag in ("request_header_timeout", "request_body_timeout"):
+        if not getattr(args, flag) > 0:
+            raise ValueError(f"--{flag.replace('_', '-')} must be > 0 seconds, got {getattr(args, flag)}")
+
+
+def admin_key_of(args) -> str | None:
+    """--admin-api-key, else $KVSERVE_ADMIN_API_KEY, else None."""
+    if args.admin_api_key is not None:
+        return args.admin_api_key
+    return os.environ.get("KVSERVE_ADMIN_API_KEY") or None
 
 
 def api_keys_of(args) -> list[str]:

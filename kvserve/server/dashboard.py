@@ -1,9 +1,10 @@
 """Routes of the KV-cache dashboard: `/v1/kv/state` (JSON), `/v1/kv/stream` (server-sent events) and
 the page at `/dashboard` (static files shipped in kvserve/server/static/, no build step).
 
-The page and its files carry no data, so they load without the API key (a browser cannot send a
-header when it opens a URL); the page then sends the key as a bearer header to the two data routes,
-which the API-key middleware guards like every other route.
+The page and its files carry no data, so they load without a key (a browser cannot send a header
+when it opens a URL); the page asks for the key in a form, never in its address, and sends it as a
+bearer header to the two data routes, which the API-key middleware guards as operator routes (the
+admin key when the server has one).
 """
 
 from __future__ import annotations

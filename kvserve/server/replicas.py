@@ -69,7 +69,8 @@ class EngineReplica:
         self.name = serve.get_replica_context().replica_id.unique_id
         host = events_host or _node_ip()
         engine_kwargs = {**engine_kwargs, "kv_events": f"tcp://{host}:{free_port(host)}",
-                         "kv_events_replay": f"tcp://{host}:{free_port(host)}"}
+                         "kv_events_replay": f"tcp://{host}:{free_port(host)}",
+                         "kv_events_allow_remote": True}   # the router reads them from the cluster's nodes
         self.llm = await asyncio.to_thread(LLM, **engine_kwargs)
         app_kwargs = dict(app_kwargs)
         metrics_names = app_kwargs.pop("metrics_names", None)

@@ -16,12 +16,13 @@ let playTimer = null;
 let cells = [];            // block map cells, by block id
 let hoverBlock = null;
 
-// ---- the API key: ?key=... once, then sessionStorage, sent as a bearer header ----------------
-function takeKeyFromUrl() {
+// ---- the key: typed into the form, kept in sessionStorage, sent as a bearer header -----------
+// A key in the address (?key=...) is never used: it would land in logs and the history.
+let keyInUrl = false;
+function dropKeyFromUrl() {
   const url = new URL(window.location.href);
-  const key = url.searchParams.get("key");
-  if (key === null) return;
-  sessionStorage.setItem(KEY_STORE, key);
+  if (!url.searchParams.has("key")) return;
+  keyInUrl = true;
   url.searchParams.delete("key");
   dropFromAddressBar(url);
 }
@@ -43,7 +44,9 @@ async function startLive() {
   } catch (e) {
     return retryLive("server unreachable");
   }
-  if (res.status === 401) return askForKey(sessionStorage.getItem(KEY_STORE) ? "that key was refused" : "");
+  if (res.status === 401) return askForKey(sessionStorage.getItem(KEY_STORE) ? "that key was refused" :
+    keyInUrl ? "a key in the address is not used: enter it here" : "");
+  if (res.status === 403) return askForKey("that key cannot see the KV state: use the admin key");
   if (!res.ok) return retryLive("HTTP " + res.status);
   $("login").hidden = true;
   onSnapshot(await res.json());
@@ -448,6 +451,6 @@ function wire() {
   $("live").addEventListener("click", () => { samples = []; startLive(); });
 }
 
-takeKeyFromUrl();
+dropKeyFromUrl();
 wire();
 startLive();
