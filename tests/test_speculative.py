@@ -219,6 +219,7 @@ def test_greedy_output_equals_the_engine_without_speculation(method, expected, l
     assert first[0].metrics.spec_acceptance_rate > 0.3        # the copy task repeats its prompt
     assert all_blocks_free(spec)
     _assert_hashes_name_outputs(spec, first)
+    _assert_exported(m)
     # again: the prompts hit the prefix cache (and their outputs' accepted blocks), same tokens
     again = spec.generate(PROMPTS, greedy(), use_tqdm=False)
     assert [o.outputs[0].token_ids for o in again] == expected
@@ -241,6 +242,22 @@ def _assert_hashes_name_outputs(spec, outputs) -> None:
         real.update(hash_full_blocks(kv.namespace, o.prompt_token_ids + o.outputs[0].token_ids,
                                      kv.block_size, algo=kv.hash_algo))
     assert kv.pool.cached and set(kv.pool.cached) <= real
+
+
+def _assert_exported(m: dict) -> None:
+    """Prometheus carries the counters under kvserve: and (--metrics-names vllm) vLLM's names."""
+    from kvserve.server.metrics import ServerMetrics
+    metrics = ServerMetrics("m", 2048)
+    metrics.export_vllm_names()
+    text = metrics.render(m).decode()
+    for prefix in ("kvserve:", "vllm:"):
+        assert f'{prefix}spec_decode_num_accepted_tokens_total{{model_name="m"}} ' \
+               f'{float(m["spec_decode_num_accepted_tokens"])}' in text
+        assert f'{prefix}spec_decode_num_draft_tokens_total{{model_name="m"}}' in text
+        assert f'{prefix}spec_decode_num_drafts_total{{model_name="m"}}' in text
+        first = m["spec_decode_num_accepted_tokens_per_pos"][0]
+        assert f'{prefix}spec_decode_num_accepted_tokens_per_pos_total{{model_name="m",position="0"}} ' \
+               f'{float(first)}' in text
 
 
 def test_preempted_speculating_requests_end_as_without_speculation(llm):

@@ -115,6 +115,7 @@ class KVStateTracker:
             "requests_finished": sum(s.request_success.values()),
             **offload_metrics(engine),
             **engine.evictor.metrics(),
+            **engine.speculator.metrics(),
         }
 
     def _analyzer(self, engine) -> dict:

@@ -42,6 +42,10 @@ VLLM_NAMES = {
     "request_queue_time_seconds": ("request_queue_time_seconds",),
     "request_prompt_tokens": ("request_prompt_tokens",),
     "request_generation_tokens": ("request_generation_tokens",),
+    "spec_decode_num_drafts": ("spec_decode_num_drafts",),
+    "spec_decode_num_draft_tokens": ("spec_decode_num_draft_tokens",),
+    "spec_decode_num_accepted_tokens": ("spec_decode_num_accepted_tokens",),
+    "spec_decode_num_accepted_tokens_per_pos": ("spec_decode_num_accepted_tokens_per_pos",),
 }
 
 # (name, help, key in get_metrics()) — gauges read at scrape time
@@ -76,6 +80,11 @@ COUNTERS = [
     ("kv_pins_refused", "KV block pins refused because the pin share was full.", "kv_pins_refused"),
     ("kv_pins_expired", "KV block pins that reached their ttl.", "kv_pins_expired"),
     ("kv_pins_evicted", "Pinned free KV blocks reused because no unpinned block was free.", "kv_pins_evicted"),
+    ("spec_decode_num_drafts", "Speculative decoding: request steps that verified proposed tokens.",
+     "spec_decode_num_drafts"),
+    ("spec_decode_num_draft_tokens", "Speculative decoding: proposed tokens verified.", "spec_decode_num_draft_tokens"),
+    ("spec_decode_num_accepted_tokens", "Speculative decoding: proposed tokens accepted.",
+     "spec_decode_num_accepted_tokens"),
     ("kv_poisoned_blocks_evicted", "Device KV blocks evicted from the prefix cache because a request that read or "
      "wrote them got NaN or infinite logits.", "kv_poisoned_blocks_evicted"),
     ("kv_poisoned_prefix_failures", "Requests failed with NaN or infinite logits after reading a cached prefix "
@@ -125,11 +134,25 @@ class _EngineCollector(Collector):
                 yield c
         yield from _tier_families(snap, self.model_name)
         yield from _block_time_families(snap, self.model_name)
+        yield from _spec_families(snap, self.model_name)
         success = CounterMetricFamily(PREFIX + "request_success", "Finished sequences by finish reason.",
                                       labels=["model_name", "finished_reason"])
         for reason, count in sorted(snap.get("request_success", {}).items()):
             success.add_metric([self.model_name, reason], float(count))
         yield success
+
+
+def _spec_families(snap: dict, model_name: str):
+    """Accepted proposals by their position among a step's proposals (speculative decoding)."""
+    per_pos = snap.get("spec_decode_num_accepted_tokens_per_pos")
+    if per_pos is None:
+        return
+    c = CounterMetricFamily(PREFIX + "spec_decode_num_accepted_tokens_per_pos",
+                            "Speculative decoding: proposed tokens accepted, by their position (0: the first).",
+                            labels=["model_name", "position"])
+    for pos, n in enumerate(per_pos):
+        c.add_metric([model_name, str(pos)], float(n))
+    yield c
 
 
 # per-tier counters (label tier=cpu|disk|redis) from get_metrics()["kv_tiers"]; exposed with _total

@@ -59,6 +59,10 @@ def render(state: dict, width: int = 100):
                  f"blocks · evicted tokens {c.get('kv_evicted_tokens', 0):,} · K/V rows {a['kv_rows_computed']:,} "
                  f"vs {a['kv_rows_no_cache']:,} without a cache ({a['saving']:.1%} avoided)")
     parts = [head, counts, block_map(pool["state"], width), stats, requests_table(state)]
+    if "spec_decode_num_draft_tokens" in c:
+        drafted, accepted = c["spec_decode_num_draft_tokens"], c["spec_decode_num_accepted_tokens"]
+        parts.append(Text(f"speculation: {accepted:,} of {drafted:,} proposed tokens accepted "
+                          f"({accepted / drafted if drafted else 0:.1%}) in {c['spec_decode_num_drafts']:,} steps"))
     tiers = c.get("kv_tiers") or {}
     if tiers:
         parts.append(Text("tiers: " + "  ".join(

@@ -368,7 +368,15 @@ function renderCounters(snap) {
     ["K/V rows computed", fmtNum(a.kv_rows_computed)],
     ["K/V rows a no-cache engine computes", fmtNum(a.kv_rows_no_cache)],
     ["K/V work the cache avoided", pct(a.saving)],
+    ...specRows(c),
   ]));
+}
+
+function specRows(c) {
+  if (c.spec_decode_num_draft_tokens === undefined) return [];
+  const drafted = c.spec_decode_num_draft_tokens, accepted = c.spec_decode_num_accepted_tokens;
+  return [["speculation: proposed tokens accepted", `${fmtNum(accepted)} of ${fmtNum(drafted)}` +
+           (drafted ? ` (${pct(accepted / drafted)})` : "")]];
 }
 
 function renderTiers(c) {
