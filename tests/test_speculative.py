@@ -109,6 +109,42 @@ def test_num_accepted_stops_at_the_first_mismatch():
     assert num_accepted([4, 5, 6], [1, 5, 6, 7]) == 0
 
 
+def test_allowance_follows_acceptance_and_rejections_pause_proposals():
+    """k grows after a fully accepted verdict, shrinks to one more than accepted otherwise; a verdict
+    accepting nothing pauses the request's proposals for 1, then 2, 4 ... steps, until one accepts."""
+    from types import SimpleNamespace
+
+    from kvserve.engine.spec import SpeculativeConfig, Speculator
+    from kvserve.outputs import RequestMetrics
+
+    class Always:
+        def propose(self, reqs, ks):
+            return [[1] * k for k in ks]
+
+        def finished(self, req):
+            pass
+    spec = Speculator(SpeculativeConfig("ngram", 4), Always(), max_model_len=1000)
+    req = SimpleNamespace(request_id="r", grammar=None, is_finished=False, num_tokens=10, num_computed_tokens=9,
+                          num_output_tokens=2, params=SimpleNamespace(max_tokens=100), spec_token_ids=[],
+                          metrics=RequestMetrics(0.0))
+
+    def step(accepted=None):
+        spec.propose([req])
+        k = len(req.spec_token_ids)
+        if k and accepted is not None:
+            spec.verdict(req, [1] * min(accepted, k) + [2] * (k + 1 - min(accepted, k)))
+        return k
+    assert step(1) == 4            # 1 of 4 accepted: next allowance 2
+    assert step(2) == 2            # all accepted: 3
+    assert step(0) == 3            # none accepted: a pause of 1 step
+    assert step() == 0
+    assert step(0) == 1            # none again: pause 2
+    assert [step(), step()] == [0, 0]
+    assert step(1) == 1            # accepted: no pause, allowance 2
+    assert step() == 2
+    assert req.metrics.spec_acceptance_rate == pytest.approx(4 / 11)   # drafted 4+2+3+1+1, accepted 1+2+0+0+1
+
+
 # ---- the verdict draws from the target's distribution --------------------------------------------
 def _chi_square(counts: list[int], probs: list[float]) -> float:
     n = sum(counts)

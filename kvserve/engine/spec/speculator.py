@@ -53,10 +53,13 @@ def num_accepted(drafts: list[int], sampled: list[int]) -> int:
 
 class Speculator:
     """Proposes with `proposer` (ngram.py, suffix.py or draft.py: propose(reqs, ks) -> up to ks[i] tokens
-    each, finished(req)),
-    at most `num_speculative_tokens` a request, fewer where the request's recent proposals were
-    rejected; none while more than `disable_by_batch_size` sequences run or for requests that
-    cannot take them (a grammar, the end of max_tokens or max_model_len)."""
+    each, finished(req)), at most `num_speculative_tokens` a request, fewer where the request's
+    recent proposals were rejected; none while more than `disable_by_batch_size` sequences run, for
+    requests that cannot take them (a grammar, the end of max_tokens or max_model_len), and for a
+    while after a request's proposals were all rejected (1, 2, 4 ... up to MAX_PAUSE steps for each
+    such verdict in a row): a step that verifies costs more than a plain decode step."""
+
+    MAX_PAUSE = 16
 
     enabled = True
 
@@ -65,6 +68,7 @@ class Speculator:
         self.proposer = proposer
         self.max_model_len = max_model_len
         self.k: dict[str, int] = {}   # request id -> proposals it gets next
+        self.pause: dict[str, list[int]] = {}   # request id -> [steps left without proposals, next pause]
         self.stats = SpecStats()
 
     def propose(self, running: list) -> None:
@@ -88,6 +92,10 @@ class Speculator:
         emits up to one token more than it verifies), none in prefill or under a grammar."""
         if req.grammar is not None or req.is_finished or req.num_computed_tokens != req.num_tokens - 1:
             return 0
+        pause = self.pause.get(req.request_id)
+        if pause is not None and pause[0] > 0:
+            pause[0] -= 1
+            return 0
         left = min(req.params.max_tokens - req.num_output_tokens, self.max_model_len - req.num_tokens)
         return min(self.k.get(req.request_id, self.spec.num_speculative_tokens), left - 1)
 
@@ -101,11 +109,21 @@ class Speculator:
         req.metrics.spec_accepted_tokens += n
         top = self.spec.num_speculative_tokens
         self.k[req.request_id] = min(top, n + 1) if n < len(drafts) else min(top, len(drafts) + 1)
+        self._back_off(req.request_id, n)
         return n
+
+    def _back_off(self, rid: str, accepted: int) -> None:
+        """Pause a request's proposals after a verdict that accepted none, longer each time in a row."""
+        if accepted:
+            self.pause.pop(rid, None)
+            return
+        left, nxt = self.pause.get(rid, (0, 1))
+        self.pause[rid] = [nxt, min(2 * nxt, self.MAX_PAUSE)]
 
     def finished(self, req) -> None:
         """Forget a request that ended."""
         self.k.pop(req.request_id, None)
+        self.pause.pop(req.request_id, None)
         self.proposer.finished(req)
 
     def metrics(self) -> dict:
