@@ -65,6 +65,21 @@ def test_int4_gemv_gives_torchs_int4_kernel_results(rows, n, k, dtype):
     assert _ulps_bf16(got, exact, exact.abs() + 1e-3 * exact.abs().max()) <= 1.0
 
 
+@pytest.mark.parametrize("block", [32, 64])
+def test_int4_gemv_rows_do_not_depend_on_the_row_count(block):
+    """Each row of a 1..9-row call is bit-identical to the same row alone (tiles of 4, 3, 2 and 1
+    rows compute a row alike): a step verifying speculated tokens decodes them as one-row steps."""
+    g = torch.Generator().manual_seed(block)
+    n, k = 192, 1536
+    codes = torch.randint(0, 16, (n, k), generator=g, dtype=torch.int32)
+    scales_zeros = (torch.rand(k // 32, n, 2, generator=g) * 0.2).to(torch.bfloat16)
+    packed = _pack_by_hand(codes, block)
+    x = torch.randn(9, k, generator=g)
+    alone = torch.cat([torch.ops.kvserve_cpu.int4_gemv(x[i:i + 1], packed, scales_zeros, block) for i in range(9)])
+    for rows in range(1, 10):
+        assert torch.equal(torch.ops.kvserve_cpu.int4_gemv(x[:rows], packed, scales_zeros, block), alone[:rows])
+
+
 def _pack_by_hand(codes: torch.Tensor, block: int) -> torch.Tensor:
     """codes [N, K] in torch's CPU int4 layout for blocks of `block` rows: per block, per input channel,
     block/2 bytes, row c's code in byte c's low nibble and row block/2 + c's in its high nibble."""

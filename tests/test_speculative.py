@@ -270,6 +270,18 @@ def test_greedy_output_equals_the_engine_without_speculation(method, expected, l
     assert all_blocks_free(spec)
 
 
+def test_default_configuration_one_stream_equals_the_engine_without_speculation():
+    """weights=auto (the GGUF's int4 groups), bfloat16 K/V: a step verifying 4 proposals runs the
+    same kernels per row as a one-row decode step (the int4 GEMV up to 5 rows, the decode attention
+    kernel), so each request alone decodes the same tokens with and without speculation."""
+    plain, spec = LLM(), LLM(speculative_config=NGRAM)
+    for prompt in PROMPTS:
+        want = plain.generate(prompt, greedy(64), use_tqdm=False)[0].outputs[0].token_ids
+        assert spec.generate(prompt, greedy(64), use_tqdm=False)[0].outputs[0].token_ids == want
+    assert spec.get_metrics()["spec_decode_num_accepted_tokens"] > 0
+    assert all_blocks_free(spec)
+
+
 def _assert_hashes_name_outputs(spec, outputs) -> None:
     """Every block hash in the pool is a hash of a prefix some request really had (prompt + output)."""
     kv = spec.engine.kv

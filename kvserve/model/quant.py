@@ -15,7 +15,7 @@ its GEMVs are switched (`use_gemv`). `make_linear` picks the class from the form
   more rows widen the weight inside the matmul (`F.linear(x, q) * scale`, also the CUDA path).
 - `Int4PackedLinear` / `Int4NibbleLinear` (`Int4Linear`: one scale and minimum per group of
   GROUP_SIZE input channels, the layout of GGUF's Q4_1 / Q4_K sub-blocks): on CPU torch's packed
-  layout, the C++ GEMV up to GEMV_INT4_ROWS rows, `_weight_int4pack_mm_for_cpu` up to
+  layout, the C++ GEMV up to GEMV_INT4_ROWS rows (row results independent of the row count), `_weight_int4pack_mm_for_cpu` up to
   INT4_WIDE_ROWS, then the unpacked weight in a bfloat16 matmul (float32 without bfloat16 units);
   elsewhere nibbles unpacked to the activation dtype inside the matmul.
 - `Int8GroupLinear` (int8 codes in groups of 32 or 16 with float32 scales and mins: GGUF's Q8_0 /
@@ -54,7 +54,8 @@ SMALL_ROWS = 16          # int8 on CPU: rows up to this use the int8 kernel, mor
 INT4_WIDE_ROWS = 128     # int4 on CPU: more rows than this unpack the weight to float32 (prefill)
 COPY_ROWS = 12           # with a bfloat16 copy: more rows than this read it
 GEMV_ROWS = {"bfloat16": 8, "float16": 8}   # 16-bit weights on CPU: rows up to this use the C++ GEMV
-GEMV_INT4_ROWS = 2       # int4 on CPU: rows up to this use the C++ GEMV (its float sums are compute-bound past 2)
+GEMV_INT4_ROWS = 5       # int4 on CPU: rows up to this use the C++ GEMV (each row as a one-row call computes it:
+                         # a step verifying 4 proposed tokens decodes as one-row steps would)
 HALF_WIDE_ROWS = 16      # 16-bit weights on a CPU without 16-bit units: more rows widen to float32
 TIED_WIDE_ROWS = 1       # ... or more than this when a float32 copy exists anyway (tied embedding)
 # Linears whose weight other code reads directly (MLA's absorbed kv_b_proj): they stay in float.

@@ -488,11 +488,16 @@ void int4_blocks(const float* xb, const float* xsum, const uint8_t* wp, const ui
   at::parallel_for(0, n / B, 1, [&](int64_t b0, int64_t b1) {
     for (int64_t blk = b0; blk < b1; ++blk) {
       const int64_t n0 = blk * B;
-      for (int64_t r0 = 0; r0 < m; r0 += 2) {
-        const int64_t rows = std::min<int64_t>(2, m - r0);
-        v16 out[2][4];
-        if (rows == 2) int4_rows<B, 2>(xb + r0 * k, xsum + r0 * groups, wp + n0 * k / 2, sz + n0, k, n, out);
-        else int4_rows<B, 1>(xb + r0 * k, xsum + r0 * groups, wp + n0 * k / 2, sz + n0, k, n, out);
+      for (int64_t r0 = 0; r0 < m;) {  // tiles of up to 4 rows: each tile unpacks the codes once
+        const int64_t rows = std::min<int64_t>(4, m - r0);
+        const float* x0 = xb + r0 * k;
+        const float* s0 = xsum + r0 * groups;
+        const uint8_t* w0 = wp + n0 * k / 2;
+        v16 out[4][4];
+        if (rows == 4) int4_rows<B, 4>(x0, s0, w0, sz + n0, k, n, out);
+        else if (rows == 3) int4_rows<B, 3>(x0, s0, w0, sz + n0, k, n, out);
+        else if (rows == 2) int4_rows<B, 2>(x0, s0, w0, sz + n0, k, n, out);
+        else int4_rows<B, 1>(x0, s0, w0, sz + n0, k, n, out);
         for (int64_t i = 0; i < rows; ++i)
           for (int j = 0; j < J; ++j)
             for (int t = 0; t < 16; ++t) {
@@ -501,6 +506,7 @@ void int4_blocks(const float* xb, const float* xsum, const uint8_t* wp, const ui
               if (f32) static_cast<float*>(yp)[at] = bf16_to_float(v);
               else static_cast<uint16_t*>(yp)[at] = v;
             }
+        r0 += rows;
       }
     }
   });
