@@ -27,6 +27,7 @@ from kvserve.kv.hashing import namespace_hash
 from kvserve.kv.manager import KVCacheManager, new_pool
 from kvserve.kv.no_cache import NoCacheManager, NoCacheStorage
 from kvserve.kv.policies import parse_policy
+from kvserve.kv.sizing import num_blocks_for_budget
 from kvserve.kv.spec import group_layers, null_blocks
 from kvserve.kv.storage import KVStorage
 from kvserve.model import weight_cache
@@ -319,6 +320,7 @@ class CachePlanner:
         self.residual_rows = 0
         self.plan: PoolPlan | None = None
         self.tiers = None   # the TierBridge build() puts below the manager, when kv_tiers asks for one
+        self.draft_kv: tuple[int, str] | None = None   # a draft model's KV pool: bytes, what set them
 
     @property
     def block_size(self) -> int:
@@ -355,11 +357,23 @@ class CachePlanner:
             activation = measure_activation_peak(self.device, self.warmup)
         plan = plan_pool(cfg.kv_cache_memory, cfg.gpu_memory_utilization, self.device,
                          weight_bytes(self.loaded.model), activation, block_size, self.format.page_bytes_per_token)
+        plan = self._less_draft(plan)
         if self.format.has_residual:  # KIVI: full-precision rows for still-filling blocks, from the budget
             plan.num_blocks, self.residual_rows = self.split_residual(plan.budget_bytes, block_size)
         self.plan = plan  # the prefill chunk of a streaming kv_policy is sized from it
         check_fits(plan, self.blocks_per_sequence(block_size), self.max_model_len, self.bound_note())
         return plan
+
+    def _less_draft(self, plan: PoolPlan) -> PoolPlan:
+        """`plan` less the draft model's KV pool (speculative method draft_model): one budget holds both
+        pools; the draft's bytes and what set them stay in `draft_kv` for spec/draft.py."""
+        spec = self.config.speculative_config
+        if spec is None or spec.method != "draft_model":
+            return plan
+        self.draft_kv = spec.draft_kv_bytes(plan.budget_bytes)
+        budget = plan.budget_bytes - self.draft_kv[0]
+        return PoolPlan(num_blocks_for_budget(max(0, budget), plan.block_size, plan.bytes_per_token), plan.block_size,
+                        plan.bytes_per_token, budget, f"{plan.source} less the draft model's {self.draft_kv[0] / 2**20:.1f} MiB")
 
     def split_residual(self, budget: int, block_size: int) -> tuple[int, int]:
         """(blocks, residual rows) of a KIVI pool; one sequence needs two rows per KV group (the block

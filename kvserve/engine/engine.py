@@ -26,7 +26,7 @@ from kvserve.engine.poison import PoisonedPrefixes
 from kvserve.engine.request import Request, RequestStatus
 from kvserve.engine.sampler import Sampler, SamplingError, SamplingInput
 from kvserve.engine.scheduler import Scheduler
-from kvserve.engine.spec import build_speculator
+from kvserve.engine.spec import build_draft, build_speculator
 from kvserve.kv.events import build_publisher
 from kvserve.outputs import RequestOutput
 from kvserve.sampling_params import SamplingParams, check_cache_salt
@@ -76,7 +76,8 @@ class LLMEngine:
             self._build_cache(loaded)
         self.output_processor = OutputProcessor(self.tokenizer, self.sampler.eos_token_ids, self.stats, self.release)
         self.groups = self.output_processor.groups   # user request id -> its requests (n > 1: forks)
-        self.speculator = build_speculator(config.speculative_config, self.max_model_len)
+        self.speculator = build_speculator(config.speculative_config, self.max_model_len,
+                                           build_draft(config, loaded, self.planner))
         self._ids = itertools.count()
         # after the KV pool: its size never depends on compiling (engine/compile.py)
         self.startup = startup_compile(self, loaded.compiled)

@@ -5,7 +5,10 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, fields
 
+from kvserve.config import parse_bytes
+
 METHODS = ("ngram", "suffix", "draft_model")
+DRAFT_SHARE = 8   # draft_model: its KV pool takes 1/DRAFT_SHARE of the KV budget unless draft_kv_cache_memory says
 USAGE = ("give a JSON object such as '{\"method\": \"ngram\", \"num_speculative_tokens\": 4}' "
          "(methods: ngram, suffix, draft_model; docs/SPECULATIVE.md)")
 
@@ -23,7 +26,7 @@ class SpeculativeConfig:
     suffix_decoding_max_spec_factor: float = 1.0     # suffix: proposals <= factor x matched length
     suffix_decoding_min_token_prob: float = 0.1      # suffix: stop where the continuation is rarer
     model: str | None = None               # draft_model: its GGUF file or HF directory
-    draft_kv_cache_memory: int | str | None = None   # draft_model: its KV pool (default: 1/8 of the target's)
+    draft_kv_cache_memory: int | str | None = None   # draft_model: its KV pool, out of the KV budget (default 1/8)
     disable_by_batch_size: int | None = 8  # no proposals while more sequences than this run
 
     def check(self) -> None:
@@ -45,9 +48,28 @@ class SpeculativeConfig:
         if (self.method == "draft_model") != (self.model is not None):
             raise ValueError("speculative_config: method 'draft_model' needs 'model' (the draft's GGUF file or "
                              "HF directory, same tokenizer as the target), and only it takes one")
+        if self.draft_kv_cache_memory is not None:
+            if self.method != "draft_model":
+                raise ValueError("speculative_config draft_kv_cache_memory sizes a draft model's KV pool: "
+                                 "only method 'draft_model' takes it")
+            if parse_bytes(self.draft_kv_cache_memory) <= 0:
+                raise ValueError(f"speculative_config draft_kv_cache_memory must be > 0 bytes, "
+                                 f"got {self.draft_kv_cache_memory!r}")
         if self.disable_by_batch_size is not None and self.disable_by_batch_size < 1:
             raise ValueError(f"speculative_config disable_by_batch_size must be >= 1 or null, "
                              f"got {self.disable_by_batch_size}")
+
+    def draft_kv_bytes(self, budget: int) -> tuple[int, str]:
+        """The draft model's KV pool, taken out of the engine's KV budget of `budget` bytes, and
+        what set it; ValueError when it leaves the target nothing."""
+        if self.draft_kv_cache_memory is None:
+            return budget // DRAFT_SHARE, f"1/{DRAFT_SHARE} of the KV budget of {budget / 2**20:.1f} MiB"
+        n = parse_bytes(self.draft_kv_cache_memory)
+        if n >= budget:
+            raise ValueError(f"speculative_config draft_kv_cache_memory ({n / 2**20:.1f} MiB) comes out of the KV "
+                             f"budget ({budget / 2**20:.1f} MiB) and leaves the target nothing: lower it, or raise "
+                             "kv_cache_memory / gpu_memory_utilization")
+        return n, f"draft_kv_cache_memory={n / 2**20:.1f} MiB"
 
 
 def parse_speculative_config(value) -> SpeculativeConfig | None:
