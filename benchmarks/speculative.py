@@ -14,6 +14,7 @@ Targets: repeating workloads >= 2x without speculation and faster than llama-loo
 from __future__ import annotations
 
 import argparse
+import json
 import re
 import subprocess
 import sys
@@ -103,14 +104,35 @@ def lookup_binary() -> Path | None:
         return None
 
 
-def crossover(engines: dict[str, LLM], prompt: str, max_tokens: int, sizes: list[int]) -> list[list[str]]:
-    """Decode tok/s at each number of streams (the repeating workload), without and with ngram."""
-    rows = []
-    for n in tqdm(sizes, desc="streams", unit="size"):
-        plain = kvserve_decode(engines["none"], [prompt] * n, max_tokens, 1)[0]
-        spec = kvserve_decode(engines["ngram"], [prompt] * n, max_tokens, 1)[0]
-        rows.append([str(n), f"{plain:.1f}", f"{spec:.1f}", f"{spec / plain:.2f}x"])
-    return rows
+def child(config: str, max_tokens: int, reps: int, streams: int, sizes: list[int]) -> dict:
+    """Every kvserve measurement of one configuration, in this process (one engine per process: the
+    compiled graphs of one engine are not another's)."""
+    spec = {"none": None, "always": dict(SPEC["ngram"], disable_by_batch_size=None)}.get(config, SPEC.get(config))
+    llm = LLM(speculative_config=spec)
+    llm.wait_compiled()
+    out = {"single": {}, "crossover": {}}
+    if config != "always":
+        for name, prompt in workloads().items():
+            tok_s, tokens, counts = kvserve_decode(llm, [prompt], max_tokens, reps)
+            out["single"][name] = {"tok_s": tok_s, "tokens": tokens, **counts}
+        prose = workloads()["free prose"]
+        batch = [prose.replace("lighthouse keeper", f"lighthouse keeper number {i}") for i in range(streams)]
+        out["streams"] = kvserve_decode(llm, batch, max_tokens // 2, 1)[0]
+    if config in ("none", "always"):
+        rewrite = workloads()["rewrite a code file, one name changed"]
+        out["crossover"] = {n: kvserve_decode(llm, [rewrite] * n, max_tokens // 2, 1)[0] for n in sizes}
+    return out
+
+
+def run_child(config: str, args) -> dict:
+    """child() of `config` in a fresh interpreter."""
+    cmd = [sys.executable, __file__, "--child", config, "--max-tokens", str(args.max_tokens), "--reps",
+           str(args.reps), "--streams", str(args.streams), "--sizes", args.sizes]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=3600)
+    line = next((x for x in reversed(done.stdout.splitlines()) if x.startswith("{")), None)
+    if done.returncode or line is None:
+        raise RuntimeError(f"{config}: exit {done.returncode}\n{done.stderr[-3000:]}")
+    return json.loads(line)
 
 
 def plot(rows: list[list[str]], path: Path) -> None:
@@ -137,39 +159,36 @@ def main(argv=None) -> int:
     p.add_argument("--streams", type=int, default=32)
     p.add_argument("--sizes", default="1,2,4,8,16", help="stream counts of the crossover table")
     p.add_argument("--no-write", action="store_true", help="print only; leave BENCHMARKS.md alone")
+    p.add_argument("--child", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    sizes = [int(x) for x in args.sizes.split(",")]
+    if args.child:
+        print(json.dumps(child(args.child, args.max_tokens, args.reps, args.streams, sizes)))
+        return 0
     load = OtherLoad()
-    engines = {"none": LLM()}
-    engines.update({name: LLM(speculative_config=spec) for name, spec in SPEC.items()})
-    for llm in engines.values():
-        llm.wait_compiled()
+    res = {c: run_child(c, args) for c in tqdm(["none", *SPEC, "always"], desc="configurations", unit="engine")}
     model = resolve_model_path(None)
     binary = lookup_binary()
     rows, equal = [], True
-    for name, prompt in tqdm(workloads().items(), desc="workloads", unit="workload"):
-        base, base_out, _ = kvserve_decode(engines["none"], [prompt], args.max_tokens, args.reps)
-        row = [name, f"{base:.1f}"]
+    for name, prompt in tqdm(workloads().items(), desc="llama-lookup", unit="workload"):
+        base = res["none"]["single"][name]
+        row = [name, f"{base['tok_s']:.1f}"]
         for method in SPEC:
-            tok_s, out, counts = kvserve_decode(engines[method], [prompt], args.max_tokens, args.reps)
-            drafted = counts["spec_decode_num_draft_tokens"]
-            rate = counts["spec_decode_num_accepted_tokens"] / drafted if drafted else 0.0
-            equal &= out == base_out
-            row += [f"{tok_s:.1f} ({tok_s / base:.2f}x, {rate:.0%} accepted)"]
+            r = res[method]["single"][name]
+            drafted = r["spec_decode_num_draft_tokens"]
+            rate = r["spec_decode_num_accepted_tokens"] / drafted if drafted else 0.0
+            equal &= r["tokens"] == base["tokens"]
+            row += [f"{r['tok_s']:.1f} ({r['tok_s'] / base['tok_s']:.2f}x, {rate:.0%} accepted)"]
         peer, accept = llama_lookup(binary, model, prompt, args.max_tokens, args.reps) if binary else (None, "")
-        best = max(float(r.split()[0]) for r in row[2:])
+        best = max(res[m]["single"][name]["tok_s"] for m in SPEC)
         row += ["—" if peer is None else f"{peer:.1f} ({accept} accepted)",
                 "—" if peer is None else f"{best / peer:.2f}x"]
         rows.append(row)
-    prose = workloads()["free prose"]
-    batch = [prose.replace("lighthouse keeper", f"lighthouse keeper number {i}") for i in range(args.streams)]
-    many = {name: kvserve_decode(engines[name], batch, args.max_tokens // 2, 1)[0] for name in ("none", "ngram")}
-    rows.append([f"{args.streams} streams of free prose", f"{many['none']:.1f}",
-                 f"{many['ngram']:.1f} ({many['ngram'] / many['none']:.2f}x)", "—", "—", "—"])
-    sizes = [int(x) for x in args.sizes.split(",")]
-    always = LLM(speculative_config=dict(SPEC["ngram"], disable_by_batch_size=None))
-    always.wait_compiled()
-    cross = crossover({"none": engines["none"], "ngram": always}, workloads()["rewrite a code file, one name changed"],
-                      args.max_tokens // 2, sizes)
+    many = {c: res[c]["streams"] for c in ("none", *SPEC)}
+    rows.append([f"{args.streams} streams of free prose", f"{many['none']:.1f}"]
+                + [f"{many[m]:.1f} ({many[m] / many['none']:.2f}x)" for m in SPEC] + ["—", "—"])
+    cross = [[str(n), f"{res['none']['crossover'][str(n)]:.1f}", f"{res['always']['crossover'][str(n)]:.1f}",
+              f"{res['always']['crossover'][str(n)] / res['none']['crossover'][str(n)]:.2f}x"] for n in sizes]
     other = load.stop()
     table = md_table(["workload", "kvserve tok/s", "kvserve + ngram", "kvserve + suffix", "llama-lookup tok/s",
                       "best kvserve / llama-lookup"], rows)
@@ -180,9 +199,9 @@ def main(argv=None) -> int:
     note = (f"Greedy, {args.max_tokens} tokens (`ignore_eos`), raw prompts (no chat template; the same text to "
             "llama-lookup), decode time only (the prompt is cached by a 1-token run first), best of "
             f"{args.reps}; the default engine configuration (`LLM()`, bundled SmolLM2-135M Q4_1, compiled) with "
-            "`speculative_config` {method, num_speculative_tokens: 4}; llama-lookup with `-t 2 --temp 0` "
-            "(its default 3 drafted tokens). Greedy outputs with and without speculation "
-            f"{'equal in every row' if equal else 'differ in at least one row (near-ties: docs/SPECULATIVE.md)'}. "
+            "`speculative_config` {method, num_speculative_tokens: 4}, each configuration in its own process; "
+            "llama-lookup with `-t 2 --temp 0` (its default 3 drafted tokens). Greedy outputs with and without "
+            f"speculation {'equal in every row' if equal else 'differ in at least one row'}. "
             f"The {args.streams}-stream row decodes {args.max_tokens // 2} tokens a stream with the default "
             "disable_by_batch_size (8): above it no proposals are made. Machine: "
             f"{facts['CPU']}, {facts['cores (os.cpu_count / usable)']} cores, torch {facts['torch']}, tree "
