@@ -347,3 +347,18 @@ def test_sliding_window_model_speculates_like_it_decodes(tmp_path):
     assert out == ref
     assert spec.get_metrics()["spec_decode_num_draft_tokens"] > 0
     assert all_blocks_free(spec)
+
+
+def test_a_speculating_request_whose_logits_turn_nan_fails_alone(expected, monkeypatch):
+    """A NaN row among a speculating request's rows fails that request only (the rows of the others
+    are sampled again); the others end as without speculation and every block comes back."""
+    from helpers import PoisonedSampler
+    spec = LLM(kv_cache_memory="128MiB", max_model_len=2048, dtype="float32", speculative_config=NGRAM)
+    monkeypatch.setattr(spec.engine, "sampler", PoisonedSampler(spec.engine.sampler))
+    params = [greedy(), SamplingParams(temperature=0, max_tokens=48, seed=1010), greedy()]
+    fine, failed, other = spec.generate([PROMPTS[0], PROMPTS[1], PROMPTS[2]], params, use_tqdm=False)
+    assert failed.outputs[0].finish_reason == "abort" and "NaN or infinite" in failed.error
+    assert len(failed.outputs[0].token_ids) <= 10
+    assert [fine.outputs[0].token_ids, other.outputs[0].token_ids] == [expected[0], expected[2]]
+    assert spec.get_metrics()["spec_decode_num_accepted_tokens"] > 0
+    assert all_blocks_free(spec)

@@ -289,7 +289,7 @@ class LLMEngine:
                 self._fail_sampling(owners[i], logits[i])
             keep = [i for i, r in enumerate(owners) if not r.is_finished]
             if keep:
-                self._sample_batch(logits[keep], list(dict.fromkeys(owners[i] for i in keep)))
+                self._sample_batch(logits[keep], _runs(owners[i] for i in keep))
             return
         row = 0
         for req in reqs:
@@ -409,6 +409,15 @@ class LLMEngine:
             self.kv_events.close()
         if self.tp is not None:
             self.tp.close()
+
+
+def _runs(rows) -> list[Request]:
+    """The requests of consecutive rows, each once (a request's rows are next to each other)."""
+    out: list[Request] = []
+    for req in rows:
+        if not out or out[-1] is not req:
+            out.append(req)
+    return out
 
 
 def _draws_in_order(req: Request) -> bool:
