@@ -101,8 +101,8 @@ def test_int8_off_the_cpu_widens_to_the_activations_dtype():
 
 
 def test_int4_in_the_cpu_layout(units):
-    """1-2 rows: the C++ GEMV on a CPU with AVX-512 (elsewhere its portable path loses to torch's
-    kernel, which then serves them); 3-128: torch's int4 kernel; more: the unpacked weight in a
+    """1-GEMV_INT4_ROWS rows: the C++ GEMV on a CPU with AVX-512 (elsewhere its portable path loses to
+    torch's kernel, which then serves them); up to 128: torch's int4 kernel; more: the unpacked weight in a
     bfloat16 matmul (float32 without bfloat16 units); with a bfloat16 copy, more than 12 rows read it."""
     avx512 = "avx512f" in open("/proc/cpuinfo").read().split() and "-mno-avx512f" not in os.environ.get(
         "KVSERVE_CPU_KERNEL_FLAGS", "")
@@ -110,7 +110,7 @@ def test_int4_in_the_cpu_layout(units):
     layer = float_layer("int4", n=n)
     assert isinstance(layer, quant.Int4PackedLinear)
     many = "unpacked_bf16" if units else "unpacked_f32"
-    gemv = [(2, "int4_gemv")] if avx512 else []
+    gemv = [(quant.GEMV_INT4_ROWS, "int4_gemv")] if avx512 else []
     assert picked(layer) == ranges(*gemv, (128, "int4pack_mm"), (None, many))
     layer.use_gemv(False)
     assert picked(layer) == ranges((128, "int4pack_mm"), (None, many))
