@@ -45,6 +45,16 @@ class Row:
     health: int = 0
 
 
+
+def _recv(sock) -> bytes | None:
+    """What a ready socket has (b"" once it is closed or broken), or None when nothing is there yet."""
+    try:
+        return sock.recv(65536)
+    except (BlockingIOError, InterruptedError):
+        return None
+    except OSError:
+        return b""
+
 def auth(key: str) -> dict:
     return {"Authorization": f"Bearer {key}"}
 
@@ -190,12 +200,9 @@ def _wait_closed(groups: dict[str, list[socket.socket]], deadline: float) -> dic
     closed: dict[str, list[tuple[bytes, float]]] = {name: [] for name in groups}
     while sel.get_map() and time.monotonic() < deadline:
         for key, _ in sel.select(timeout=0.5):
-            try:
-                chunk = key.fileobj.recv(65536)
-            except (BlockingIOError, InterruptedError):
+            chunk = _recv(key.fileobj)
+            if chunk is None:
                 continue
-            except OSError:
-                chunk = b""
             if chunk:
                 data[key.fileobj] += chunk
             else:
@@ -237,12 +244,9 @@ class Flood:
             sel.register(s, selectors.EVENT_READ)
         while not self._stop.is_set() and sel.get_map():
             for key, _ in sel.select(timeout=0.2):
-                try:
-                    chunk = key.fileobj.recv(65536)
-                except (BlockingIOError, InterruptedError):
+                chunk = _recv(key.fileobj)
+                if chunk is None:
                     continue
-                except OSError:
-                    chunk = b""
                 if len(self.first[key.fileobj]) < 16:
                     self.first[key.fileobj] += chunk[:16]
                 if not chunk:

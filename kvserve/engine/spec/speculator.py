@@ -117,7 +117,7 @@ class Speculator:
         if accepted:
             self.pause.pop(rid, None)
             return
-        left, nxt = self.pause.get(rid, (0, 1))
+        nxt = self.pause.get(rid, (0, 1))[1]
         self.pause[rid] = [nxt, min(2 * nxt, self.MAX_PAUSE)]
 
     def finished(self, req) -> None:
