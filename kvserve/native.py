@@ -21,6 +21,7 @@ from pathlib import Path
 log = logging.getLogger("kvserve")
 
 CACHE_ENV = "KVSERVE_KERNEL_CACHE"
+FLAGS_ENV = "KVSERVE_CPU_KERNEL_FLAGS"   # extra compiler flags, after -march=native
 HEADERS = Path(__file__).with_name("csrc")   # shared headers (simd.h), on every kernel's include path
 # -O3 for this CPU; the float flags let sums be reordered and fused (FMA), never change NaN/inf handling
 OPT_FLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-fno-math-errno", "-fno-trapping-math",
@@ -44,6 +45,20 @@ def cpu_flags() -> str:
     except OSError:
         pass
     return ""
+
+
+def torch_op_flags() -> tuple[list[str], list[str]]:
+    """Compiler and linker flags for a source that includes torch's headers and registers torch ops
+    (loaded with `torch.ops.load_library`, so compiled graphs call them through the dispatcher);
+    $KVSERVE_CPU_KERNEL_FLAGS adds compiler flags (e.g. `-mno-avx512f` for the portable paths)."""
+    import torch
+    from torch.utils.cpp_extension import include_paths, library_paths
+    abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
+    flags = ["-std=c++17", f"-D_GLIBCXX_USE_CXX11_ABI={abi}", "-w", f"-DKVSERVE_TORCH={torch.__version__}"]
+    flags += [f"-I{p}" for p in include_paths()]
+    flags += os.environ.get(FLAGS_ENV, "").split()
+    libs = [f"-L{p}" for p in library_paths()] + ["-lc10", "-ltorch_cpu"]
+    return flags, libs
 
 
 def compiler() -> str | None:

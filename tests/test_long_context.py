@@ -47,7 +47,7 @@ def test_the_one_token_attention_compiles_once_for_every_length(decode, threads,
     """One compiled graph of the one-token attention serves a growing context (and a sliding window's
     span) without recompiling, and matches float64 attention over the visible positions; with two
     threads the kernel splits the lone row's positions into parts (combined exactly)."""
-    if decode == "CPU kernel" and cpu_kernel.kernel() is None:
+    if decode == "CPU kernel" and not cpu_kernel.kernel():
         pytest.fail("the CPU decode kernel did not build (see the log): this test needs a C++ compiler")
     monkeypatch.setattr(torch, "get_num_threads", lambda: threads)   # what the kernel is told to use
     torch.manual_seed(0)

@@ -220,7 +220,7 @@ class PagedBackend(GatheredBackend):
 def _cpu_kernel_reads(storage: KVStorage, group: KVGroup) -> bool:
     """True when the CPU decode kernel reads every layer's pools of the group and builds here."""
     pools = [p for layer in group.layers for p in storage.native_kv(layer)]
-    return all(cpu_kernel.supports(p) for p in pools) and cpu_kernel.kernel() is not None
+    return all(cpu_kernel.supports(p) for p in pools) and cpu_kernel.kernel()
 
 
 def select_backend(storage: KVStorage, group: KVGroup, observed: bool, kind: str = "auto") -> GatheredBackend:

@@ -4,13 +4,19 @@
 // the values (one pass over V). When the items are too few for the threads (a lone stream), each
 // row's positions are split into parts scored apart and combined exactly. Float32 arithmetic; queries and output float32 over float32 pools
 // (dtype 0), bfloat16 over bfloat16 pools (1), or float32 over bfloat16 pools (2: half the bytes
-// read). Built at run time by kvserve/attention/cpu/__init__.py.
+// read). Built at run time by kvserve/attention/cpu/__init__.py and registered as torch ops
+// (kvserve_attn::paged_decode_into, kvserve_attn::decode_one), so a compiled graph calls them through
+// the dispatcher.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <vector>
 #include "simd.h"
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
 
 namespace {
 
@@ -329,14 +335,9 @@ void run(const void* q, const void* k_pool, const void* v_pool, const int64_t* t
   }
 }
 
-}  // namespace
-
-extern "C" int kvserve_paged_decode(const void* q, const void* k_pool, const void* v_pool, const int64_t* table,
-                                    const int64_t* starts, const int64_t* ends, void* out, int64_t rows,
-                                    int64_t width, int64_t hq, int64_t hkv, int64_t d, int64_t dv,
-                                    int64_t block_size, int64_t q_row, int64_t q_head, int64_t table_row,
-                                    float scale, int dtype, int threads) {
-  const Shape s{width, hq, hkv, d, dv, block_size, q_row, q_head, table_row, scale};
+int paged_decode(const void* q, const void* k_pool, const void* v_pool, const int64_t* table,
+                 const int64_t* starts, const int64_t* ends, void* out, int64_t rows, const Shape& s, int dtype,
+                 int threads) {
   if (dtype == 0) {
     run<float, float>(q, k_pool, v_pool, table, starts, ends, out, rows, s, threads);
   } else if (dtype == 1) {
@@ -347,4 +348,91 @@ extern "C" int kvserve_paged_decode(const void* q, const void* k_pool, const voi
     return 1;
   }
   return 0;
+}
+
+// The kernel's dtype code for queries q over pools like `pool`: float32 / float32 (0), bfloat16 /
+// bfloat16 (1), float32 / bfloat16 (2); -1 for any other pair.
+int dtype_code(const at::Tensor& q, const at::Tensor& pool) {
+  const auto a = q.scalar_type(), b = pool.scalar_type();
+  if (a == at::kFloat && b == at::kFloat) return 0;
+  if (a == at::kBFloat16 && b == at::kBFloat16) return 1;
+  if (a == at::kFloat && b == at::kBFloat16) return 2;
+  return -1;
+}
+
+void check_index(const at::Tensor& t, const char* what) {
+  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kLong && t.stride(-1) == 1, "CPU decode attention: ",
+              what, " must be a CPU long tensor with unit last stride");
+}
+
+// Row i of q [B, Hq, D] over positions [starts[i], ends[i]) of table[i] ([B, W], or [W] for one
+// row) in the pools [num_blocks, block_size, Hkv, D], into out [B, Hq, Dv] (contiguous, q's dtype).
+void decode_rows(const at::Tensor& q_in, const at::Tensor& k_pool, const at::Tensor& v_pool, const at::Tensor& table,
+                 const int64_t* starts, const int64_t* ends, double scale, const at::Tensor& out) {
+  const at::Tensor q = q_in.stride(2) == 1 ? q_in : q_in.contiguous();
+  check_index(table, "block tables");
+  TORCH_CHECK(k_pool.is_contiguous() && v_pool.is_contiguous() && v_pool.scalar_type() == k_pool.scalar_type(),
+              "CPU decode attention: K and V pools must be contiguous and of one dtype");
+  TORCH_CHECK(out.is_contiguous() && out.scalar_type() == q.scalar_type(), "CPU decode attention: out must be "
+              "contiguous in the queries' dtype");
+  const int dtype = dtype_code(q, k_pool);
+  TORCH_CHECK(dtype >= 0, "CPU decode attention kernel: unsupported dtypes (queries ", q.scalar_type(), ", pools ",
+              k_pool.scalar_type(), ")");
+  const int64_t width = table.size(-1);
+  const Shape s{width, q.size(1), k_pool.size(2), q.size(2), v_pool.size(3), k_pool.size(1), q.stride(0), q.stride(1),
+                table.dim() == 2 ? table.stride(0) : width, static_cast<float>(scale)};
+  paged_decode(q.data_ptr(), k_pool.data_ptr(), v_pool.data_ptr(), table.data_ptr<int64_t>(), starts, ends,
+               out.data_ptr(), q.size(0), s, dtype, at::get_num_threads());
+}
+
+void paged_decode_into(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool, const at::Tensor& table,
+                       const at::Tensor& starts, const at::Tensor& ends, double scale, at::Tensor out) {
+  check_index(starts, "starts");
+  check_index(ends, "ends");
+  decode_rows(q, k_pool, v_pool, table, starts.data_ptr<int64_t>(), ends.data_ptr<int64_t>(), scale, out);
+}
+
+// One decode token: its K and V [1, Hkv, D] stored at `slot` [1] of the pools (in the pools'
+// dtype, rounded as torch's .to() rounds), then q [1, Hq, D] attends over positions
+// [span[0], span[1]) of `blocks` [n] -> [1, Hq, Dv].
+at::Tensor decode_one(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor k_pool,
+                      at::Tensor v_pool, const at::Tensor& slot, const at::Tensor& blocks, const at::Tensor& span,
+                      double scale) {
+  check_index(span, "span");
+  const int64_t at_slot = slot.item<int64_t>();
+  k_pool.view({-1, k_pool.size(2), k_pool.size(3)}).select(0, at_slot).copy_(k.select(0, 0));
+  v_pool.view({-1, v_pool.size(2), v_pool.size(3)}).select(0, at_slot).copy_(v.select(0, 0));
+  at::Tensor out = at::empty({q.size(0), q.size(1), v_pool.size(3)}, q.options());
+  const int64_t* ends = span.data_ptr<int64_t>();
+  decode_rows(q, k_pool, v_pool, blocks, ends, ends + 1, scale, out);
+  return out;
+}
+
+void paged_decode_into_meta(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
+                            const at::Tensor& table, const at::Tensor& starts, const at::Tensor& ends, double scale,
+                            at::Tensor out) {}
+
+at::Tensor decode_one_meta(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor k_pool,
+                           at::Tensor v_pool, const at::Tensor& slot, const at::Tensor& blocks, const at::Tensor& span,
+                           double scale) {
+  return at::empty_symint({q.sym_size(0), q.sym_size(1), v_pool.sym_size(3)}, q.options());
+}
+
+}  // namespace
+
+TORCH_LIBRARY(kvserve_attn, m) {
+  m.def("paged_decode_into(Tensor q, Tensor k_pool, Tensor v_pool, Tensor table, Tensor starts, Tensor ends, "
+        "float scale, Tensor(a!) out) -> ()");
+  m.def("decode_one(Tensor q, Tensor k, Tensor v, Tensor(a!) k_pool, Tensor(b!) v_pool, Tensor slot, Tensor blocks, "
+        "Tensor span, float scale) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(kvserve_attn, CPU, m) {
+  m.impl("paged_decode_into", paged_decode_into);
+  m.impl("decode_one", decode_one);
+}
+
+TORCH_LIBRARY_IMPL(kvserve_attn, Meta, m) {
+  m.impl("paged_decode_into", paged_decode_into_meta);
+  m.impl("decode_one", decode_one_meta);
 }

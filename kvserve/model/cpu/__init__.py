@@ -24,25 +24,15 @@ from kvserve import native
 log = logging.getLogger("kvserve")
 
 SOURCE = Path(__file__).with_name("gemv.cpp")
-FLAGS_ENV = "KVSERVE_CPU_KERNEL_FLAGS"   # extra compiler flags, after -march=native
+FLAGS_ENV = native.FLAGS_ENV
 MAX_ROWS = 64     # the ops' own limit; callers pick smaller thresholds where they win
 
 _state: dict = {}
 
 
-def _flags() -> tuple[list[str], list[str]]:
-    from torch.utils.cpp_extension import include_paths, library_paths
-    abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
-    flags = ["-std=c++17", f"-D_GLIBCXX_USE_CXX11_ABI={abi}", "-w", f"-DKVSERVE_TORCH={torch.__version__}"]
-    flags += [f"-I{p}" for p in include_paths()]
-    flags += os.environ.get(FLAGS_ENV, "").split()
-    libs = [f"-L{p}" for p in library_paths()] + ["-lc10", "-ltorch_cpu"]
-    return flags, libs
-
-
 def library() -> Path:
     """The ops' shared library for this CPU and flags (built on the first call; raises BuildError)."""
-    flags, libs = _flags()
+    flags, libs = native.torch_op_flags()
     return native.build(SOURCE, flags, libs)
 
 
