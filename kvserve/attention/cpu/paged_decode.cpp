@@ -392,6 +392,31 @@ void paged_decode_into(const at::Tensor& q, const at::Tensor& k_pool, const at::
   decode_rows(q, k_pool, v_pool, table, starts.data_ptr<int64_t>(), ends.data_ptr<int64_t>(), scale, out);
 }
 
+// One token's K or V [1, H, D] (any strides) into row `slot` of a contiguous pool [blocks,
+// block_size, H, D]: float32 kept or rounded to bfloat16 to nearest even (as torch's .to()),
+// bfloat16 kept; other dtype pairs through copy_.
+template <typename TS, typename TP>
+void store_rows(const TS* src, int64_t head_stride, int64_t elem_stride, TP* dst, int64_t h, int64_t d) {
+  for (int64_t a = 0; a < h; ++a)
+    for (int64_t i = 0; i < d; ++i) dst[a * d + i] = static_cast<TP>(src[a * head_stride + i * elem_stride]);
+}
+
+void store_token(const at::Tensor& x, at::Tensor& pool, int64_t slot) {
+  const int64_t h = pool.size(2), d = pool.size(3), row = slot * h * d;
+  TORCH_CHECK(slot >= 0 && slot < pool.size(0) * pool.size(1), "decode_one: slot ", slot, " is outside the pool");
+  TORCH_CHECK(x.size(1) == h && x.size(2) == d, "decode_one: K/V of shape ", x.sizes(), " for a pool of ", pool.sizes());
+  const auto xs = x.scalar_type(), ps = pool.scalar_type();
+  if (xs == at::kFloat && ps == at::kFloat) {
+    store_rows(x.data_ptr<float>(), x.stride(1), x.stride(2), pool.data_ptr<float>() + row, h, d);
+  } else if (xs == at::kFloat && ps == at::kBFloat16) {
+    store_rows(x.data_ptr<float>(), x.stride(1), x.stride(2), pool.data_ptr<at::BFloat16>() + row, h, d);
+  } else if (xs == at::kBFloat16 && ps == at::kBFloat16) {
+    store_rows(x.data_ptr<at::BFloat16>(), x.stride(1), x.stride(2), pool.data_ptr<at::BFloat16>() + row, h, d);
+  } else {
+    pool.view({-1, h, d}).select(0, slot).copy_(x.select(0, 0));
+  }
+}
+
 // One decode token: its K and V [1, Hkv, D] stored at `slot` [1] of the pools (in the pools'
 // dtype, rounded as torch's .to() rounds), then q [1, Hq, D] attends over positions
 // [span[0], span[1]) of `blocks` [n] -> [1, Hq, Dv].
@@ -399,9 +424,9 @@ at::Tensor decode_one(const at::Tensor& q, const at::Tensor& k, const at::Tensor
                       at::Tensor v_pool, const at::Tensor& slot, const at::Tensor& blocks, const at::Tensor& span,
                       double scale) {
   check_index(span, "span");
-  const int64_t at_slot = slot.item<int64_t>();
-  k_pool.view({-1, k_pool.size(2), k_pool.size(3)}).select(0, at_slot).copy_(k.select(0, 0));
-  v_pool.view({-1, v_pool.size(2), v_pool.size(3)}).select(0, at_slot).copy_(v.select(0, 0));
+  const int64_t at_slot = slot.data_ptr<int64_t>()[0];
+  store_token(k, k_pool, at_slot);
+  store_token(v, v_pool, at_slot);
   at::Tensor out = at::empty({q.size(0), q.size(1), v_pool.size(3)}, q.options());
   const int64_t* ends = span.data_ptr<int64_t>();
   decode_rows(q, k_pool, v_pool, blocks, ends, ends + 1, scale, out);
