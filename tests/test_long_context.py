@@ -60,12 +60,14 @@ def test_the_one_token_attention_compiles_once_for_every_length(decode, threads,
     spans = [(0, n) for n in LENGTHS] + [(4097 - 512, 4097)]   # the last: a 512-token window
     with torch.inference_mode():
         for start, end in spans:
-            q, k, v = torch.randn(1, HQ, D), torch.randn(1, HKV, D), torch.randn(1, HKV, D)
+            # K and V as strided views (as the q/k/v split hands them over; V transposed)
+            q, k, v = torch.randn(1, HQ, D), torch.randn(1, HKV + 1, D)[:, 1:], torch.randn(1, D, HKV).transpose(1, 2)
             p = end - 1    # the new token's position
             slot = (table[p // BS] * BS + p % BS).view(1)
             blocks, span = one_token_blocks(table, start, end, BS)
             got = fn(q, k, v, k_pool, v_pool, slot, blocks, span, 0.2)
             assert torch.equal(k_pool.view(-1, HKV, D)[slot], k.to(pool_dtype))
+            assert torch.equal(v_pool.view(-1, HKV, D)[slot], v.to(pool_dtype))
             pos = torch.arange(start, end)
             rows = table[pos // BS] * BS + pos % BS
             keys, values = k_pool.view(-1, HKV, D)[rows], v_pool.view(-1, HKV, D)[rows]
