@@ -80,6 +80,39 @@ def test_int4_gemv_rows_do_not_depend_on_the_row_count(block):
         assert torch.equal(torch.ops.kvserve_cpu.int4_gemv(x[:rows], packed, scales_zeros, block), alone[:rows])
 
 
+def _invariant_operands(kind: str, n: int, k: int, g: torch.Generator):
+    """(call x -> y, as float32) for one GEMV op with invariant=True, its weight drawn from g."""
+    assert cpu.available()
+    ops = torch.ops.kvserve_cpu
+    if kind == "int8":
+        w = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8)
+        scale = (torch.rand(n, generator=g) * 0.02).to(torch.bfloat16)
+        return lambda x: ops.int8_gemv(x, w, scale, True)
+    if kind in ("bfloat16", "float16"):
+        dtype = getattr(torch, kind)
+        w = torch.randn(n, k, generator=g).to(dtype)
+        op = ops.bf16_gemv if kind == "bfloat16" else ops.f16_gemv
+        return lambda x: op(x.to(dtype), w, True).float()
+    group, mins = (16, True) if kind == "q8g-16-mins" else (32, False)
+    codes = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8)
+    scales = torch.rand(n, k // group, generator=g) * 0.01
+    mn = -torch.rand(n, k // group, generator=g) * 0.1 if mins else None
+    return lambda x: ops.q8g_gemv(x, codes, scales, mn, group, True)
+
+
+@pytest.mark.parametrize("kind", ["int8", "bfloat16", "float16", "q8g-32", "q8g-16-mins"])
+def test_invariant_gemvs_give_a_row_the_same_bits_at_every_row_count(kind):
+    """invariant=True (the batch-invariant mode): each row of a 1..64-row call is bit-identical to
+    the same row alone; without it a lone row takes the one-row kernel's other summation order."""
+    g = torch.Generator().manual_seed(7)
+    n, k = 96, 1536
+    call = _invariant_operands(kind, n, k, g)
+    x = torch.randn(64, k, generator=g)
+    alone = torch.cat([call(x[i:i + 1]) for i in range(64)])
+    for rows in (2, 3, 4, 5, 8, 9, 16, 17, 33, 64):
+        assert torch.equal(call(x[:rows]), alone[:rows]), rows
+
+
 def _pack_by_hand(codes: torch.Tensor, block: int) -> torch.Tensor:
     """codes [N, K] in torch's CPU int4 layout for blocks of `block` rows: per block, per input channel,
     block/2 bytes, row c's code in byte c's low nibble and row block/2 + c's in its high nibble."""

@@ -194,3 +194,40 @@ def test_every_int8_group_kernel_computes_x_w_t(kind, copies, copy):
         rel = 2 ** -7 if copy and rows > 16 else 1e-5
         err = (layer(x).double() - x.double() @ w.t()).abs()
         assert (err <= rel * (x.double().abs() @ w.abs().t()) + 1e-30).all(), (rows, kind)
+
+
+INVARIANT_CASES = [("float32", {}), ("bfloat16", {}), ("float16", {"tied": True}), ("int8", {"copy": True}),
+                   ("int4", {"copy": True}), ("int4", {"n": 40})]
+
+
+@pytest.mark.parametrize("fmt,opts", INVARIANT_CASES, ids=[f"{f}-{'-'.join(o)}" for f, o in INVARIANT_CASES])
+def test_row_invariant_layers_give_a_row_the_same_bits_at_every_row_count(fmt, opts):
+    """row_invariant(True): one kernel at every row count (the format's GEMV 64 rows a call, or the
+    one-row kernel row by row), so each row of a 1..131-row call equals the row alone, bit for bit,
+    and stays x W^T + b; row_invariant(False) brings the table back."""
+    n = opts.get("n", 2 * quant.CPU_INT4_ROWS)
+    layer = float_layer(fmt, n=n, tied=opts.get("tied", False))
+    if opts.get("copy"):
+        layer.add_bf16_copy()
+    table = layer.kernels
+    layer.row_invariant(True)
+    x = torch.randn(131, layer.in_features, generator=torch.Generator().manual_seed(3))
+    alone = torch.cat([layer(x[i:i + 1]) for i in range(131)])
+    for rows in (2, 3, 8, 13, 17, 64, 65, 131):
+        assert torch.equal(layer(x[:rows]), alone[:rows]), rows
+    ref = x.double() @ layer.dequantize(torch.float64).T + layer.bias.double()
+    tol = 1e-4 if fmt == "float32" else 0.08
+    assert torch.allclose(alone.double(), ref, atol=tol * ref.abs().max().item(), rtol=0.02)
+    layer.row_invariant(False)
+    assert layer.kernels == table
+
+
+@pytest.mark.parametrize("kind", ["q8_0", "q5_1", "q6_k"])
+def test_row_invariant_int8_groups(kind):
+    layer = make_linear(groups(kind), None, "int8g")
+    layer.add_bf16_copy()
+    layer.row_invariant(True)
+    x = torch.randn(70, layer.in_features, generator=torch.Generator().manual_seed(5))
+    alone = torch.cat([layer(x[i:i + 1]) for i in range(70)])
+    for rows in (2, 16, 17, 40, 70):
+        assert torch.equal(layer(x[:rows]), alone[:rows]), rows

@@ -41,6 +41,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvserve.model.cpu import MAX_ROWS as GEMV_MAX_ROWS
 from kvserve.model.gguf_blocks import Int4Groups, Int8Groups, KeptTensor, affine, int4_groups
 from kvserve.model.graph_code import private_copy
 
@@ -98,6 +99,7 @@ class KeptLinear(nn.Module):
     out_features = in_features = 0
     copies = True    # takes the engine's bfloat16 copy (add_bf16_copy) where its format has one
     gemv = False     # the C++ GEMV ops serve this layer's few-row steps
+    invariant = False   # every step on a kernel whose rows do not depend on the row count (row_invariant)
     kernels: tuple[tuple[int | None, Kernel], ...] = ()
 
     def _setup(self, shape: torch.Size, bias: torch.Tensor | None, device: torch.device) -> None:
@@ -126,7 +128,25 @@ class KeptLinear(nn.Module):
         raise NotImplementedError
 
     def pick_kernels(self) -> None:
-        self.kernels = self.table()
+        self.kernels = ((None, self.invariant_kernel()),) if self.invariant else self.table()
+
+    def row_invariant(self, on: bool) -> None:
+        """The batch-invariant mode: a row's result is the same bits whatever else shares its step
+        (`invariant_kernel` at every row count), or back to the fastest kernel per row count."""
+        self.invariant = on
+        self.pick_kernels()
+
+    def invariant_kernel(self) -> Kernel:
+        """The format's C++ GEMV with row-invariant sums, up to its row limit a call, where it serves
+        this layer; else the one-row kernel of `table`, row by row."""
+        gemv = self.invariant_gemv()
+        if gemv is not None:
+            return in_chunks(gemv, GEMV_MAX_ROWS)
+        return in_chunks(self.table()[0][1], 1)
+
+    def invariant_gemv(self) -> Kernel | None:
+        """This format's GEMV called so that a row's sums do not depend on the rows beside it, or None."""
+        return None
 
     def kernel_for(self, rows: int) -> Kernel:
         """The kernel a step of `rows` rows runs."""
@@ -163,6 +183,15 @@ class KeptLinear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, fmt={self.fmt}"
+
+
+def in_chunks(kernel: Kernel, rows: int) -> Kernel:
+    """`kernel` called on at most `rows` rows at a time."""
+    def run(layer: KeptLinear, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] <= rows:
+            return kernel(layer, x)
+        return torch.cat([kernel(layer, part) for part in x.split(rows)])
+    return run
 
 
 def _bias(bias: torch.Tensor | None) -> nn.Parameter | None:
@@ -222,8 +251,12 @@ class HalfLinear(FloatLinear):
                             (None if self.bf16_units else self.wide_rows, HalfLinear.linear),
                             (None, HalfLinear.widened))
 
-    def half_gemv(self, x: torch.Tensor) -> torch.Tensor:
+    def half_gemv(self, x: torch.Tensor, invariant: bool = False) -> torch.Tensor:
         raise NotImplementedError
+
+    def invariant_gemv(self):
+        fits = self.gemv and self.in_features % 32 == 0 and self.out_features >= 16
+        return functools.partial(type(self).half_gemv, invariant=True) if fits else None
 
     def widened(self, x: torch.Tensor) -> torch.Tensor:
         """float32 arithmetic with the 16-bit roundings (16-bit inputs and outputs)."""
@@ -265,8 +298,8 @@ class Bf16Linear(HalfLinear):
     fmt = "bfloat16"
     gemv_rows = GEMV_ROWS["bfloat16"]
 
-    def half_gemv(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.kvserve_cpu.bf16_gemv(x.to(self.weight.dtype).contiguous(), self.weight).to(x.dtype)
+    def half_gemv(self, x: torch.Tensor, invariant: bool = False) -> torch.Tensor:
+        return torch.ops.kvserve_cpu.bf16_gemv(x.to(self.weight.dtype).contiguous(), self.weight, invariant).to(x.dtype)
 
     def wants_row_kernel(self) -> bool:
         return super().wants_row_kernel() and not self.gemv
@@ -278,8 +311,8 @@ class F16Linear(HalfLinear):
     fmt = "float16"
     gemv_rows = GEMV_ROWS["float16"]
 
-    def half_gemv(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.kvserve_cpu.f16_gemv(x.to(self.weight.dtype).contiguous(), self.weight).to(x.dtype)
+    def half_gemv(self, x: torch.Tensor, invariant: bool = False) -> torch.Tensor:
+        return torch.ops.kvserve_cpu.f16_gemv(x.to(self.weight.dtype).contiguous(), self.weight, invariant).to(x.dtype)
 
 
 class Int8Linear(KeptLinear):
@@ -316,10 +349,14 @@ class Int8Linear(KeptLinear):
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         return (self.qweight.float() * self.scale[:, None]).to(dtype)
 
-    def int8_gemv(self, x: torch.Tensor) -> torch.Tensor:
+    def int8_gemv(self, x: torch.Tensor, invariant: bool = False) -> torch.Tensor:
         if x.dtype not in GEMV_DTYPES:
             return self.int8pack_mm(x)
-        return torch.ops.kvserve_cpu.int8_gemv(x.contiguous(), self.qweight, self.scale_bf16)
+        return torch.ops.kvserve_cpu.int8_gemv(x.contiguous(), self.qweight, self.scale_bf16, invariant)
+
+    def invariant_gemv(self):
+        fits = self.gemv and self.in_features % INT8_KERNEL_K == 0 and self.out_features >= 16
+        return functools.partial(Int8Linear.int8_gemv, invariant=True) if fits else None
 
     def int8pack_mm(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.aten._weight_int8pack_mm(x.to(torch.bfloat16), self.qweight, self.scale_bf16).to(x.dtype)
@@ -401,6 +438,9 @@ class Int4PackedLinear(Int4Linear):
         if x.dtype not in GEMV_DTYPES:
             return self.int4pack_mm(x)
         return torch.ops.kvserve_cpu.int4_gemv(x.contiguous(), self.packed, self.scales_zeros, CPU_INT4_ROWS)
+
+    def invariant_gemv(self):
+        return Int4PackedLinear.int4_gemv if self.gemv else None   # its rows are independent already
 
     def int4pack_mm(self, x: torch.Tensor) -> torch.Tensor:
         xb = x.to(torch.bfloat16)
@@ -519,6 +559,12 @@ class Int8GroupLinear(KeptLinear):
             return self.kernels[-1][1](self, x)   # the many-row kernel
         return _q8g_gemv(x.contiguous(), self.codes, self.scales, self.mins, self.group)
 
+    def invariant_gemv(self):
+        return Int8GroupLinear.q8g_invariant if self.gemv else None
+
+    def q8g_invariant(self, x: torch.Tensor) -> torch.Tensor:
+        return _q8g_gemv(x.contiguous(), self.codes, self.scales, self.mins, self.group, True)
+
     def q8g_torch(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype not in GEMV_DTYPES:
             return self.kernels[-1][1](self, x)   # the many-row kernel
@@ -610,8 +656,8 @@ def _native_half_cpu() -> bool:
     return bool(torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
 
 
-def _q8g_gemv(x, codes, scales, mins, group):
-    return torch.ops.kvserve_cpu.q8g_gemv(x, codes, scales, mins, group)
+def _q8g_gemv(x, codes, scales, mins, group, invariant=False):
+    return torch.ops.kvserve_cpu.q8g_gemv(x, codes, scales, mins, group, invariant)
 
 
 def _q8g_torch(x, codes, scales, mins, group):

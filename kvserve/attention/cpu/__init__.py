@@ -61,15 +61,18 @@ def reads(q_dtype: torch.dtype, pool_dtype: torch.dtype) -> bool:
 
 
 def paged_decode(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, table: torch.Tensor,
-                 starts: torch.Tensor, ends: torch.Tensor, scale: float, out: torch.Tensor | None = None) -> torch.Tensor:
+                 starts: torch.Tensor, ends: torch.Tensor, scale: float, out: torch.Tensor | None = None,
+                 split: bool = True) -> torch.Tensor:
     """Row i of q [B, Hq, D] attends over positions [starts[i], ends[i]) of its block table row
     table[i] (long) in the pools [num_blocks, block_size, Hkv, D]; -> [B, Hq, Dv] in q's dtype (into
-    `out` when given, which must be contiguous). Pools are q's dtype, or bfloat16 under float32 q."""
+    `out` when given, which must be contiguous). Pools are q's dtype, or bfloat16 under float32 q.
+    `split` False keeps each row's positions in one part (one summation order whatever the rows:
+    the batch-invariant mode); True lets a few long rows split over the threads."""
     if not kernel():
         raise RuntimeError("the CPU decode attention kernel is not built here (see the warning above)")
     if out is None:
         out = q.new_empty((*q.shape[:2], v_pool.shape[-1]))
-    torch.ops.kvserve_attn.paged_decode_into(q, k_pool, v_pool, table, starts, ends, scale, out)
+    torch.ops.kvserve_attn.paged_decode_into(q, k_pool, v_pool, table, starts, ends, scale, out, split)
     return out
 
 

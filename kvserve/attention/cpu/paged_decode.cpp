@@ -2,7 +2,8 @@
 // by block id in place (no gathered copy). Work items are (row, K/V heads) pairs; each item scores
 // its heads' G query heads each against the visible keys (one pass over K), takes the softmax, and sums
 // the values (one pass over V). When the items are too few for the threads (a lone stream), each
-// row's positions are split into parts scored apart and combined exactly. Float32 arithmetic; queries and output float32 over float32 pools
+// row's positions are split into parts scored apart and combined exactly, unless `split` is off (the
+// batch-invariant mode: a row's sums then run in one order whatever else shares the call). Float32 arithmetic; queries and output float32 over float32 pools
 // (dtype 0), bfloat16 over bfloat16 pools (1), or float32 over bfloat16 pools (2: half the bytes
 // read). Built at run time by kvserve/attention/cpu/__init__.py and registered as torch ops
 // (kvserve_attn::paged_decode_into, kvserve_attn::decode_one), so a compiled graph calls them through
@@ -277,8 +278,8 @@ int64_t heads_per_item(int64_t rows, int64_t hkv, int threads) {
 // thread busy; else enough that items x parts fill the threads about four times over (a lone
 // stream has as many items as K/V heads: 3 on SmolLM2), each part at least kMinPart positions.
 constexpr int64_t kMinPart = 256;
-int64_t parts_per_row(int64_t items, int64_t longest, int threads, bool vec) {
-  if (!vec || threads == 1 || items >= 4 * threads) return 1;
+int64_t parts_per_row(int64_t items, int64_t longest, int threads, bool vec, bool split) {
+  if (!split || !vec || threads == 1 || items >= 4 * threads) return 1;
   return std::max<int64_t>(1, std::min<int64_t>((4 * threads + items - 1) / items, longest / kMinPart));
 }
 
@@ -305,11 +306,11 @@ void combine(const float* parts, int64_t n_parts, int64_t n_q, int64_t dv, TQ* o
 
 template <typename TQ, typename TK>
 void run(const void* q, const void* k_pool, const void* v_pool, const int64_t* table, const int64_t* starts,
-         const int64_t* ends, void* out, int64_t rows, const Shape& s, int threads) {
+         const int64_t* ends, void* out, int64_t rows, const Shape& s, int threads, bool split) {
   const int64_t per = heads_per_item(rows, s.hkv, threads), groups = s.hkv / per, items = rows * groups;
   int64_t longest = 0;
   for (int64_t r = 0; r < rows; ++r) longest = std::max(longest, ends[r] - starts[r]);
-  const int64_t n_parts = parts_per_row(items, longest, threads, vector_heads(s));
+  const int64_t n_parts = parts_per_row(items, longest, threads, vector_heads(s), split);
   const int64_t n_q = per * (s.hq / s.hkv), stride = n_q * (s.dv + 2);
   std::vector<float> parts(n_parts > 1 ? items * n_parts * stride : 0);
 #pragma omp parallel num_threads(threads)
@@ -337,13 +338,13 @@ void run(const void* q, const void* k_pool, const void* v_pool, const int64_t* t
 
 int paged_decode(const void* q, const void* k_pool, const void* v_pool, const int64_t* table,
                  const int64_t* starts, const int64_t* ends, void* out, int64_t rows, const Shape& s, int dtype,
-                 int threads) {
+                 int threads, bool split) {
   if (dtype == 0) {
-    run<float, float>(q, k_pool, v_pool, table, starts, ends, out, rows, s, threads);
+    run<float, float>(q, k_pool, v_pool, table, starts, ends, out, rows, s, threads, split);
   } else if (dtype == 1) {
-    run<uint16_t, uint16_t>(q, k_pool, v_pool, table, starts, ends, out, rows, s, threads);
+    run<uint16_t, uint16_t>(q, k_pool, v_pool, table, starts, ends, out, rows, s, threads, split);
   } else if (dtype == 2) {
-    run<float, uint16_t>(q, k_pool, v_pool, table, starts, ends, out, rows, s, threads);
+    run<float, uint16_t>(q, k_pool, v_pool, table, starts, ends, out, rows, s, threads, split);
   } else {
     return 1;
   }
@@ -368,7 +369,7 @@ void check_index(const at::Tensor& t, const char* what) {
 // Row i of q [B, Hq, D] over positions [starts[i], ends[i]) of table[i] ([B, W], or [W] for one
 // row) in the pools [num_blocks, block_size, Hkv, D], into out [B, Hq, Dv] (contiguous, q's dtype).
 void decode_rows(const at::Tensor& q_in, const at::Tensor& k_pool, const at::Tensor& v_pool, const at::Tensor& table,
-                 const int64_t* starts, const int64_t* ends, double scale, const at::Tensor& out) {
+                 const int64_t* starts, const int64_t* ends, double scale, const at::Tensor& out, bool split) {
   const at::Tensor q = q_in.stride(2) == 1 ? q_in : q_in.contiguous();
   check_index(table, "block tables");
   TORCH_CHECK(k_pool.is_contiguous() && v_pool.is_contiguous() && v_pool.scalar_type() == k_pool.scalar_type(),
@@ -382,14 +383,14 @@ void decode_rows(const at::Tensor& q_in, const at::Tensor& k_pool, const at::Ten
   const Shape s{width, q.size(1), k_pool.size(2), q.size(2), v_pool.size(3), k_pool.size(1), q.stride(0), q.stride(1),
                 table.dim() == 2 ? table.stride(0) : width, static_cast<float>(scale)};
   paged_decode(q.data_ptr(), k_pool.data_ptr(), v_pool.data_ptr(), table.data_ptr<int64_t>(), starts, ends,
-               out.data_ptr(), q.size(0), s, dtype, at::get_num_threads());
+               out.data_ptr(), q.size(0), s, dtype, at::get_num_threads(), split);
 }
 
 void paged_decode_into(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool, const at::Tensor& table,
-                       const at::Tensor& starts, const at::Tensor& ends, double scale, at::Tensor out) {
+                       const at::Tensor& starts, const at::Tensor& ends, double scale, at::Tensor out, bool split) {
   check_index(starts, "starts");
   check_index(ends, "ends");
-  decode_rows(q, k_pool, v_pool, table, starts.data_ptr<int64_t>(), ends.data_ptr<int64_t>(), scale, out);
+  decode_rows(q, k_pool, v_pool, table, starts.data_ptr<int64_t>(), ends.data_ptr<int64_t>(), scale, out, split);
 }
 
 // One token's K or V [1, H, D] (any strides) into row `slot` of a contiguous pool [blocks,
@@ -429,13 +430,13 @@ at::Tensor decode_one(const at::Tensor& q, const at::Tensor& k, const at::Tensor
   store_token(v, v_pool, at_slot);
   at::Tensor out = at::empty({q.size(0), q.size(1), v_pool.size(3)}, q.options());
   const int64_t* ends = span.data_ptr<int64_t>();
-  decode_rows(q, k_pool, v_pool, blocks, ends, ends + 1, scale, out);
+  decode_rows(q, k_pool, v_pool, blocks, ends, ends + 1, scale, out, true);
   return out;
 }
 
 void paged_decode_into_meta(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
                             const at::Tensor& table, const at::Tensor& starts, const at::Tensor& ends, double scale,
-                            at::Tensor out) {}
+                            at::Tensor out, bool split) {}
 
 at::Tensor decode_one_meta(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor k_pool,
                            at::Tensor v_pool, const at::Tensor& slot, const at::Tensor& blocks, const at::Tensor& span,
@@ -447,7 +448,7 @@ at::Tensor decode_one_meta(const at::Tensor& q, const at::Tensor& k, const at::T
 
 TORCH_LIBRARY(kvserve_attn, m) {
   m.def("paged_decode_into(Tensor q, Tensor k_pool, Tensor v_pool, Tensor table, Tensor starts, Tensor ends, "
-        "float scale, Tensor(a!) out) -> ()");
+        "float scale, Tensor(a!) out, bool split=True) -> ()");
   m.def("decode_one(Tensor q, Tensor k, Tensor v, Tensor(a!) k_pool, Tensor(b!) v_pool, Tensor slot, Tensor blocks, "
         "Tensor span, float scale) -> Tensor");
 }

@@ -14,6 +14,8 @@
 // Sixteen output channels at a time: each channel's dot product runs along K with four
 // accumulators, the 16 partial vectors are reduced together (a transpose), weights are prefetched
 // a few KiB ahead (one core alone does not keep enough loads in flight to fill the memory bus).
+// `invariant` (int8, bfloat16, float16, q8g): a lone row is summed as a row of a group is, so each
+// row's result is the same whatever the call's row count (int4's rows are so already).
 // Output channel blocks are split over torch's threads (at::parallel_for, torch's OpenMP runtime).
 // Vectors are GCC vector extensions (one AVX-512 register, or two AVX2 ones); AVX-512 intrinsics
 // appear only under #ifdef __AVX512F__ beside a portable path (tests build that with -mno-avx512f).
@@ -306,11 +308,19 @@ void q8g_block(const Q8gBlock& b, v16* part) {
   }
 }
 
+// 16 codes dequantized. The empty asm keeps them a value of their own: with one row the compiler
+// would otherwise fold the scale into the row's products (reassociation), and a lone row's sums
+// would differ from the same row's in a group.
 template <int G, bool Mins>
-inline v16 q8g_weights(const int8_t* w, const float* s, const float* mn, int64_t i) {  // 16 codes dequantized
+inline v16 q8g_weights(const int8_t* w, const float* s, const float* mn, int64_t i) {
   const v16 c = widen(w + i);
-  if (Mins) return c * s[i / G] + mn[i / G];
-  return c * s[i / G];
+  v16 out = Mins ? c * s[i / G] + mn[i / G] : c * s[i / G];
+#ifdef __AVX512F__
+  asm("" : "+v"(out));
+#else
+  asm("" : "+m"(out));   // two 256-bit registers: through memory
+#endif
+  return out;
 }
 
 // The same for R rows of x at once.
@@ -354,15 +364,16 @@ void for_blocks(int64_t m, int64_t n, Block block) {
 }
 
 // The 16-channel partial sums of `rows` rows (1 to Kernels::kTile) from x, with the kernel for each
-// count; args are the kernel's operands.
+// count; args are the kernel's operands. A lone row takes the one-row kernel (more accumulators,
+// another summation order) unless `invariant`: then every row is summed as in a group of rows, so a
+// row's result does not depend on how many rows share the call (the batch-invariant mode).
 template <typename Kernels, int R = 1, typename... Args>
-void row_group(int64_t rows, v16 (*part)[16], Args... args) {
+void row_group(int64_t rows, bool invariant, v16 (*part)[16], Args... args) {
   if constexpr (R == 1) {
-    if (rows == 1) return Kernels::one(args..., part[0]);
-  } else if (rows == R || R == Kernels::kTile) {
-    return Kernels::template many<R>(args..., part);
+    if (rows == 1 && !invariant) return Kernels::one(args..., part[0]);
   }
-  if constexpr (R < Kernels::kTile) row_group<Kernels, R + 1>(rows, part, args...);
+  if (rows == R || R == Kernels::kTile) return Kernels::template many<R>(args..., part);
+  if constexpr (R < Kernels::kTile) row_group<Kernels, R + 1>(rows, invariant, part, args...);
 }
 
 template <typename W>
@@ -410,7 +421,7 @@ at::Tensor float_rows(const at::Tensor& x, bool round_bf16) {
   return out;
 }
 
-at::Tensor int8_gemv(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale) {
+at::Tensor int8_gemv(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale, bool invariant) {
   check_shapes(x, w, 16, "int8_gemv");
   TORCH_CHECK(w.scalar_type() == at::kChar && scale.scalar_type() == at::kBFloat16 && scale.is_contiguous() &&
                   scale.numel() == w.size(0), "int8_gemv: int8 w and bfloat16 scale [N] expected");
@@ -424,7 +435,7 @@ at::Tensor int8_gemv(const at::Tensor& x, const at::Tensor& w, const at::Tensor&
   void* yp = y.data_ptr();
   for_blocks(m, n, [&](int64_t r0, int64_t rows, int64_t n0) {
     v16 part[4][16];
-    row_group<Widened<int8_t>>(rows, part, xb.const_data_ptr<float>() + r0 * k, wp + n0 * k, k);
+    row_group<Widened<int8_t>>(rows, invariant, part, xb.const_data_ptr<float>() + r0 * k, wp + n0 * k, k);
     for (int64_t i = 0; i < rows; ++i) {
       const int64_t r = r0 + i;
       v16 sums = transpose_sum(part[i]);
@@ -438,7 +449,7 @@ at::Tensor int8_gemv(const at::Tensor& x, const at::Tensor& w, const at::Tensor&
   return y;
 }
 
-at::Tensor bf16_gemv(const at::Tensor& x, const at::Tensor& w) {
+at::Tensor bf16_gemv(const at::Tensor& x, const at::Tensor& w, bool invariant) {
   check_shapes(x, w, 32, "bf16_gemv");
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && w.scalar_type() == at::kBFloat16, "bf16_gemv: bfloat16 x and w");
   const int64_t m = x.size(0), k = x.size(1), n = w.size(0);
@@ -448,7 +459,7 @@ at::Tensor bf16_gemv(const at::Tensor& x, const at::Tensor& w) {
   uint16_t* yp = static_cast<uint16_t*>(y.data_ptr());
   for_blocks(m, n, [&](int64_t r0, int64_t rows, int64_t n0) {
     v16 part[4][16];
-    row_group<Bf16>(rows, part, xp + r0 * k, wp + n0 * k, k);
+    row_group<Bf16>(rows, invariant, part, xp + r0 * k, wp + n0 * k, k);
     for (int64_t i = 0; i < rows; ++i) {
       v16 sums = transpose_sum(part[i]);
       for (int t = 0; t < 16; ++t) yp[(r0 + i) * n + n0 + t] = float_to_bf16(sums[t]);
@@ -457,7 +468,7 @@ at::Tensor bf16_gemv(const at::Tensor& x, const at::Tensor& w) {
   return y;
 }
 
-at::Tensor f16_gemv(const at::Tensor& x, const at::Tensor& w) {
+at::Tensor f16_gemv(const at::Tensor& x, const at::Tensor& w, bool invariant) {
   check_shapes(x, w, 16, "f16_gemv");
   TORCH_CHECK(x.scalar_type() == at::kHalf && w.scalar_type() == at::kHalf, "f16_gemv: float16 x and w");
   const int64_t m = x.size(0), k = x.size(1), n = w.size(0);
@@ -467,7 +478,7 @@ at::Tensor f16_gemv(const at::Tensor& x, const at::Tensor& w) {
   uint16_t* yp = static_cast<uint16_t*>(y.data_ptr());
   for_blocks(m, n, [&](int64_t r0, int64_t rows, int64_t n0) {
     v16 part[4][16];
-    row_group<Widened<Half>>(rows, part, xf.const_data_ptr<float>() + r0 * k, wp + n0 * k, k);
+    row_group<Widened<Half>>(rows, invariant, part, xf.const_data_ptr<float>() + r0 * k, wp + n0 * k, k);
     for (int64_t i = 0; i < rows; ++i) {
       v16 sums = transpose_sum(part[i]);
       for (int t = 0; t < 16; ++t) yp[(r0 + i) * n + n0 + t] = float_to_half(sums[t]);
@@ -476,7 +487,7 @@ at::Tensor f16_gemv(const at::Tensor& x, const at::Tensor& w) {
   return y;
 }
 
-at::Tensor f16_gemv_meta(const at::Tensor& x, const at::Tensor& w) {
+at::Tensor f16_gemv_meta(const at::Tensor& x, const at::Tensor& w, bool invariant) {
   return at::empty_symint({x.sym_size(0), w.sym_size(0)}, x.options());
 }
 
@@ -543,7 +554,8 @@ at::Tensor int4_gemv(const at::Tensor& x, const at::Tensor& packed, const at::Te
 // y [M, N] = the q8g product of x [M, K] (float32) with the codes w, scales s and mins mn (or null),
 // the rows' group sums of x first where there are mins.
 template <int G, bool Mins>
-void q8g_run(const float* x, const int8_t* w, const float* s, const float* mn, int64_t k, at::Tensor& y) {
+void q8g_run(const float* x, const int8_t* w, const float* s, const float* mn, int64_t k, bool invariant,
+             at::Tensor& y) {
   const int64_t m = y.size(0), n = y.size(1), groups = k / G;
   std::vector<float> xsum(Mins ? m * groups : 0, 0.0f);
   for (int64_t i = 0; i < static_cast<int64_t>(xsum.size()) * G; ++i) xsum[i / G] += x[i];
@@ -553,7 +565,7 @@ void q8g_run(const float* x, const int8_t* w, const float* s, const float* mn, i
     const Q8gBlock b{x + r0 * k, xsum.data() + r0 * groups, w + n0 * k, s + n0 * groups,
                      Mins ? mn + n0 * groups : nullptr, k};
     v16 part[Q8g<G, Mins>::kTile][16];
-    row_group<Q8g<G, Mins>>(rows, part, b);
+    row_group<Q8g<G, Mins>>(rows, invariant, part, b);
     for (int64_t i = 0; i < rows; ++i) {
       const v16 sums = transpose_sum(part[i]);
       const int64_t at = (r0 + i) * n + n0;
@@ -572,7 +584,7 @@ void check_q8g_operand(const at::Tensor& t, const char* name, int64_t n, int64_t
 }
 
 at::Tensor q8g_gemv(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
-                    const std::optional<at::Tensor>& mins, int64_t group) {
+                    const std::optional<at::Tensor>& mins, int64_t group, bool invariant) {
   TORCH_CHECK(group == 16 || group == 32, "q8g_gemv: group must be 16 or 32, got ", group);
   check_shapes(x, codes, group, "q8g_gemv");
   TORCH_CHECK(codes.scalar_type() == at::kChar, "q8g_gemv: int8 codes expected, got ", codes.scalar_type());
@@ -588,14 +600,14 @@ at::Tensor q8g_gemv(const at::Tensor& x, const at::Tensor& codes, const at::Tens
   const int8_t* wp = codes.const_data_ptr<int8_t>();
   const float* sp = scales.const_data_ptr<float>();
   const float* mp = mins ? mins->const_data_ptr<float>() : nullptr;
-  using Run = void (*)(const float*, const int8_t*, const float*, const float*, int64_t, at::Tensor&);
+  using Run = void (*)(const float*, const int8_t*, const float*, const float*, int64_t, bool, at::Tensor&);
   const Run runs[2][2] = {{q8g_run<16, false>, q8g_run<16, true>}, {q8g_run<32, false>, q8g_run<32, true>}};
-  runs[group == 32][mins.has_value()](xp, wp, sp, mp, k, y);
+  runs[group == 32][mins.has_value()](xp, wp, sp, mp, k, invariant, y);
   return y;
 }
 
 at::Tensor q8g_gemv_meta(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
-                         const std::optional<at::Tensor>& mins, int64_t group) {
+                         const std::optional<at::Tensor>& mins, int64_t group, bool invariant) {
   return at::empty_symint({x.sym_size(0), codes.sym_size(0)}, x.options());
 }
 
@@ -603,22 +615,22 @@ at::Tensor int4_gemv_meta(const at::Tensor& x, const at::Tensor& packed, const a
   return at::empty_symint({x.sym_size(0), packed.sym_size(0)}, x.options());
 }
 
-at::Tensor int8_gemv_meta(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale) {
+at::Tensor int8_gemv_meta(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale, bool invariant) {
   return at::empty_symint({x.sym_size(0), w.sym_size(0)}, x.options());
 }
 
-at::Tensor bf16_gemv_meta(const at::Tensor& x, const at::Tensor& w) {
+at::Tensor bf16_gemv_meta(const at::Tensor& x, const at::Tensor& w, bool invariant) {
   return at::empty_symint({x.sym_size(0), w.sym_size(0)}, x.options());
 }
 
 }  // namespace
 
 TORCH_LIBRARY(kvserve_cpu, m) {
-  m.def("int8_gemv(Tensor x, Tensor w, Tensor scale) -> Tensor");
-  m.def("bf16_gemv(Tensor x, Tensor w) -> Tensor");
-  m.def("f16_gemv(Tensor x, Tensor w) -> Tensor");
+  m.def("int8_gemv(Tensor x, Tensor w, Tensor scale, bool invariant=False) -> Tensor");
+  m.def("bf16_gemv(Tensor x, Tensor w, bool invariant=False) -> Tensor");
+  m.def("f16_gemv(Tensor x, Tensor w, bool invariant=False) -> Tensor");
   m.def("int4_gemv(Tensor x, Tensor packed, Tensor scales_zeros, int block) -> Tensor");
-  m.def("q8g_gemv(Tensor x, Tensor codes, Tensor scales, Tensor? mins, int group) -> Tensor");
+  m.def("q8g_gemv(Tensor x, Tensor codes, Tensor scales, Tensor? mins, int group, bool invariant=False) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(kvserve_cpu, CPU, m) {
