@@ -125,6 +125,10 @@ class EngineConfig:
     enforce_eager: bool = opt(False, "run the model eagerly: no compiled regions, no compile at start-up "
                               "(float32 weights with float32 activations, the oracle, always run eagerly; "
                               "KVSERVE_ENFORCE_EAGER=1 sets this for every engine of a process)")
+    batch_invariant: bool = opt(False, "a request's greedy tokens stay the same whatever else shares its steps, "
+                                "wherever its prefix came from, across preemption: one row-invariant kernel "
+                                "per layer, every attention row through the CPU kernel unsplit, eager "
+                                "(CPU, native K/V; docs/SERVING.md 'Batch invariance')")
     compile_mode: str = opt("background", "when the model compiles: background (the engine serves eagerly "
                             "at once and switches to the compiled graphs between two steps when they are "
                             "ready) or blocking (compile before the engine serves)", choices=list(COMPILE_MODES))
@@ -285,6 +289,8 @@ class EngineConfig:
         `eager_by_env`: the process asked for eager engines (EAGER_ENV, read where the engine is built)."""
         if self.enforce_eager:
             return False, "enforce_eager=True"
+        if self.batch_invariant:
+            return False, "batch_invariant runs eagerly (compiled graphs sum in their own orders)"
         if self.tensor_parallel_size > 1:
             return False, "tensor parallel runs eagerly"
         if eager_by_env:

@@ -229,7 +229,10 @@ def select_backend(storage: KVStorage, group: KVGroup, observed: bool, kind: str
     they read the group's format and no KV eviction watches its attention scores. Otherwise
     PagedBackend when every layer keeps plain K/V in the model dtype and nothing watches the
     scores (with the CPU decode kernel under 'auto', torch's ops under 'torch'); GatheredBackend
-    else."""
+    else. 'invariant' (the batch-invariant mode): attention/invariant.py's InvariantBackend."""
+    if kind == "invariant":
+        from kvserve.attention.invariant import InvariantBackend  # it builds on PagedBackend
+        return InvariantBackend(storage, group)
     if kind != "torch" and not observed:
         fast = _kernel_backend(storage, group, kind)
         if fast is not None:

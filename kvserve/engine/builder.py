@@ -42,6 +42,7 @@ from kvserve.model.quant import (
     keep_formats,
     quant_layers,
     quantize_model,
+    row_invariant_model,
     slow_half,
     weight_bytes,
 )
@@ -132,6 +133,8 @@ def load_model(config: EngineConfig, device: torch.device, dtype: torch.dtype,
     seconds = time.perf_counter() - t0
     log.info("weights: %s, activations %s (%s); %.1f MiB of weights", weight_format,
              str(dtype).removeprefix("torch."), why, weight_bytes(model) / 2**20)
+    if config.batch_invariant:
+        row_invariant_model(model)
     max_model_len = _max_model_len(config, model_config)
     extend_positions(model, max_model_len)
     compiled = _compile(config, weight_format, env.enforce_eager)
@@ -168,10 +171,11 @@ def release_freed_memory() -> bool:
 def _bf16_copies(config: EngineConfig, model: torch.nn.Module, device: torch.device) -> bool:
     """Give the int8/int4/int8-group layers their bfloat16 copies when config.bf16_weight_copy says so."""
     layers = [m for m in quant_layers(model) if m.fmt in COPY_FORMATS and m.copies]
-    if not layers or config.bf16_weight_copy == "off":
+    setting = copy_setting(config)
+    if not layers or setting == "off":
         return False
     need = sum(2 * m.in_features * m.out_features for m in layers)
-    if config.bf16_weight_copy == "auto":
+    if setting == "auto":
         if device.type != "cpu" or slow_half(device):
             return False
         if need > device_memory(device) // 4:
@@ -181,8 +185,13 @@ def _bf16_copies(config: EngineConfig, model: torch.nn.Module, device: torch.dev
     for m in layers:
         m.add_bf16_copy()
     log.info("bfloat16 copy of the %s weights for steps of more than 12-16 rows: %.0f MiB (bf16_weight_copy=%s)",
-             "/".join(sorted({m.fmt for m in layers})), need / 2**20, config.bf16_weight_copy)
+             "/".join(sorted({m.fmt for m in layers})), need / 2**20, setting)
     return True
+
+
+def copy_setting(config: EngineConfig) -> str:
+    """bf16_weight_copy as it applies: off in the batch-invariant mode, whose kernels never read it."""
+    return "off" if config.batch_invariant else config.bf16_weight_copy
 
 
 def _compile(config: EngineConfig, weight_format: str, eager_by_env: bool) -> bool:
@@ -224,7 +233,7 @@ def _cached_kept_model(config: EngineConfig, path: str, mc: ModelConfig, floats:
             _bf16_copies(config, model, device)
         return model
     key = weight_cache.cache_key(weights=GGUF_FORMAT, dtype=dtype, device=device.type,
-                                 bf16_weight_copy=config.bf16_weight_copy)
+                                 bf16_weight_copy=copy_setting(config))
     file = weight_cache.cache_file(path, key)
     with phase("model build (weight cache)"):
         model = _build_kept_model(mc, _on_meta(floats), _on_meta(kept), device, dtype, torch.device("meta"))
@@ -446,6 +455,7 @@ class CachePlanner:
         return namespace_hash(mc.name, mc.architecture, lm.dtype, self.config.block_size,
                               mc.num_layers, mc.num_kv_heads, mc.head_dim, self.format.description,
                               *([f"weights={lm.weight_format}{lm.weight_digest}"] if lm.quantized else []),
+                              *(["batch_invariant"] if self.config.batch_invariant else []),
                               algo=self.config.prefix_caching_hash_algo)
 
     def build(self, events=None, *, tiers: bool = False,

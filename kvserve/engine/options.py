@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from kvserve.attention.invariant import check_options as check_batch_invariant
 from kvserve.config import EngineConfig
 from kvserve.engine.offload import check_tiers, tier_key
 from kvserve.engine.spec.config import check_combination, parse_speculative_config
@@ -29,6 +30,7 @@ def engine_options(config: EngineConfig) -> EngineConfig:
     check_endpoint("kv_events", config.kv_events, config.kv_events_allow_remote)
     check_endpoint("kv_events_replay", config.kv_events_replay, config.kv_events_allow_remote)
     digest_fn(config.prefix_caching_hash_algo)  # names the choices, or says to pip install xxhash
+    check_batch_invariant(config)
     checked = dataclasses.replace(config, **dataclasses.asdict(fmt),
                                   kv_cache_memory=config.kv_cache_memory_bytes(),
                                   kv_tiers=config.tier_names() if config.kv_tiers is not None else None,

@@ -735,6 +735,19 @@ def quantize_model(model: nn.Module, fmt: str) -> None:
                 setattr(parent, name, make_linear(child.weight, child.bias, HEAD_FORMAT if head else fmt, tied))
 
 
+def row_invariant_model(model: nn.Module) -> None:
+    """The batch-invariant mode: every linear on its row-invariant kernel (KeptLinear.row_invariant);
+    float layers still plain (nn.Linear, float fused groups) become their dtype's kept class first."""
+    plain = any(isinstance(m, nn.Linear) and name.rsplit(".", 1)[-1] not in FLOAT_ONLY
+                for name, m in model.named_modules())
+    plain |= any(g.weight is not None for m in model.modules() for g in getattr(m, "fused", ()))
+    if plain:
+        dtype = next(p.dtype for p in model.parameters() if p.is_floating_point())
+        quantize_model(model, next(name for name, d in FLOAT_FORMATS.items() if d == dtype))
+    for layer in quant_layers(model):
+        layer.row_invariant(True)
+
+
 def _replace_members(module: nn.Module, group) -> None:
     for name, child in list(module.named_children()):
         for i, linear in enumerate(group.linears):
