@@ -146,6 +146,10 @@ class ApiKeyMiddleware:
             scope[TENANT_SCOPE_KEY] = salt
         await self.app(scope, receive, send)
 
+    def operator_error(self, scope) -> APIError | None:
+        """The error an operator route answers this request with, or None when its key may open it."""
+        return self._operator_error(*self._match(scope))
+
     def _match(self, scope) -> tuple[str | None, bool]:
         """(tenant salt, is the admin key) of the request's bearer token; (None, False) for none."""
         scheme, _, token = dict(scope["headers"]).get(b"authorization", b"").partition(b" ")

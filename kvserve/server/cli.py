@@ -137,7 +137,7 @@ def cmd_serve(args) -> int:
     check_admin_key(admin_key, api_keys)
     if args.replicas is not None:
         from kvserve.server.replicas import serve_replicas
-        return serve_replicas(args, api_keys)
+        return serve_replicas(args, api_keys, admin_key)
     log.info("start-up: import %.2f s", seconds_since_launch())
     engine_options(EngineConfig(**engine_kwargs(args)))   # bad flags fail now, with exit status 2
     with phase("model resolve"):

@@ -173,9 +173,10 @@ class Ingress:
     """Serve's HTTP entry: routes each request to an engine replica and relays its answer."""
 
     def __init__(self, engines, model: str | None, routing: str = "prefix", cache_isolation: str = "salt",
-                 api_keys: list[str] | None = None, max_body_bytes: int = 2 << 20):
+                 api_keys: list[str] | None = None, max_body_bytes: int = 2 << 20, admin_api_key: str | None = None):
         from kvserve.engine.builder import load_tokenizer
         from kvserve.model.loader import resolve_model_path
+        from kvserve.server.app import ApiKeyMiddleware
 
         self.engines = engines.options(stream=True)
         self.engine_app = engines.app_name
@@ -183,6 +184,8 @@ class Ingress:
         self.tokenizer = load_tokenizer(resolve_model_path(model))
         self.cache_isolation, self.api_keys = cache_isolation, list(api_keys or [])
         self.max_body_bytes = max_body_bytes
+        # the replicas' own rules for the operator routes (/metrics, and /v1/replicas here)
+        self.keys = ApiKeyMiddleware(None, self.api_keys, admin_api_key, cache_isolation)
 
     async def __call__(self, request):
         """Any route: /metrics and /v1/replicas here, everything else on one replica."""
@@ -190,8 +193,9 @@ class Ingress:
 
         path = _path(request)
         try:
+            if path in ("/v1/replicas", "/metrics"):
+                self._check_operator(request)
             if path == "/v1/replicas":
-                self._check_key(request)
                 return JSONResponse(await self.replicas(request.query_params.get("hashes") == "true"))
             call = await self._call(request)
             if path == "/metrics" and call.route.replica is None:
@@ -237,14 +241,11 @@ class Ingress:
         tenant = tenant_salt(token)
         return tenant if salt is None else f"{tenant}/{salt}"
 
-    def _check_key(self, request) -> None:
-        if not self.api_keys:
-            return
-        scheme, _, token = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or token.strip() not in self.api_keys:
-            raise APIError(401, "invalid or missing API key: send 'Authorization: Bearer <key>'",
-                           type="authentication_error", code="invalid_api_key",
-                           headers={"WWW-Authenticate": "Bearer"})
+    def _check_operator(self, request) -> None:
+        """/v1/replicas and /metrics show every tenant's traffic: the admin key, as on one server."""
+        err = self.keys.operator_error(request.scope)
+        if err is not None:
+            raise err
 
     async def forward(self, call: HTTPCall):
         """Send the call to a replica and relay its answer; a replica lost on the way ends it cleanly."""
@@ -389,7 +390,7 @@ def build_application(engine_kwargs: dict, app_kwargs: dict, *, replicas: int, r
     engine = serve.deployment(EngineReplica, name=ENGINE_DEPLOYMENT, num_replicas=replicas,
                               max_ongoing_requests=max_ongoing_requests, request_router_config=router,
                               ray_actor_options={"num_cpus": num_cpus}, health_check_period_s=2)
-    api = {k: app_kwargs[k] for k in ("cache_isolation", "max_body_bytes") if k in app_kwargs}
+    api = {k: app_kwargs[k] for k in ("cache_isolation", "max_body_bytes", "admin_api_key") if k in app_kwargs}
     keys = app_kwargs.get("api_key") or []
     ingress = serve.deployment(Ingress, name="kvserve-ingress", ray_actor_options={"num_cpus": 0},
                                max_ongoing_requests=10_000)
@@ -405,7 +406,19 @@ def build_ingress(engines, model: str | None = None, routing: str = "prefix", na
     return ingress.bind(engines, model, routing)
 
 
-def serve_replicas(args, api_keys: list[str]) -> int:
+def replica_app_kwargs(args, api_keys: list[str], admin_key: str | None) -> dict:
+    """Each replica's build_app options from `kvserve serve` flags: the keys, the admin key and the
+    request limits (each replica enforces its own: the limits hold per replica)."""
+    return {"served_model_name": args.served_model_name, "api_key": api_keys, "admin_api_key": admin_key,
+            "max_queue": args.max_queue, "max_body_bytes": args.max_body_bytes,
+            "allow_special_tokens_in_content": args.allow_special_tokens_in_content,
+            "cache_isolation": args.cache_isolation, "metrics_names": args.metrics_names,
+            "tool_call_parser": args.tool_call_parser, "enable_auto_tool_choice": args.enable_auto_tool_choice,
+            "max_request_tokens": args.max_request_tokens, "max_running_per_key": args.max_running_per_key,
+            "max_concurrent_requests": args.max_concurrent_requests}
+
+
+def serve_replicas(args, api_keys: list[str], admin_key: str | None = None) -> int:
     """`kvserve serve --replicas N`: start (or join) Ray, deploy, serve until SIGINT/SIGTERM."""
     import os
     import signal
@@ -424,11 +437,7 @@ def serve_replicas(args, api_keys: list[str]) -> int:
     else:
         ray.init(num_cpus=os.cpu_count(), include_dashboard=False, log_to_driver=False)
     serve.start(http_options={"host": args.host, "port": args.port})
-    app_kwargs = {"served_model_name": args.served_model_name, "api_key": api_keys,
-                  "max_queue": args.max_queue, "max_body_bytes": args.max_body_bytes,
-                  "allow_special_tokens_in_content": args.allow_special_tokens_in_content,
-                  "cache_isolation": args.cache_isolation, "metrics_names": args.metrics_names,
-                  "tool_call_parser": args.tool_call_parser, "enable_auto_tool_choice": args.enable_auto_tool_choice}
+    app_kwargs = replica_app_kwargs(args, api_keys, admin_key)
     app = build_application(engine_kwargs(args), app_kwargs, replicas=args.replicas, routing=args.routing,
                             events_host=None if args.ray_address else "127.0.0.1")
     serve.run(app, name="kvserve", route_prefix="/")
