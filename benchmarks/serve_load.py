@@ -194,7 +194,7 @@ def wait_idle(url: str, headers: dict, timeout: float = 30) -> dict[str, float]:
 class ServerProcess:
     """`kvserve serve` on a free loopback port, output in a temp file."""
 
-    def __init__(self, extra: list[str]):
+    def __init__(self, extra: list[str], env: dict | None = None):
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             self.port = s.getsockname()[1]
@@ -202,7 +202,7 @@ class ServerProcess:
         self.log = tempfile.NamedTemporaryFile("w+", prefix="kvserve-load-", suffix=".log", delete=False)
         cmd = [sys.executable, "-m", "kvserve.cli", "serve", "--host", "127.0.0.1", "--port", str(self.port),
                "--no-access-log", "--compile-mode", "blocking", *extra]
-        env = {**os.environ}
+        env = {**os.environ, **(env or {})}
         env.pop("KVSERVE_API_KEY", None)
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env,
                                      cwd=Path(__file__).resolve().parent.parent)

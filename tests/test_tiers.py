@@ -174,6 +174,22 @@ def test_redis_tier_bound_is_redis_lru(make_redis):
     assert tier.stats.errors == 0
 
 
+def test_a_full_redis_that_refuses_writes_is_logged_once_and_counted(make_redis, caplog):
+    """maxmemory with noeviction: every SET past the bound is refused (OOM). One warning, every
+    entry not stored counted in write_errors, and lookups keep working."""
+    server = make_redis("--maxmemory", "2mb", "--maxmemory-policy", "noeviction")
+    tier = RedisTier(server.url)
+    big = b"x" * 200_000
+    with caplog.at_level("WARNING", logger="kvserve"):
+        for i in range(30):                                       # 6 MB into a 2 MB server
+            tier.put_many([(f"ns/{i}", big), (f"ns/{i}b", big)])
+    stored = sum(tier.contains([f"ns/{i}{s}" for i in range(30) for s in ("", "b")]))
+    assert 0 < stored < 60
+    assert tier.stats.write_errors == 60 - stored
+    assert len([r for r in caplog.records if "refused" in r.getMessage()]) == 1
+    assert tier.get("ns/0") == big
+
+
 # ---- the bridge: save on eviction, load on a device miss, never serve a bad entry ------------
 def tiered_cache(tiers, num_blocks=8, block_size=4, groups=None, queue_blocks=None):
     """A KV manager and storage over one pool, with a bridge to `tiers` below (built as the engine's

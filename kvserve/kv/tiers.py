@@ -512,6 +512,7 @@ class RedisTier:
         self.backoff = self.min_backoff
         self.down_until = 0.0
         self.down = False
+        self.refusal_warned = False   # the first server-side refusal is logged, the rest only counted
         if self._call(self.client.ping) is not None:
             log.info("redis tier: connected to %s", url)
 
@@ -532,14 +533,21 @@ class RedisTier:
                             self.url, e)
             return None
         except self._redis_error as e:  # a server-side refusal (e.g. out of memory): count, go on
-            self.stats.add(errors=1)
-            log.warning("redis tier %s: %s", self.url, e)
+            self._refused(e)
             return None
         with self.lock:
             was_down, self.down, self.backoff = self.down, False, self.min_backoff
         if was_down:
             log.info("redis tier %s reachable again", self.url)
         return out
+
+    def _refused(self, e: Exception) -> None:
+        """Count a call the server refused; the first one is logged."""
+        self.stats.add(errors=1)
+        if not self.refusal_warned:
+            self.refusal_warned = True
+            log.warning("redis tier %s refused a call (%s); further refusals are only counted (errors, "
+                        "write_errors)", self.url, e)
 
     def contains(self, keys: list[str]) -> list[bool] | None:
         """Which keys exist (one pipelined round trip); None while the server is unavailable."""
@@ -555,20 +563,28 @@ class RedisTier:
         return self._call(self.client.get, self.PREFIX + key)
 
     def put_many(self, items: list[tuple[str, bytes]]) -> None:
-        """Store entries, pipelined in batches of about PIPELINE_BYTES (each within the timeout)."""
+        """Store entries, pipelined in batches of about PIPELINE_BYTES (each within the timeout). Entries
+        the server refuses (maxmemory with noeviction) or that an unavailable server never got are
+        counted in write_errors."""
         def run(batch):
             pipe = self.client.pipeline(transaction=False)
             for k, data in batch:
                 pipe.set(self.PREFIX + k, data)
-            return pipe.execute()
+            return pipe.execute(raise_on_error=False)
         batch, size = [], 0
         for n, (key, data) in enumerate(items):
             batch.append((key, data))
             size += len(data)
             if size >= self.PIPELINE_BYTES or n == len(items) - 1:
-                if self._call(run, batch) is None:
+                results = self._call(run, batch)
+                if results is None:
+                    self.stats.add(write_errors=len(items) - n - 1 + len(batch))   # this batch and the rest
                     return
-                self.stats.add(bytes_written=size, entries_written=len(batch))
+                stored = [len(d) for (_, d), r in zip(batch, results) if not isinstance(r, Exception)]
+                if len(stored) < len(batch):
+                    self._refused(next(r for r in results if isinstance(r, Exception)))
+                    self.stats.add(write_errors=len(batch) - len(stored))
+                self.stats.add(bytes_written=sum(stored), entries_written=len(stored))
                 batch, size = [], 0
 
     def delete(self, key: str) -> None:
