@@ -95,6 +95,16 @@ def test_sampled_rows_beside_greedy_ones_leave_them_alone(engine, alone):
     assert all(len(o.outputs[0].token_ids) == MAX_TOKENS for o in out[1::2])
 
 
+def test_speculative_decoding_keeps_the_bits(engine, alone):
+    """ngram speculation on another engine in the mode: the proposals are verified on the same
+    kernels, so every request (repetitive prompts: many proposals accepted) gets its alone bits."""
+    spec = LLM(batch_invariant=True, kv_cache_memory="12MiB", max_model_len=512, max_num_batched_tokens=64,
+               speculative_config={"method": "ngram", "num_speculative_tokens": 3})
+    out = spec.generate(prompts(), greedy(), use_tqdm=False)
+    assert spec.get_metrics()["spec_decode_num_accepted_tokens"] > 0
+    assert results(out) == alone
+
+
 def test_sliding_window_layers_are_invariant_too(tmp_path):
     """Gemma-3's hybrid layers (window 8) on a tiny random checkpoint, float32 weights: token-id
     prompts alone and together."""
