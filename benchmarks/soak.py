@@ -23,6 +23,8 @@ from common import command_line, git_state, machine_facts, md_table, replace_sec
 from serve_load import Job, ServerProcess, make_jobs, request_body, wait_idle  # noqa: E402
 from tqdm.auto import tqdm  # noqa: E402
 
+from kvserve.engine.async_engine import IDLE_RELEASE_SECONDS  # noqa: E402
+
 CONFIGS = {"default (malloc tuned)": {}, "KVSERVE_MALLOC_TUNING=0": {"KVSERVE_MALLOC_TUNING": "0"}}
 
 
@@ -77,7 +79,9 @@ def soak(name: str, env: dict, args) -> list[dict]:
             t0 = time.perf_counter()
             counts = asyncio.run(round_of(server.url, jobs, args.clients, args.drop, rng))
             m = wait_idle(server.url, {}, timeout=60)
-            rows.append({"config": name, "round": str(r + 1), "rss": rss_mib(server.proc.pid),
+            busy = rss_mib(server.proc.pid)
+            time.sleep(IDLE_RELEASE_SECONDS + 1)
+            rows.append({"config": name, "round": str(r + 1), "busy": busy, "rss": rss_mib(server.proc.pid),
                          "usage": m["kvserve:kv_cache_usage_perc"],
                          "outcomes": ", ".join(f"{k} {v}" for k, v in sorted(counts.items())),
                          "seconds": time.perf_counter() - t0})
@@ -87,12 +91,13 @@ def soak(name: str, env: dict, args) -> list[dict]:
 
 
 def table(rows: list[dict]) -> str:
-    header = ["configuration", "after round", "server RSS (MiB)", "growth since start (MiB)", "KV blocks owned by requests",
-              "streams (outcome count)", "round (s)"]
+    header = ["configuration", "after round", "RSS as the round ends (MiB)", "RSS idle (MiB)",
+              "idle growth since start (MiB)", "KV blocks owned by requests", "streams (outcome count)", "round (s)"]
     body, base = [], {}
     for r in rows:
         base.setdefault(r["config"], r["rss"])
-        body.append([r["config"], r["round"], f"{r['rss']:.0f}", f"{r['rss'] - base[r['config']]:+.0f}",
+        body.append([r["config"], r["round"], f"{r['busy']:.0f}" if "busy" in r else "-", f"{r['rss']:.0f}",
+                     f"{r['rss'] - base[r['config']]:+.0f}",
                      f"{r['usage']:.0%}", r["outcomes"] or "-", f"{r['seconds']:.0f}" if "seconds" in r else "-"])
     return md_table(header, body)
 
@@ -114,7 +119,8 @@ def main() -> int:
              f"Each round: {args.streams} streamed requests (serve_load.py's mixed workload: completions and "
              f"chats, short and long prompts, shared prefixes; up to {args.max_tokens} tokens) from "
              f"{args.clients} clients, {args.drop:.0%} of them dropped by the client after 1-8 chunks; RSS "
-             "read once the server is idle.",
+             "read as the last request ends and again once the server has been idle "
+             f"{IDLE_RELEASE_SECONDS + 1:.0f} s (the engine hands freed heap back after {IDLE_RELEASE_SECONDS:.0f} s idle).",
              "Machine: " + ", ".join(f"{k} {v}" for k, v in machine_facts().items()) + "."]
     if not args.no_write:
         replace_section("Soak", text + "\n\n" + "\n\n".join(notes))

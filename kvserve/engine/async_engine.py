@@ -25,6 +25,9 @@ from kvserve.sampling_params import RequestOutputKind, SamplingParams
 
 log = logging.getLogger("kvserve")
 
+# After this long with nothing to run, the engine hands what its steps freed back to the OS
+IDLE_RELEASE_SECONDS = 2.0
+
 
 class EngineDeadError(RuntimeError):
     """The engine thread stopped (an internal error or shutdown); no request can run."""
@@ -139,8 +142,13 @@ class AsyncEngine:
 
     def __init__(self, engine: LLMEngine, max_queue: int | None = None,
                  on_finished: Callable[[FinishedRequest], None] | None = None,
-                 on_fatal: Callable[[BaseException], None] | None = None):
+                 on_fatal: Callable[[BaseException], None] | None = None,
+                 idle_release_seconds: float = IDLE_RELEASE_SECONDS):
+        """`idle_release_seconds`: how long the engine waits with nothing to run before its freed host
+        memory goes back to the OS (LLMEngine.release_idle_memory), once per busy spell."""
         self.engine = engine
+        self.idle_release_seconds = idle_release_seconds
+        self._release_at: float | None = None   # when to release, set by each step
         self.max_queue = max_queue
         self.on_finished = on_finished
         self.on_fatal = on_fatal  # called on the engine thread once it has stopped for good
@@ -267,11 +275,15 @@ class AsyncEngine:
     def _run(self) -> None:
         try:
             while not self._stopping:
-                self._run_commands(block=not self.engine.has_unfinished_requests())
+                self._run_commands(self._wait_seconds())
                 if self._stopping:
                     break
                 if self.engine.has_unfinished_requests():
                     self._step()
+                    self._release_at = time.monotonic() + self.idle_release_seconds
+                elif self._release_at is not None and time.monotonic() >= self._release_at:
+                    self._release_at = None
+                    self.engine.release_idle_memory()
         except BaseException as exc:  # not one request's fault: fail them all, stop for good
             log.exception("engine step failed; the engine stops")
             self.error = exc
@@ -293,9 +305,19 @@ class AsyncEngine:
                                "the engine itself, not one request, is at fault")
         self._failed_last_step = bool(failed)
 
-    def _run_commands(self, block: bool) -> None:
+    def _wait_seconds(self) -> float | None:
+        """How long the engine thread may wait for a command: not at all with requests to step, until
+        the idle release is due after a busy spell, else for as long as it takes (None)."""
+        if self.engine.has_unfinished_requests():
+            return 0.0
+        if self._release_at is None:
+            return None
+        return max(0.0, self._release_at - time.monotonic())
+
+    def _run_commands(self, wait: float | None) -> None:
+        """Run the queued commands, waiting up to `wait` seconds (None: forever) for the first."""
         try:
-            item = self._commands.get() if block else self._commands.get_nowait()
+            item = self._commands.get_nowait() if wait == 0 else self._commands.get(timeout=wait)
         except queue.Empty:
             return
         while True:

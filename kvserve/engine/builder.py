@@ -7,6 +7,7 @@ import ctypes
 import logging
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -142,30 +143,47 @@ def load_model(config: EngineConfig, device: torch.device, dtype: torch.dtype,
                        compiled, digest)
 
 
+MALLOC_ARENAS = 4   # glibc's arenas at most (its default: 8 per core, each thread that allocates takes one)
+
+
 def keep_freed_memory(enabled: bool = True) -> bool:
     """Ask glibc's malloc to keep freed memory for reuse instead of handing it back to the OS: a step
     allocates and frees the same few-MiB activations every time, and fresh pages cost a fault per
-    4 KiB (as jemalloc or tcmalloc would, without preloading them). `enabled` False (the environment's
-    KVSERVE_MALLOC_TUNING=0) skips it. True when glibc took both settings."""
+    4 KiB (as jemalloc or tcmalloc would, without preloading them). And bound its arenas: a server's
+    threads (tokenizing, the event loop's executor, HTTP) each took an arena of their own, and every
+    arena holds on to what its thread ever used. `enabled` False (the environment's
+    KVSERVE_MALLOC_TUNING=0) skips it. True when glibc took every setting."""
     if not enabled:
         return False
     try:
         libc = ctypes.CDLL("libc.so.6")
     except OSError:          # not glibc: nothing to tune
         return False
-    m_trim_threshold, m_mmap_threshold = -1, -3
+    m_trim_threshold, m_mmap_threshold, m_arena_max = -1, -3, -8
     # glibc's largest mmap threshold: blocks up to 32 MiB come from the heap; keep 1 GiB of freed heap
-    return bool(libc.mallopt(m_mmap_threshold, 32 << 20)) and bool(libc.mallopt(m_trim_threshold, 1 << 30))
+    settings = ((m_mmap_threshold, 32 << 20), (m_trim_threshold, 1 << 30), (m_arena_max, MALLOC_ARENAS))
+    return all([bool(libc.mallopt(option, value)) for option, value in settings])
 
 
 def release_freed_memory() -> bool:
-    """Hand the heap that loading freed (decoded blocks, fused groups' parts, the copies' widened
-    chunks: below keep_freed_memory's thresholds, so glibc would keep them) back to the OS once.
-    True when glibc's malloc_trim released some."""
+    """Hand freed heap that keep_freed_memory's thresholds would keep back to the OS: what loading
+    freed (decoded blocks, fused groups' parts, the copies' widened chunks), and what a busy spell's
+    steps left free in every thread's arena when the engine goes idle (AsyncEngine). True when
+    glibc's malloc_trim released some."""
     try:
         return bool(ctypes.CDLL("libc.so.6").malloc_trim(0))
     except (OSError, AttributeError):   # not glibc
         return False
+
+
+def keep_device_memory() -> bool:
+    """An accelerator's caching allocator keeps its own pool: nothing to hand back."""
+    return False
+
+
+def memory_release(device: torch.device) -> Callable[[], bool]:
+    """What hands an idle engine's freed host memory back, chosen once for its device."""
+    return release_freed_memory if device.type == "cpu" else keep_device_memory
 
 
 def _bf16_copies(config: EngineConfig, model: torch.nn.Module, device: torch.device) -> bool:

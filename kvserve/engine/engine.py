@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from kvserve.config import EngineConfig
-from kvserve.engine.builder import CachePlanner, load_model
+from kvserve.engine.builder import CachePlanner, load_model, memory_release
 from kvserve.engine.compile import startup_compile
 from kvserve.engine.eviction import request_policy
 from kvserve.engine.metrics import EngineStats, percentile
@@ -69,6 +69,7 @@ class LLMEngine:
         self.model_path, self.model_config, self.tokenizer = loaded.path, loaded.config, loaded.tokenizer
         self.model, self.weight_format, self.load_seconds = loaded.model, loaded.weight_format, loaded.seconds
         self.max_model_len = loaded.max_model_len
+        self._release_memory = memory_release(self.device)
         self.stats = EngineStats()
         self.sampler = Sampler(loaded.eos_ids(), self.model_config.vocab_size, config.seed)
         self.structured = StructuredOutputs(self.tokenizer, self.model_config.vocab_size, loaded.eos_ids())
@@ -400,6 +401,11 @@ class LLMEngine:
         if self.kv_events is not None:
             self.kv_events.flush()
         return n
+
+    def release_idle_memory(self) -> bool:
+        """Hand the host memory the last busy spell's steps freed back to the OS (AsyncEngine calls it
+        once the engine has been idle a while); True when some went back."""
+        return self._release_memory()
 
     def close(self) -> None:
         """Write pending KV tier writes down and stop the writer threads (the engine stays usable,
