@@ -241,6 +241,20 @@ def test_an_engine_failure_ends_the_server_with_status_1(llm, monkeypatch):
     assert all_blocks_free(llm) and not llm.engine.has_unfinished_requests()
 
 
+def _missing_model():
+    raise FileNotFoundError("no such model: /nowhere.gguf")
+
+
+def test_a_model_that_fails_to_load_ends_the_server_with_status_1():
+    from kvserve.server.cli import serve
+    from kvserve.server.loading import LoadingApp
+
+    app = LoadingApp(_missing_model)
+    t0 = time.monotonic()
+    assert serve(app, _config(app), shutdown_timeout=1) == 1
+    assert isinstance(app.error, FileNotFoundError) and time.monotonic() - t0 < 10
+
+
 # ---- a poisoned KV tier entry -------------------------------------------------------------------
 GREEDY = SamplingParams(temperature=0, max_tokens=6)
 

@@ -204,8 +204,8 @@ def api_keys_of(args) -> list[str]:
 def serve(app, config, shutdown_timeout: float) -> int:
     """Run `app` (a LoadingApp) until a signal (exit status 0) or until its model fails to load or its
     engine fails for good (status 1)."""
-    server = graceful_server(config, on_signal=lambda: app.begin_drain(shutdown_timeout))
-    app.on_fatal = lambda exc: setattr(server, "should_exit", True)
+    server = graceful_server(config, on_signal=lambda: app.begin_drain(shutdown_timeout),
+                             failed=lambda: app.error is not None)
     server.run()
     if app.error is not None:
         log.error("the engine failed (%r): exiting with status 1 so a supervisor restarts the server", app.error)
@@ -213,8 +213,9 @@ def serve(app, config, shutdown_timeout: float) -> int:
     return 0
 
 
-def graceful_server(config, on_signal):
-    """A uvicorn.Server that calls `on_signal()` on SIGTERM/SIGINT, then exits normally (0).
+def graceful_server(config, on_signal, failed=lambda: False):
+    """A uvicorn.Server that calls `on_signal()` on SIGTERM/SIGINT, then exits normally (0), and that
+    stops by itself once `failed()` is true (checked on each of uvicorn's 0.1 s ticks).
 
     uvicorn re-raises the captured signal after its own graceful shutdown, which would end the
     process with status 143 instead of 0; this server does not.
@@ -230,6 +231,9 @@ def graceful_server(config, on_signal):
             finally:
                 for sig, handler in previous.items():
                     signal.signal(sig, handler)
+
+        async def on_tick(self, counter: int) -> bool:
+            return await super().on_tick(counter) or failed()
 
         def handle_exit(self, sig, frame):
             if not self.should_exit:

@@ -20,13 +20,12 @@ class LoadingApp:
     """An ASGI app that builds the real one (`build()`, run on a worker thread once the server
     listens) and hands every request to it once built; 503 "Loading model" before that.
 
-    `error`: why the server cannot serve (the build failed, or the engine stopped); `on_fatal` is
-    called when that happens (the server exits)."""
+    `error`: why the server cannot serve (the build failed, or the engine stopped); the server
+    watches it and exits when it is set (server/cli.py `serve`)."""
 
     def __init__(self, build: Callable[[], object]):
         self.build = build
         self.app = None
-        self.on_fatal: Callable[[BaseException], None] = lambda exc: None
         self._load_error: BaseException | None = None
         self._lifespan = None
         self._task: asyncio.Task | None = None
@@ -68,10 +67,8 @@ class LoadingApp:
         except Exception as exc:
             log.error("loading the model failed (%s: %s): exiting", type(exc).__name__, exc)
             self._load_error = exc
-            self.on_fatal(exc)
             return
         self._lifespan = lifespan
-        app.state.kvserve.async_engine.on_fatal = self.on_fatal
         self.app = app
         log.info("start-up: server ready %.2f s after launch", seconds_since_launch())
 
