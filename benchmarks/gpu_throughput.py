@@ -152,11 +152,11 @@ def kernel_bandwidth(fmt: str, rows: int, ctx: int, heads: tuple[int, int] = (32
     from kvserve.attention.triton.backend import layer_sources
     from kvserve.attention.triton.decode import paged_decode
     from kvserve.kv.formats import build_kv_format
-    from kvserve.kv.spec import KVSpec, group_layers
+    from kvserve.kv.spec import FullSpec, group_layers
     from kvserve.kv.storage import KVStorage
 
     bs = 32 if fmt.startswith("kivi") else bs
-    groups = group_layers([KVSpec("full", heads[1], dim)])
+    groups = group_layers([FullSpec(heads[1], dim)])
     per = ctx // bs
     nb = rows * per
     st = KVStorage(groups, nb, bs, torch.bfloat16, DEVICE, build_kv_format(groups, torch.bfloat16, bs, fmt),

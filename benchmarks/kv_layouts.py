@@ -15,7 +15,7 @@ from common import command_line, md_table, replace_section  # noqa: E402
 from kvserve.kv.hashing import namespace_hash  # noqa: E402
 from kvserve.kv.manager import KVCacheManager  # noqa: E402
 from kvserve.kv.sizing import KVLayout, get_kv_format, kv_bytes_per_sequence  # noqa: E402
-from kvserve.kv.spec import KVSpec, group_layers  # noqa: E402
+from kvserve.kv.spec import FullSpec, KVSpec, MLASpec, SlidingWindowSpec, group_layers  # noqa: E402
 
 LAYERS, HEAD_DIM, DTYPE_BYTES, BLOCK = 32, 128, 2, 16
 
@@ -23,19 +23,19 @@ LAYERS, HEAD_DIM, DTYPE_BYTES, BLOCK = 32, 128, 2, 16
 def families() -> dict[str, tuple[list[KVSpec], KVLayout]]:
     """Same 32-layer, head_dim-128 shape; only the attention/cache layout changes."""
     def full(h):
-        return KVSpec("full", h, HEAD_DIM)
-    gemma = [KVSpec("sliding", 8, HEAD_DIM, window=1024) if (i + 1) % 6 else full(8) for i in range(LAYERS)]
+        return FullSpec(h, HEAD_DIM)
+    gemma = [SlidingWindowSpec(8, HEAD_DIM, window=1024) if (i + 1) % 6 else full(8) for i in range(LAYERS)]
     n_local = sum(s.kind == "sliding" for s in gemma)
     return {
         "MHA (Llama-2 style, 32 KV heads)": ([full(32)] * LAYERS, KVLayout(LAYERS, 32, HEAD_DIM)),
         "GQA (Llama-3/Qwen style, 8 KV heads)": ([full(8)] * LAYERS, KVLayout(LAYERS, 8, HEAD_DIM)),
         "MQA (1 KV head)": ([full(1)] * LAYERS, KVLayout(LAYERS, 1, HEAD_DIM)),
-        "Mistral sliding 4096, 8 KV heads": ([KVSpec("sliding", 8, HEAD_DIM, window=4096)] * LAYERS,
+        "Mistral sliding 4096, 8 KV heads": ([SlidingWindowSpec(8, HEAD_DIM, window=4096)] * LAYERS,
                                              KVLayout(LAYERS, 8, HEAD_DIM, sliding_window=4096, num_local_layers=LAYERS)),
         "Gemma-3 hybrid 5:1, window 1024": (gemma, KVLayout(LAYERS, 8, HEAD_DIM, sliding_window=1024,
                                                               num_local_layers=n_local)),
         "Gemma-3 shape, all layers full": ([full(8)] * LAYERS, KVLayout(LAYERS, 8, HEAD_DIM)),
-        "MLA (DeepSeek-V3 dims: 512 + 64)": ([KVSpec("mla", latent_dim=512, rope_dim=64)] * LAYERS,
+        "MLA (DeepSeek-V3 dims: 512 + 64)": ([MLASpec(latent_dim=512, rope_dim=64)] * LAYERS,
                                              KVLayout(LAYERS, kv_lora_rank=512, rope_dim=64)),
     }
 

@@ -272,6 +272,11 @@ class EngineConfig:
         """kv_tiers parsed into kvserve.kv.tiers.TierSpec (ValueError naming a bad entry)."""
         return [parse_tier_spec(t) for t in self.tier_names()]
 
+    def attention(self) -> str:
+        """The attention backend every process of the engine selects (AttentionBackends.select):
+        batch_invariant's own, else attention_backend."""
+        return "invariant" if self.batch_invariant else self.attention_backend
+
     def torch_device(self) -> torch.device:
         """The device to run on."""
         if self.device == "auto":

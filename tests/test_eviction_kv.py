@@ -12,7 +12,7 @@ from kvserve.kv.evictor import Evictor
 from kvserve.kv.hashing import namespace_hash
 from kvserve.kv.manager import KVCacheManager
 from kvserve.kv.policies import parse_policy
-from kvserve.kv.spec import KVGroup, KVSpec
+from kvserve.kv.spec import FullSpec, KVGroup
 from kvserve.kv.storage import KVStorage
 
 BS, N = 4, 10   # block size; tokens the request has computed
@@ -24,7 +24,7 @@ def shift_down(k: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
 
 
 def setup(num_blocks: int = 8):
-    groups = [KVGroup(KVSpec("full", num_kv_heads=1, head_dim=2), [0, 1])]
+    groups = [KVGroup(FullSpec(num_kv_heads=1, head_dim=2), [0, 1])]
     storage = KVStorage(groups, num_blocks, BS, torch.float32)
     kv = KVCacheManager(num_blocks, BS, namespace_hash("unit", "evictor"), groups=groups,
                         eviction=lambda m: Evictor(m, storage, groups, num_heads=1, num_kv_heads=1,

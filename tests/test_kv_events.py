@@ -198,9 +198,9 @@ def test_manager_reports_each_kv_group_under_the_chain_hash():
     from kvserve.kv.events import KVEventQueue
     from kvserve.kv.hashing import namespace_hash
     from kvserve.kv.manager import KVCacheManager
-    from kvserve.kv.spec import KVGroup, KVSpec
+    from kvserve.kv.spec import FullSpec, KVGroup, SlidingWindowSpec
 
-    groups = [KVGroup(KVSpec("full", 1, 1), [0]), KVGroup(KVSpec("sliding", 1, 1, window=64), [1])]
+    groups = [KVGroup(FullSpec(1, 1), [0]), KVGroup(SlidingWindowSpec(1, 1, window=64), [1])]
     ns = namespace_hash("events-test")
     kv = KVCacheManager(9, 4, ns, groups=groups, events=KVEventQueue())
     ids = list(range(100, 112))  # 3 full blocks of 4

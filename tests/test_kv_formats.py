@@ -22,7 +22,7 @@ from kvserve.kv.formats import (
     split_budget,
     unpack_bits,
 )
-from kvserve.kv.spec import KVSpec, group_layers
+from kvserve.kv.spec import FullSpec, MLASpec, group_layers
 from kvserve.kv.storage import KVStorage
 
 QUANTIZED = ["fp8_e4m3", "fp8_e5m2", "int8", "kivi4", "kivi2"]
@@ -117,12 +117,12 @@ def test_format_names_and_errors():
     assert canonical_kv_dtype("FP8") == "fp8_e4m3" and canonical_kv_dtype("bf16") == "bfloat16"
     with pytest.raises(ValueError, match="kivi2"):
         canonical_kv_dtype("kivi3")
-    groups = group_layers([KVSpec("full", 2, 64)] * 2)
+    groups = group_layers([FullSpec(2, 64)] * 2)
     with pytest.raises(ValueError, match="multiple of 32"):
         build_kv_format(groups, torch.float32, 16, "kivi4")
     with pytest.raises(ValueError, match="not layers"):
         build_kv_format(groups, torch.float32, 32, "int8", skip_layers=[5])
-    mla = group_layers([KVSpec("mla", latent_dim=64, rope_dim=16)])
+    mla = group_layers([MLASpec(latent_dim=64, rope_dim=16)])
     assert build_kv_format(mla, torch.float32, 16, "int8").page_bytes_per_token == 80 + 2
     with pytest.raises(ValueError, match="MLA"):
         build_kv_format(mla, torch.float32, 32, "kivi2")
@@ -148,7 +148,7 @@ def test_auto_kv_dtype_is_bfloat16_only_under_float32_activations_dtype_auto_pic
 
 @pytest.mark.parametrize("name", KV_CACHE_DTYPES)
 def test_pool_bytes_equal_tensor_bytes_and_planner(name):
-    specs = [KVSpec("full", 3, 64)] * 30  # SmolLM2-135M
+    specs = [FullSpec(3, 64)] * 30  # SmolLM2-135M
     groups = group_layers(specs)
     fmt = build_kv_format(groups, torch.float32, 32, name)
     st = KVStorage(groups, 6, 32, torch.float32, kv_format=fmt, residual_rows=2)
@@ -161,7 +161,7 @@ def test_pool_bytes_equal_tensor_bytes_and_planner(name):
 
 
 def test_same_budget_token_capacity_per_format():
-    groups = group_layers([KVSpec("full", 3, 64)] * 30)
+    groups = group_layers([FullSpec(3, 64)] * 30)
     page = {n: build_kv_format(groups, torch.float32, 32, n).page_bytes_per_token for n in KV_CACHE_DTYPES}
     assert page["float16"] == 2 * 30 * 3 * 64 * 2 == 23040
     assert page["int8"] == page["fp8_e4m3"] == 2 * 30 * 3 * (64 + 2) == 11880

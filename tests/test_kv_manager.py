@@ -15,7 +15,7 @@ import torch
 from kvserve.kv.block_pool import BlockPool, BlockPoolListener
 from kvserve.kv.hashing import hash_block, hash_full_blocks, namespace_hash
 from kvserve.kv.manager import KVCacheManager
-from kvserve.kv.spec import KVGroup, KVSpec
+from kvserve.kv.spec import FullSpec, KVGroup, MLASpec, SlidingWindowSpec
 from kvserve.kv.storage import KVStorage
 
 NS = namespace_hash("unit-model", "float16", "kv-manager")
@@ -387,7 +387,7 @@ def test_fork_then_divergent_appends_read_back_own_tokens():
     """End to end with KVStorage: copies before writes, each sibling reads its own tokens."""
     m, _ = make(8, 4)
     bs = 4
-    store = KVStorage([KVGroup(KVSpec("full", 1, 1), [0, 1])], 8, bs, torch.int64)
+    store = KVStorage([KVGroup(FullSpec(1, 1), [0, 1])], 8, bs, torch.int64)
     toks = {"a": [1, 2, 3, 4, 5, 6]}
 
     def slots(rid, start):
@@ -460,7 +460,7 @@ def test_every_block_free_after_all_requests_end():
 
 # ---- hybrid groups (full + sliding window) -------------------------------------------------
 def hybrid(num_blocks: int, block_size: int, window: int) -> KVCacheManager:
-    groups = [KVGroup(KVSpec("full", 1, 1), [0]), KVGroup(KVSpec("sliding", 1, 1, window=window), [1])]
+    groups = [KVGroup(FullSpec(1, 1), [0]), KVGroup(SlidingWindowSpec(1, 1, window=window), [1])]
     return KVCacheManager(num_blocks, block_size, NS, groups=groups)
 
 
@@ -495,7 +495,7 @@ def test_hybrid_sliding_group_drops_blocks_out_of_window():
 
 # ---- storage -------------------------------------------------------------------------------
 def full_storage(num_layers, num_blocks, block_size, heads, head_dim, dtype) -> KVStorage:
-    return KVStorage([KVGroup(KVSpec("full", heads, head_dim), list(range(num_layers)))],
+    return KVStorage([KVGroup(FullSpec(heads, head_dim), list(range(num_layers)))],
                      num_blocks, block_size, dtype)
 
 
@@ -552,9 +552,9 @@ def test_storage_nbytes_equals_tensor_bytes(dtype, itemsize):
 
 
 def test_storage_nbytes_mla_and_hybrid_groups():
-    mla = KVStorage([KVGroup(KVSpec("mla", latent_dim=6, rope_dim=2), [0, 1, 2])], 4, 4, torch.float16)
+    mla = KVStorage([KVGroup(MLASpec(latent_dim=6, rope_dim=2), [0, 1, 2])], 4, 4, torch.float16)
     assert mla.nbytes == 3 * 4 * 4 * (6 + 2) * 2  # one latent (+ rope key) per token, no V
-    groups = [KVGroup(KVSpec("full", 2, 8), [0, 2]), KVGroup(KVSpec("sliding", 2, 8, window=4), [1, 3])]
+    groups = [KVGroup(FullSpec(2, 8), [0, 2]), KVGroup(SlidingWindowSpec(2, 8, window=4), [1, 3])]
     hyb = KVStorage(groups, 4, 4, torch.float32)
     assert hyb.nbytes == 2 * 2 * 4 * 4 * 2 * 8 * 4  # 4 layers in 2 groups share 2 storage slots
     assert hyb.nbytes == sum(t.untyped_storage().nbytes() for slot in hyb.slots for t in slot)
@@ -639,7 +639,7 @@ def test_a_reset_without_offload_tells_no_listener():
 
 # ---- what KV eviction asks of the manager (kv/evictor.py) ---------------------------------------
 def two_layer_groups() -> list[KVGroup]:
-    return [KVGroup(KVSpec("full"), [0]), KVGroup(KVSpec("full"), [1])]
+    return [KVGroup(FullSpec(), [0]), KVGroup(FullSpec(), [1])]
 
 
 def test_shared_indices_name_forked_and_hashed_blocks():

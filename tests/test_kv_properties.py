@@ -17,7 +17,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from kvserve.kv.hashing import hash_full_blocks, namespace_hash
 from kvserve.kv.manager import NULL_BLOCK, KVCacheManager
-from kvserve.kv.spec import KVGroup, KVSpec
+from kvserve.kv.spec import FullSpec, KVGroup, SlidingWindowSpec
 from kvserve.kv.storage import KVStorage
 
 NS = namespace_hash("props-model", "int64", "kv-properties")
@@ -58,7 +58,7 @@ class KVManagerMachine(RuleBasedStateMachine):
                 layout=st.sampled_from(LAYOUTS), window=st.integers(1, 10))
     def setup(self, num_blocks, block_size, prefix_caching, layout, window):
         self.bs = block_size
-        specs = [KVSpec(kind, 1, 1, window=window if kind == "sliding" else None) for kind in layout]
+        specs = [SlidingWindowSpec(1, 1, window=window) if kind == "sliding" else FullSpec(1, 1) for kind in layout]
         groups = [KVGroup(spec, [g]) for g, spec in enumerate(specs)]
         self.specs, self.G = specs, len(groups)
         self.single = layout == ("full",)  # exact LRU-order checks only for the plain layout

@@ -1,10 +1,12 @@
 """KVSpec's answers by hand: what a full, a sliding and an MLA layer hold and see."""
 
-from kvserve.kv.spec import KVSpec
+import pytest
 
-FULL = KVSpec("full", num_kv_heads=3, head_dim=64)
-SLIDING = KVSpec("sliding", num_kv_heads=3, head_dim=64, window=8)
-MLA = KVSpec("mla", latent_dim=512, rope_dim=64)
+from kvserve.kv.spec import FullSpec, MLASpec, SlidingWindowSpec
+
+FULL = FullSpec(num_kv_heads=3, head_dim=64)
+SLIDING = SlidingWindowSpec(num_kv_heads=3, head_dim=64, window=8)
+MLA = MLASpec(latent_dim=512, rope_dim=64)
 
 
 def test_what_each_layer_sees():
@@ -31,3 +33,12 @@ def test_first_needed_block():
 def test_bytes_per_token():
     assert FULL.bytes_per_token(2) == 2 * 3 * 64 * 2
     assert MLA.bytes_per_token(2) == (512 + 64) * 2
+
+
+def test_each_layout_is_its_own_type():
+    assert (FULL.kind, SLIDING.kind, MLA.kind) == ("full", "sliding", "mla")
+    # equal fields, other layouts: never one pool group (group_layers keys on the spec)
+    assert FullSpec(3, 64) == FULL and SlidingWindowSpec(3, 64, window=8) == SLIDING
+    assert len({FULL, SLIDING, MLA, FullSpec(3, 64)}) == 3
+    with pytest.raises(ValueError, match="window >= 1"):
+        SlidingWindowSpec(3, 64)

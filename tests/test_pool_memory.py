@@ -8,11 +8,11 @@ import torch
 from kvserve.engine.builder import keep_freed_memory
 from kvserve.engine.memory import rss_bytes
 from kvserve.kv.formats import build_kv_format
-from kvserve.kv.spec import KVSpec, group_layers
+from kvserve.kv.spec import FullSpec, group_layers
 from kvserve.kv.storage import KVStorage
 
 MIB = 1 << 20
-SMOL = [KVSpec("full", 3, 64)] * 30   # SmolLM2-135M's layers
+SMOL = [FullSpec(3, 64)] * 30   # SmolLM2-135M's layers
 BLOCK = 16
 
 

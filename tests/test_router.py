@@ -192,9 +192,9 @@ def test_tier_blocks_count_for_their_replica_and_the_shared_redis_tier_for_none(
 def test_a_hit_needs_the_full_attention_groups_only():
     from kvserve.kv.hashing import namespace_hash
     from kvserve.kv.manager import KVCacheManager
-    from kvserve.kv.spec import KVGroup, KVSpec
+    from kvserve.kv.spec import FullSpec, KVGroup, SlidingWindowSpec
 
-    groups = [KVGroup(KVSpec("sliding", 1, 1, window=8), [0]), KVGroup(KVSpec("full", 1, 1), [1])]
+    groups = [KVGroup(SlidingWindowSpec(1, 1, window=8), [0]), KVGroup(FullSpec(1, 1), [1])]
     assert hit_groups(KVCacheManager(9, 4, namespace_hash("g"), groups=groups)) == (1,)
     assert hit_groups(KVCacheManager(9, 4, namespace_hash("g"))) == (0,)
 

@@ -10,7 +10,7 @@ from kvserve import LLM, SamplingParams
 from kvserve.engine.scheduler import Scheduler
 from kvserve.kv.hashing import namespace_hash
 from kvserve.kv.manager import KVCacheManager
-from kvserve.kv.spec import KVGroup, KVSpec
+from kvserve.kv.spec import FullSpec, KVGroup
 from kvserve.kv.storage import KVStorage
 from kvserve.kv.swap import SwapSpace
 
@@ -104,7 +104,7 @@ def test_abort_swapped_request_frees_host_blocks(reference):
 
 # ---- units -----------------------------------------------------------------------------------
 def unit_swap(num_blocks=8, host_blocks=6, block_size=4):
-    groups = [KVGroup(KVSpec("full", num_kv_heads=2, head_dim=3), [0, 1])]
+    groups = [KVGroup(FullSpec(num_kv_heads=2, head_dim=3), [0, 1])]
     kv = KVCacheManager(num_blocks, block_size, namespace_hash("unit", "swap"), groups=groups)
     storage = KVStorage(groups, num_blocks, block_size, torch.float32)
     return kv, storage, SwapSpace(storage, kv, host_blocks)
@@ -173,7 +173,7 @@ def test_config_checks():
 def test_kivi_still_filling_block_moves_with_its_residual_row():
     """A swap-in into a block whose previous owner just filled it (its row release still pending)."""
     from kvserve.kv.formats import build_kv_format
-    groups = [KVGroup(KVSpec("full", num_kv_heads=3, head_dim=64), [0, 1])]
+    groups = [KVGroup(FullSpec(num_kv_heads=3, head_dim=64), [0, 1])]
     fmt = build_kv_format(groups, torch.float32, 32, "kivi4")
     st = KVStorage(groups, 8, 32, torch.float32, "cpu", fmt, residual_rows=4, block_is_free=lambda b: False)
     g = torch.Generator().manual_seed(0)

@@ -22,7 +22,7 @@ from helpers import all_blocks_free, poison_entry, tier_keys
 from kvserve import LLM, SamplingParams
 from kvserve.kv.hashing import namespace_hash
 from kvserve.kv.manager import KVCacheManager, new_pool
-from kvserve.kv.spec import KVGroup, KVSpec
+from kvserve.kv.spec import FullSpec, KVGroup, SlidingWindowSpec
 from kvserve.kv.storage import KVStorage
 from kvserve.kv.tiers import (
     CRC,
@@ -194,7 +194,7 @@ def test_a_full_redis_that_refuses_writes_is_logged_once_and_counted(make_redis,
 def tiered_cache(tiers, num_blocks=8, block_size=4, groups=None, queue_blocks=None):
     """A KV manager and storage over one pool, with a bridge to `tiers` below (built as the engine's
     builder does: pool, storage, bridge, manager); `queue_blocks` bounds each writer's queue."""
-    groups = groups or [KVGroup(KVSpec("full", num_kv_heads=2, head_dim=3), [0, 1])]
+    groups = groups or [KVGroup(FullSpec(num_kv_heads=2, head_dim=3), [0, 1])]
     pool = new_pool(num_blocks, groups)
     storage = KVStorage(groups, num_blocks, block_size, torch.float32, block_is_free=pool.is_free)
     options = {"queue_bytes": queue_blocks * storage.bytes_per_block} if queue_blocks else {}
@@ -262,8 +262,8 @@ def _chain_hash(kv: KVCacheManager, tokens: list[int], index: int) -> bytes:
 
 
 def test_hybrid_groups_load_only_the_window_of_sliding_layers():
-    full = KVGroup(KVSpec("full", num_kv_heads=2, head_dim=3), [0])
-    sliding = KVGroup(KVSpec("sliding", num_kv_heads=2, head_dim=3, window=6), [1])
+    full = KVGroup(FullSpec(num_kv_heads=2, head_dim=3), [0])
+    sliding = KVGroup(SlidingWindowSpec(num_kv_heads=2, head_dim=3, window=6), [1])
     tier = CpuTier(1 << 20)
     kv, storage, _ = tiered_cache([tier], num_blocks=24, groups=[full, sliding])
     prompt = list(range(100, 121))                        # 5 full blocks + 1 token

@@ -16,7 +16,7 @@ from kvserve.attention.triton.decode import paged_decode  # noqa: E402
 from kvserve.attention.triton.extend import paged_extend  # noqa: E402
 from kvserve.attention.triton.source import source_of  # noqa: E402
 from kvserve.kv.formats import build_kv_format  # noqa: E402
-from kvserve.kv.spec import KVSpec, group_layers  # noqa: E402
+from kvserve.kv.spec import FullSpec, KVSpec, MLASpec, group_layers  # noqa: E402
 from kvserve.kv.storage import KVStorage  # noqa: E402
 
 pytestmark = pytest.mark.cuda
@@ -179,43 +179,43 @@ def store_case(fmt, shape, dtype=torch.float32, seed=0):
     (1, 256, 16, None, 2),        # head dim 256
 ])
 def test_decode_native(heads, dim, bs, window, splits):
-    decode_case(KVSpec("full", heads, dim), "auto", [1, 37, 70, 16], bs, window=window, splits=splits)
+    decode_case(FullSpec(heads, dim), "auto", [1, 37, 70, 16], bs, window=window, splits=splits)
 
 
 @pytest.mark.parametrize("fmt", ["auto", "int8", "kivi4"])
 def test_bfloat16_models(fmt):
     """16-bit models: tile products in bfloat16 on tensor cores (float32 accumulation)."""
-    decode_case(KVSpec("full", 2, 64), fmt, [9, 33], 32, splits=2, dtype=torch.bfloat16)
-    extend_case(KVSpec("full", 1, 64), fmt, [40], [17], 32, dtype=torch.bfloat16)
+    decode_case(FullSpec(2, 64), fmt, [9, 33], 32, splits=2, dtype=torch.bfloat16)
+    extend_case(FullSpec(1, 64), fmt, [40], [17], 32, dtype=torch.bfloat16)
 
 
 @pytest.mark.parametrize("fmt", ["int8", "fp8_e4m3", "fp8_e5m2"])
 def test_decode_int8_fp8(fmt):
-    decode_case(KVSpec("full", 2, 64), fmt, [5, 49, 16], 16, window=40, splits=2)
+    decode_case(FullSpec(2, 64), fmt, [5, 49, 16], 16, window=40, splits=2)
 
 
 @pytest.mark.parametrize("fmt", ["kivi4", "kivi2"])
 def test_decode_kivi(fmt):
     """Whole blocks packed, a still-filling block in its residual row, and a block sealed by the
     decode write (lengths 64, 96) that the query still sees exact."""
-    decode_case(KVSpec("full", 2, 64), fmt, [5, 64, 96, 40], 32, splits=2)
+    decode_case(FullSpec(2, 64), fmt, [5, 64, 96, 40], 32, splits=2)
 
 
 def test_decode_mixed_k_v_formats():
     """K int8, V kivi4 ("K/V" names two formats): each source read in its own format."""
-    decode_case(KVSpec("full", 2, 64), "int8/kivi4", [45, 64], 32)
+    decode_case(FullSpec(2, 64), "int8/kivi4", [45, 64], 32)
 
 
 @pytest.mark.parametrize("fmt", ["auto", "int8"])
 def test_decode_mla(fmt):
-    decode_case(KVSpec("mla", latent_dim=64, rope_dim=16), fmt, [5, 40], 16, splits=2)
+    decode_case(MLASpec(latent_dim=64, rope_dim=16), fmt, [5, 40], 16, splits=2)
 
 
 def test_many_query_heads_per_kv_head():
     """G = 20 (over the 16 heads a program takes): MQA decode and extend, MLA decode."""
-    decode_case(KVSpec("full", 1, 64), "auto", [9, 40], 16, group=20)
-    extend_case(KVSpec("full", 1, 64), "auto", [30], [12], 16, group=20)
-    decode_case(KVSpec("mla", latent_dim=64, rope_dim=16), "auto", [20], 16, group=20)
+    decode_case(FullSpec(1, 64), "auto", [9, 40], 16, group=20)
+    extend_case(FullSpec(1, 64), "auto", [30], [12], 16, group=20)
+    decode_case(MLASpec(latent_dim=64, rope_dim=16), "auto", [20], 16, group=20)
 
 
 @pytest.mark.parametrize("fmt, heads, dim, bs, window", [
@@ -225,18 +225,18 @@ def test_many_query_heads_per_kv_head():
     ("fp8_e4m3", 1, 64, 32, 20),
 ])
 def test_extend(fmt, heads, dim, bs, window):
-    extend_case(KVSpec("full", heads, dim), fmt, [20, 45, 9], [20, 7, 1], bs, window=window)
+    extend_case(FullSpec(heads, dim), fmt, [20, 45, 9], [20, 7, 1], bs, window=window)
 
 
 @pytest.mark.parametrize("fmt, window", [("kivi4", None), ("kivi2", 40), ("int8/kivi4", None)])
 def test_extend_kivi(fmt, window):
     """Chunks starting inside a block (its earlier tokens in the residual row), spanning whole
     blocks (packed at once, seen exact by their own queries) and filling a block (sealed)."""
-    extend_case(KVSpec("full", 2, 64), fmt, [75, 64, 40], [40, 20, 40], 32, window=window)
+    extend_case(FullSpec(2, 64), fmt, [75, 64, 40], [40, 20, 40], 32, window=window)
 
 
 def test_extend_mla():
-    extend_case(KVSpec("mla", latent_dim=64, rope_dim=16), "auto", [40], [9], 16)
+    extend_case(MLASpec(latent_dim=64, rope_dim=16), "auto", [40], [9], 16)
 
 
 @pytest.mark.parametrize("fmt", ["auto", "int8", "fp8_e4m3", "fp8_e5m2"])
@@ -316,7 +316,7 @@ def test_select_backend_choices():
         st = KVStorage(groups, 4, 32, torch.float32, DEVICE, kvf, residual_rows=2)
         return type(select_backend(st, groups[0], observed, kind)).__name__
 
-    full, mla = KVSpec("full", 2, 64), KVSpec("mla", latent_dim=64, rope_dim=16)
+    full, mla = FullSpec(2, 64), MLASpec(latent_dim=64, rope_dim=16)
     for fmt in ("auto", "int8", "fp8_e5m2", "kivi2"):
         assert pick(full, "triton", kv_cache_dtype=fmt) == "TritonBackend"
     assert pick(mla, "triton", kv_cache_dtype="int8") == "TritonBackend"

@@ -191,7 +191,7 @@ class Follower:
         # rank 0's runner decides the same way: without a cache a step's metadata has no backends
         self._metadata = self._cached_metadata if self.kv.holds_kv else self._plain_metadata
         if self.kv.holds_kv:
-            self.attn = AttentionBackends.select(self.storage, self.kv.groups, config.attention_backend)
+            self.attn = AttentionBackends.select(self.storage, self.kv.groups, config.attention())
 
     def serve(self) -> None:
         """Run steps until rank 0 sends None."""

@@ -114,9 +114,8 @@ class LLMEngine:
         if self.kv_policy is not None:
             self.evictor.check(self.kv_policy)
         runner = ModelRunner if self.tp is None else self.tp.runner
-        attention = "invariant" if cfg.batch_invariant else cfg.attention_backend
         self.runner = runner(self.model, self.kv, self.storage, self.device, cfg.max_num_seqs,
-                             self.max_model_len, attention, self.evictor)
+                             self.max_model_len, cfg.attention(), self.evictor)
         self.swap = build_swap(cfg, self.storage, self.kv)   # host swap pool (swap_space GiB)
         self.scheduler = Scheduler(self.kv, cfg.max_num_seqs, planner.token_budget, self.swap, cfg.preemption_mode,
                                    cfg.scheduling_policy)

@@ -54,7 +54,8 @@ class ModelRunner:
         self.captured: CapturedStep | None = None   # set while the model runs compiled regions
         self._prepare = self._prepare_cached if kv.holds_kv else self._prepare_recompute
         if kv.holds_kv:
-            self.input_batch = InputBatch(len(kv.groups), max_num_seqs, -(-max_model_len // self.block_size) + 1,
+            # a table row holds a full-length sequence's blocks and one spare (the table grows if need be)
+            self.input_batch = InputBatch(len(kv.groups), max_num_seqs, kv.blocks_for_tokens(max_model_len) + 1,
                                           device)
             self.use_backends(AttentionBackends.select(storage, kv.groups, attention_backend,
                                                        frozenset(self.eviction.observed_groups)))

@@ -370,7 +370,7 @@ class Evictor(KeepAll):
             if g in self.target_set:
                 continue
             n = self.cache_len(req, g)
-            start = max(0, n + 1 - self.groups[g].spec.window)   # what the next query will see
+            start = max(0, n + 1 - self.groups[g].spec.visible_window)   # what the next query will see
             slots = self.kv.slots(req.request_id, g, torch.arange(start, n)).to(dev)
             shift = torch.full((n - start,), delta, device=dev)
             for layer in self.groups[g].layers:

@@ -29,7 +29,7 @@ import torch
 from kvserve.kv.block_pool import BlockPool, BlockPoolListener, Evicted
 from kvserve.kv.eviction import KeepAll
 from kvserve.kv.hashing import DEFAULT_HASH_ALGO, BlockHash, digest_fn, hash_full_blocks, split_key
-from kvserve.kv.spec import KVGroup, KVSpec, null_blocks
+from kvserve.kv.spec import FullSpec, KVGroup, null_blocks
 
 NULL_BLOCK = 0  # with sliding groups, block 0 is reserved to stand in for freed window blocks
 DEFAULT_PIN_FRACTION = 0.5  # share of the pool retention pins may hold
@@ -87,7 +87,7 @@ class KVCacheManager:
                  lower=None, events=None, eviction: Callable[[KVCacheManager], object] | None = None,
                  residual_rows: int | None = None):
         self.block_size = block_size
-        self.groups = groups or [KVGroup(KVSpec("full"), [])]
+        self.groups = groups or [KVGroup(FullSpec(), [])]
         self.has_sliding = any(g.spec.keeps_window for g in self.groups)
         self.pool = pool if pool is not None else new_pool(num_blocks, self.groups, pin_fraction)
         if self.pool.num_blocks != num_blocks or self.pool.reserved != null_blocks(self.groups):

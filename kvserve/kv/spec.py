@@ -4,35 +4,19 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import ClassVar
 
 
 @dataclass(frozen=True)
 class KVSpec:
-    """Per-layer KV layout: full attention, sliding window, or MLA latent."""
+    """What one layer stores per token. A layout is one of the types below (vLLM's
+    FullAttentionSpec / SlidingWindowSpec / MLAAttentionSpec); each answers for itself what its
+    callers ask, so no caller tests a kind."""
 
-    kind: str                  # "full" | "sliding" | "mla"
-    num_kv_heads: int = 0
-    head_dim: int = 0
-    window: int | None = None  # sliding: a query at position i sees keys in (i - window, i]
-    latent_dim: int = 0        # mla: kv_lora_rank
-    rope_dim: int = 0          # mla: decoupled RoPE key width
-
-    def __post_init__(self):
-        if self.kind not in ("full", "sliding", "mla"):
-            raise ValueError(f"KV spec kind must be full, sliding or mla, got {self.kind!r}")
-        if self.kind == "sliding" and not self.window:
-            raise ValueError("a sliding KV spec needs a window >= 1")
-
-    @property
-    def keeps_window(self) -> bool:
-        """True when a layer keeps only its last `window` tokens (a sliding layer): a prefix hit does
-        not need its earlier blocks, and eviction policies leave it alone."""
-        return self.kind == "sliding"
-
-    @property
-    def latent(self) -> bool:
-        """True for one MLA latent per token (no per-head K and V)."""
-        return self.kind == "mla"
+    kind: ClassVar[str]                # the layout's name, for logs, the KV state and the dashboard
+    keeps_window: ClassVar[bool] = False   # keeps only its last `window` tokens: a prefix hit does not
+    #                                        need its earlier blocks, and eviction policies leave it alone
+    latent: ClassVar[bool] = False     # one MLA latent per token (no per-head K and V)
 
     @property
     def per_head(self) -> bool:
@@ -42,26 +26,20 @@ class KVSpec:
     @property
     def visible_window(self) -> int | None:
         """How many of the latest tokens a query sees (None: all of them)."""
-        return self.window if self.keeps_window else None
+        return None
 
     def blocks_held(self, num_tokens: int, block_size: int) -> int:
-        """Blocks a lone sequence of `num_tokens` tokens holds at most in a layer of this spec: all
-        of them, or a window's worth plus the one it starts in."""
-        n = -(-num_tokens // block_size)
-        return min(n, -(-self.window // block_size) + 1) if self.keeps_window else n
+        """Blocks a lone sequence of `num_tokens` tokens holds at most in a layer of this spec."""
+        return -(-num_tokens // block_size)
 
     def first_needed_block(self, num_computed: int, block_size: int) -> int:
-        """Blocks before this index hold only tokens no future query can see (sliding layers)."""
-        if not self.keeps_window:
-            return 0
-        return max(0, (num_computed - self.window + 1) // block_size)
+        """Blocks before this index hold only tokens no future query can see."""
+        return 0
 
     @property
     def entry_shapes(self) -> list[tuple[int, ...]]:
         """Shapes of the per-token tensors: K and V, or one MLA latent (+ rope key)."""
-        if self.latent:
-            return [(self.latent_dim + self.rope_dim,)]
-        return [(self.num_kv_heads, self.head_dim)] * 2
+        raise NotImplementedError
 
     def elements_per_token(self) -> int:
         """Numbers stored per token for one layer."""
@@ -70,6 +48,64 @@ class KVSpec:
     def bytes_per_token(self, dtype_bytes: float) -> int:
         """Bytes one token takes in one layer."""
         return int(math.ceil(self.elements_per_token() * dtype_bytes))
+
+
+@dataclass(frozen=True)
+class FullSpec(KVSpec):
+    """Full attention: K and V per KV head for every token."""
+
+    num_kv_heads: int = 0
+    head_dim: int = 0
+    kind: ClassVar[str] = "full"
+
+    @property
+    def entry_shapes(self) -> list[tuple[int, ...]]:
+        return [(self.num_kv_heads, self.head_dim)] * 2
+
+
+@dataclass(frozen=True)
+class SlidingWindowSpec(KVSpec):
+    """Sliding-window attention: a query at position i sees keys in (i - window, i]."""
+
+    num_kv_heads: int = 0
+    head_dim: int = 0
+    window: int = 0
+    kind: ClassVar[str] = "sliding"
+    keeps_window: ClassVar[bool] = True
+
+    def __post_init__(self):
+        if not self.window or self.window < 1:
+            raise ValueError(f"a sliding-window KV spec needs a window >= 1, got {self.window}")
+
+    @property
+    def entry_shapes(self) -> list[tuple[int, ...]]:
+        return [(self.num_kv_heads, self.head_dim)] * 2
+
+    @property
+    def visible_window(self) -> int:
+        return self.window
+
+    def blocks_held(self, num_tokens: int, block_size: int) -> int:
+        """A window's worth of blocks plus the one it starts in, at most."""
+        return min(-(-num_tokens // block_size), -(-self.window // block_size) + 1)
+
+    def first_needed_block(self, num_computed: int, block_size: int) -> int:
+        return max(0, (num_computed - self.window + 1) // block_size)
+
+
+@dataclass(frozen=True)
+class MLASpec(KVSpec):
+    """Multi-head latent attention: one latent of `latent_dim` (kv_lora_rank) plus a shared RoPE key
+    of `rope_dim` per token."""
+
+    latent_dim: int = 0
+    rope_dim: int = 0
+    kind: ClassVar[str] = "mla"
+    latent: ClassVar[bool] = True
+
+    @property
+    def entry_shapes(self) -> list[tuple[int, ...]]:
+        return [(self.latent_dim + self.rope_dim,)]
 
 
 @dataclass

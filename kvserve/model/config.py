@@ -41,6 +41,9 @@ SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral", "gemma3", "deep
 # HF model_type -> kvserve architecture (identity for the rest).
 ARCHITECTURE_ALIASES = {"gemma3_text": "gemma3"}
 
+# every N-th layer full, the rest sliding: each family's interleave when a config or GGUF names none
+# (llama.cpp's for GGUFs without attention.sliding_window_pattern)
+SWA_PATTERNS = {"gemma3": 6, "gemma2": 2}
 # transformers 5 Gemma3TextConfig defaults: Google's hub configs list only what differs from them.
 GEMMA3_TEXT_DEFAULTS: dict[str, Any] = {
     "vocab_size": 262208,
@@ -62,12 +65,10 @@ GEMMA3_TEXT_DEFAULTS: dict[str, Any] = {
     "attention_bias": False,
     "query_pre_attn_scalar": 256,
     "sliding_window": 4096,
-    "sliding_window_pattern": 6,
+    "sliding_window_pattern": SWA_PATTERNS["gemma3"],
     "final_logit_softcapping": None,
     "attn_logit_softcapping": None,
 }
-# every N-th layer full, the rest sliding: llama.cpp's interleave for GGUFs without attention.sliding_window_pattern
-GGUF_SWA_PATTERNS = {"gemma3": 6, "gemma2": 2}
 GEMMA3_GGUF_LOCAL_THETA = 10000.0
 
 
@@ -358,7 +359,7 @@ def _gemma3_fields(d: dict[str, Any], local_theta, local_scaling) -> dict[str, A
     num_layers = int(d["num_hidden_layers"])
     layer_types = d.get("layer_types")
     if layer_types is None:
-        pattern = int(d.get("sliding_window_pattern") or d.get("_sliding_window_pattern") or 6)
+        pattern = int(d.get("sliding_window_pattern") or d.get("_sliding_window_pattern") or SWA_PATTERNS["gemma3"])
         layer_types = gemma3_layer_types(num_layers, pattern)
     window = d.get("sliding_window")
     if local_theta is None:
@@ -516,7 +517,7 @@ def gguf_layer_types(arch: str, num_layers: int, pattern) -> list[str]:
     architecture; every layer sliding where it has none)."""
     if isinstance(pattern, list):
         return ["sliding_attention" if p else "full_attention" for p in pattern]
-    pattern = pattern or GGUF_SWA_PATTERNS.get(arch)
+    pattern = pattern or SWA_PATTERNS.get(arch)
     if not pattern:
         return ["sliding_attention"] * num_layers
     return gemma3_layer_types(num_layers, int(pattern))

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvserve.attention import MLA, AttentionMetadata, attention
-from kvserve.kv.spec import KVSpec
+from kvserve.kv.spec import MLASpec
 from kvserve.model.base import CausalLM
 from kvserve.model.config import ModelConfig
 from kvserve.model.layers import GatedMLP, RMSNorm
@@ -145,7 +145,7 @@ class MLAttention(nn.Module):
         self.o_proj = nn.Linear(h * m.v_head_dim, hidden, bias=cfg.attention_out_bias)
         self.rope = rope
         self.scale = cfg.attention_scale()  # qk_head_dim**-0.5, times yarn mscale(all_dim)^2 when configured
-        self.spec = KVSpec("mla", latent_dim=m.kv_lora_rank, rope_dim=m.qk_rope_head_dim)
+        self.spec = MLASpec(latent_dim=m.kv_lora_rank, rope_dim=m.qk_rope_head_dim)
         self.math = MLA(m.kv_lora_rank)
         self.kv_rows = 0  # token rows pushed through kv_a_proj_with_mqa (instrumented, for `analyze`)
 

@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from kvserve.attention import attend
-from kvserve.kv.spec import KVSpec
+from kvserve.kv.spec import FullSpec, SlidingWindowSpec
 from kvserve.model.base import CausalLM
 from kvserve.model.config import ModelConfig
 from kvserve.model.layers import Fused, RotaryEmbedding, embedding
@@ -61,9 +61,9 @@ class Gemma3Attention(nn.Module):
         self.k_norm = GemmaRMSNorm(d, cfg.rms_norm_eps)
         self.rope = rope
         self.scale = (cfg.query_pre_attn_scalar or d) ** -0.5
-        self.window = cfg.sliding_window if sliding else None
-        self.spec = (KVSpec("sliding", cfg.num_kv_heads, d, window=cfg.sliding_window) if sliding
-                     else KVSpec("full", cfg.num_kv_heads, d))
+        self.spec = (SlidingWindowSpec(cfg.num_kv_heads, d, window=cfg.sliding_window) if sliding
+                     else FullSpec(cfg.num_kv_heads, d))
+        self.window = self.spec.visible_window
         self.kv_rows = 0
 
     def shift_keys(self, k: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:

@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from kvserve.attention import AttentionMetadata, attend
-from kvserve.kv.spec import KVSpec
+from kvserve.kv.spec import FullSpec, KVSpec, SlidingWindowSpec
 from kvserve.model.base import CausalLM
 from kvserve.model.config import ModelConfig
 from kvserve.model.layers import Fused, GatedMLP, RMSNorm, RotaryEmbedding, embedding
@@ -18,8 +18,8 @@ def layer_spec(cfg: ModelConfig, layer: int) -> KVSpec:
     kinds = cfg.layer_kinds() if hasattr(cfg, "layer_kinds") else ["full"] * cfg.num_layers
     window = getattr(cfg, "sliding_window", None)
     if kinds[layer] == "sliding" and window:
-        return KVSpec("sliding", cfg.num_kv_heads, cfg.head_dim, window=window)
-    return KVSpec("full", cfg.num_kv_heads, cfg.head_dim)
+        return SlidingWindowSpec(cfg.num_kv_heads, cfg.head_dim, window=window)
+    return FullSpec(cfg.num_kv_heads, cfg.head_dim)
 
 
 class LlamaAttention(nn.Module):
@@ -41,7 +41,7 @@ class LlamaAttention(nn.Module):
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
         self.spec = layer_spec(cfg, layer)
-        self.window = self.spec.window
+        self.window = self.spec.visible_window
         self.scale = self.head_dim ** -0.5
         self.rope = rope
         self.kv_rows = 0  # token rows pushed through k_proj/v_proj (instrumented, for `analyze`)

@@ -62,9 +62,7 @@ TIED_WIDE_ROWS = 1       # ... or more than this when a float32 copy exists anyw
 # Linears whose weight other code reads directly (MLA's absorbed kv_b_proj): they stay in float.
 FLOAT_ONLY = ("kv_b_proj",)
 # The LM head keeps 16-bit float weights under int8/int4 (as llama.cpp keeps output.weight at higher
-# precision): on SmolLM2 an int8 head alone costs KL 2.8e-3 against the float32 head, a bfloat16 one
-# 4.8e-4 and a float16 one 9e-6 with top-1 99.8% (the GGUF's head is Q8_0, which float16 holds
-# almost exactly), at half the bytes float32 reads per token (docs/WEIGHTS.md).
+# precision); what each head format costs in quality is measured in docs/WEIGHTS.md.
 FLOAT_HEAD = ("lm_head",)
 HEAD_FORMAT = "float16"
 

@@ -137,7 +137,7 @@ class KVStateTracker:
 
 def _kv_info(engine) -> dict:
     kv, cfg = engine.kv, engine.config
-    groups = [{"kind": g.spec.kind, "window": getattr(g.spec, "window", None), "layers": list(g.layers)}
+    groups = [{"kind": g.spec.kind, "window": g.spec.visible_window, "layers": list(g.layers)}
               for g in engine.kv_groups]
     return {
         "mode": cfg.kv_cache_mode,

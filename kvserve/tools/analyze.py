@@ -17,7 +17,6 @@ import argparse
 import importlib.util
 import json
 import os
-import sys
 import time
 
 from kvserve.extras import require
@@ -312,15 +311,12 @@ def register(subparsers) -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Entry point of `kvserve analyze`; returns the exit code."""
-    try:
-        shape = load_shape(args.model)
-        result = analysis(shape, args.tokens)
-        if args.measure:
-            result["measured"] = measure(engine_model(args.model), args.tokens, args.prompt)
-    except ValueError as e:
-        print(f"kvserve analyze: error: {e}", file=sys.stderr)
-        return 2
+    """Entry point of `kvserve analyze`; returns the exit code (bad input: a ValueError, which the
+    `kvserve` command reports)."""
+    shape = load_shape(args.model)
+    result = analysis(shape, args.tokens)
+    if args.measure:
+        result["measured"] = measure(engine_model(args.model), args.tokens, args.prompt)
     if args.json:
         print(json.dumps(result, indent=2))
     else:

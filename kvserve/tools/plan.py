@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import json
 import re
-import sys
 from dataclasses import asdict, dataclass, field, replace
 
 from kvserve.extras import require
@@ -447,15 +446,8 @@ def register(subparsers) -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Entry point of `kvserve plan`; returns the exit code."""
-    try:
-        return _run(args)
-    except ValueError as e:
-        print(f"kvserve plan: error: {e}", file=sys.stderr)
-        return 2
-
-
-def _run(args: argparse.Namespace) -> int:
+    """Entry point of `kvserve plan`; returns the exit code (bad input: a ValueError, which the
+    `kvserve` command reports)."""
     if args.list:
         print(format_list())
         return 0

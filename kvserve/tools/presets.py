@@ -14,7 +14,13 @@ import re
 from dataclasses import dataclass, replace
 
 from kvserve.kv.sizing import KVLayout
-from kvserve.model.config import GGUFMetadata, gguf_attention_fields, gguf_window_fields
+from kvserve.model.config import (
+    SWA_PATTERNS,
+    GGUFMetadata,
+    gemma3_layer_types,
+    gguf_attention_fields,
+    gguf_window_fields,
+)
 from kvserve.model.names import gguf_display_name
 
 GIB = 1 << 30
@@ -249,11 +255,10 @@ def _hf_window(cfg: dict, layers: int) -> tuple[int, int]:
     types = cfg.get("layer_types")
     if isinstance(types, list) and len(types) == layers:
         return int(window), sum(t == "sliding_attention" for t in types)
-    pattern = cfg.get("sliding_window_pattern")
-    if not pattern and cfg.get("model_type") == "gemma2":
-        pattern = 2
+    pattern = cfg.get("sliding_window_pattern") or (cfg.get("model_type") == "gemma2" and SWA_PATTERNS["gemma2"])
     if pattern:
-        return int(window), layers - layers // int(pattern)
+        types = gemma3_layer_types(layers, int(pattern))
+        return int(window), sum(t == "sliding_attention" for t in types)
     return int(window), layers
 
 

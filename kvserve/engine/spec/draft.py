@@ -92,6 +92,8 @@ class DraftProposer:
                 raise ValueError(f"speculative_config draft model's KV pool ({source}): {exc} For the draft, "
                                  "raise speculative_config draft_kv_cache_memory (or kv_cache_memory, which "
                                  "holds both pools).") from None
+            # attention_backend, not config.attention(): proposals never change a verified token,
+            # so the draft needs no batch-invariant attention
             runner = ModelRunner(loaded.model, kv, storage, device, config.max_num_seqs, target.max_model_len,
                                  config.attention_backend)
         proposer = cls(loaded, planner, kv, storage, runner, config.max_num_batched_tokens)
