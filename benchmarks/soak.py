@@ -33,6 +33,22 @@ def rss_mib(pid: int) -> float:
         return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:")) / 1024
 
 
+POOL_MAPPING_KB = 512 << 10   # the KV pool is one private anonymous mapping of its whole budget (1 GiB here)
+
+
+def pool_resident_mib(pid: int) -> float:
+    """Resident MiB of the mappings as large as a KV pool (kv/formats.py `zeroed`: one anonymous
+    mapping per storage, committed page by page as blocks are first written)."""
+    total, size = 0, 0
+    with open(f"/proc/{pid}/smaps") as f:
+        for line in f:
+            if line.startswith("Size:"):
+                size = int(line.split()[1])
+            elif line.startswith("Rss:") and size >= POOL_MAPPING_KB:
+                total += int(line.split()[1])
+    return total / 1024
+
+
 async def one(client: httpx.AsyncClient, url: str, job: Job, drop_after: int | None) -> str:
     """A streamed request; with `drop_after`, the client leaves after that many chunks."""
     path = "/v1/chat/completions" if job.route == "chat" else "/v1/completions"
@@ -72,7 +88,9 @@ def soak(name: str, env: dict, args) -> list[dict]:
     rows = []
     try:
         wait_idle(server.url, {})
-        rows.append({"config": name, "round": "started", "rss": rss_mib(server.proc.pid), "usage": 0.0, "outcomes": ""})
+        pid = server.proc.pid
+        rows.append({"config": name, "round": "started", "rss": rss_mib(pid), "pool": pool_resident_mib(pid),
+                     "usage": 0.0, "outcomes": ""})
         rng = random.Random(7)
         for r in tqdm(range(args.rounds), desc=name, unit="round", leave=False):
             jobs = make_jobs(args.streams, seed=100 + r, min_tokens=8, max_tokens=args.max_tokens)
@@ -81,7 +99,8 @@ def soak(name: str, env: dict, args) -> list[dict]:
             m = wait_idle(server.url, {}, timeout=60)
             busy = rss_mib(server.proc.pid)
             time.sleep(IDLE_RELEASE_SECONDS + 1)
-            rows.append({"config": name, "round": str(r + 1), "busy": busy, "rss": rss_mib(server.proc.pid),
+            rows.append({"config": name, "round": str(r + 1), "busy": busy, "rss": rss_mib(pid),
+                         "pool": pool_resident_mib(pid),
                          "usage": m["kvserve:kv_cache_usage_perc"],
                          "outcomes": ", ".join(f"{k} {v}" for k, v in sorted(counts.items())),
                          "seconds": time.perf_counter() - t0})
@@ -92,12 +111,15 @@ def soak(name: str, env: dict, args) -> list[dict]:
 
 def table(rows: list[dict]) -> str:
     header = ["configuration", "after round", "RSS as the round ends (MiB)", "RSS idle (MiB)",
-              "idle growth since start (MiB)", "KV blocks owned by requests", "streams (outcome count)", "round (s)"]
+              "idle growth since start (MiB)", "of it, KV pool pages (MiB)", "outside the pool (MiB)",
+              "KV blocks owned by requests", "streams (outcome count)", "round (s)"]
     body, base = [], {}
     for r in rows:
-        base.setdefault(r["config"], r["rss"])
+        base.setdefault(r["config"], r)
         body.append([r["config"], r["round"], f"{r['busy']:.0f}" if "busy" in r else "-", f"{r['rss']:.0f}",
-                     f"{r['rss'] - base[r['config']]:+.0f}",
+                     f"{r['rss'] - base[r['config']]['rss']:+.0f}",
+                     f"{r['pool'] - base[r['config']]['pool']:+.0f}",
+                     f"{r['rss'] - r['pool'] - base[r['config']]['rss'] + base[r['config']]['pool']:+.0f}",
                      f"{r['usage']:.0%}", r["outcomes"] or "-", f"{r['seconds']:.0f}" if "seconds" in r else "-"])
     return md_table(header, body)
 
@@ -120,7 +142,9 @@ def main() -> int:
              f"chats, short and long prompts, shared prefixes; up to {args.max_tokens} tokens) from "
              f"{args.clients} clients, {args.drop:.0%} of them dropped by the client after 1-8 chunks; RSS "
              "read as the last request ends and again once the server has been idle "
-             f"{IDLE_RELEASE_SECONDS + 1:.0f} s (the engine hands freed heap back after {IDLE_RELEASE_SECONDS:.0f} s idle).",
+             f"{IDLE_RELEASE_SECONDS + 1:.0f} s (the engine hands freed heap back after {IDLE_RELEASE_SECONDS:.0f} s idle). \"KV pool pages\": resident pages of "
+             f"the mappings of {POOL_MAPPING_KB >> 10} MiB or more (the pool is one anonymous mapping of its "
+             "budget, committed as blocks are first written: it grows until every block has been used once).",
              "Machine: " + ", ".join(f"{k} {v}" for k, v in machine_facts().items()) + "."]
     if not args.no_write:
         replace_section("Soak", text + "\n\n" + "\n\n".join(notes))
