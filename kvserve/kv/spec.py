@@ -51,12 +51,11 @@ class KVSpec:
 
 
 @dataclass(frozen=True)
-class FullSpec(KVSpec):
-    """Full attention: K and V per KV head for every token."""
+class _PerHeadSpec(KVSpec):
+    """K and V per KV head for every token it keeps (full and sliding-window attention)."""
 
     num_kv_heads: int = 0
     head_dim: int = 0
-    kind: ClassVar[str] = "full"
 
     @property
     def entry_shapes(self) -> list[tuple[int, ...]]:
@@ -64,11 +63,16 @@ class FullSpec(KVSpec):
 
 
 @dataclass(frozen=True)
-class SlidingWindowSpec(KVSpec):
+class FullSpec(_PerHeadSpec):
+    """Full attention: K and V per KV head for every token."""
+
+    kind: ClassVar[str] = "full"
+
+
+@dataclass(frozen=True)
+class SlidingWindowSpec(_PerHeadSpec):
     """Sliding-window attention: a query at position i sees keys in (i - window, i]."""
 
-    num_kv_heads: int = 0
-    head_dim: int = 0
     window: int = 0
     kind: ClassVar[str] = "sliding"
     keeps_window: ClassVar[bool] = True
@@ -76,10 +80,6 @@ class SlidingWindowSpec(KVSpec):
     def __post_init__(self):
         if not self.window or self.window < 1:
             raise ValueError(f"a sliding-window KV spec needs a window >= 1, got {self.window}")
-
-    @property
-    def entry_shapes(self) -> list[tuple[int, ...]]:
-        return [(self.num_kv_heads, self.head_dim)] * 2
 
     @property
     def visible_window(self) -> int:

@@ -253,13 +253,10 @@ def _hf_window(cfg: dict, layers: int) -> tuple[int, int]:
     if not window or cfg.get("use_sliding_window") is False:
         return 0, 0
     types = cfg.get("layer_types")
-    if isinstance(types, list) and len(types) == layers:
-        return int(window), sum(t == "sliding_attention" for t in types)
-    pattern = cfg.get("sliding_window_pattern") or (cfg.get("model_type") == "gemma2" and SWA_PATTERNS["gemma2"])
-    if pattern:
-        types = gemma3_layer_types(layers, int(pattern))
-        return int(window), sum(t == "sliding_attention" for t in types)
-    return int(window), layers
+    if not (isinstance(types, list) and len(types) == layers):
+        pattern = cfg.get("sliding_window_pattern") or (cfg.get("model_type") == "gemma2" and SWA_PATTERNS["gemma2"])
+        types = gemma3_layer_types(layers, int(pattern)) if pattern else ["sliding_attention"] * layers
+    return int(window), sum(t == "sliding_attention" for t in types)
 
 
 def estimate_params(shape: ModelShape, cfg: dict) -> tuple[float, float]:
