@@ -2,10 +2,12 @@
 attention calls (output projection, residuals, norms, MLP, the next layer's norm, Q/K/V projection
 and rotary embedding) as one region, run eagerly or compiled.
 
-Compiled, a step of one token (batch-1 decode) runs the whole stack as one `torch.compile` graph
-in which each layer's attention is an opaque op (`stack_attend_op`, one per compiled Regions: the backend reads and
+Compiled, a step of up to STACK_ROWS tokens (a decode of a few requests, or one request verifying
+its speculated tokens) runs the whole stack as one `torch.compile` graph in which each layer's
+attention is an opaque op (`stack_attend_op`, one per compiled Regions: the backend reads and
 writes the paged cache eagerly, with the step's metadata): one graph call per step instead of one
-per layer, which is most of the host time of a small model's step. Steps of more tokens run
+per layer, which is most of the host time of a small model's step. One token has a static graph
+of its own; 2..STACK_ROWS tokens share one with a dynamic row count. Steps of more tokens run
 per region: every region of a model is one graph shared by all its layers (the layer's weights
 are graph inputs, not constants) with dynamic shapes, compiled in seconds; at those sizes the
 arithmetic outweighs the calls.
@@ -29,6 +31,9 @@ log = logging.getLogger("kvserve")
 # one): each range between two bounds is a graph of its own in every region.
 ROW_BOUNDS = sorted({quant.GEMV_INT4_ROWS, *quant.GEMV_ROWS.values(), quant.COPY_ROWS, quant.SMALL_ROWS,
                      quant.HALF_WIDE_ROWS, quant.TIED_WIDE_ROWS, quant.INT4_WIDE_ROWS})
+# Steps of up to this many tokens run the whole stack as one graph (the rows of a speculating
+# request's verification, a few requests' decodes).
+STACK_ROWS = 8
 # Token counts a warm-up runs: one token (the one-token stack graph), then the top of each of those
 # ranges and one past the last, so that no step of any size compiles a graph after the warm-up.
 WARMUP_TOKENS = tuple(sorted({1, *ROW_BOUNDS, ROW_BOUNDS[-1] + 1}))
@@ -112,15 +117,18 @@ class Regions:
         self.first, self.between, self.last = wrap(_first), wrap(_between), wrap(_last)
         self.one_token = _compile_static(_one_token_stack) if compiled else None
         self.one_token_paged = _compile_static(_one_token_paged_stack) if compiled else None
+        self.few_tokens = _compile_stack(_one_token_stack) if compiled else None
         self.step = StepSlot()   # what the one-token graph's attention op reads
         self.attend = stack_attend_op(self.step) if compiled else None
 
     def run(self, layers, x: torch.Tensor, positions: torch.Tensor, meta) -> torch.Tensor:
         """x through every layer: layer i's attention, then the region up to layer i + 1's."""
-        if self.one_token is not None and x.shape[0] == 1:
+        if self.one_token is not None and x.shape[0] <= STACK_ROWS:
+            if x.shape[0] > 1:
+                return self._stack(self.few_tokens, layers, x, positions, meta)
             if meta.one_token is not None:
                 return self._paged(layers, x, positions, meta.one_token)
-            return self._one_token(layers, x, positions, meta)
+            return self._stack(self.one_token, layers, x, positions, meta)
         q, k, v = self.first(layers[0], x, positions)
         last = len(layers) - 1
         for i, layer in enumerate(layers):
@@ -130,11 +138,11 @@ class Regions:
             x, (q, k, v) = self.between(layer, layers[i + 1], x, o, positions)
         return x
 
-    def _one_token(self, layers, x, positions, meta):
+    def _stack(self, graph, layers, x, positions, meta):
         step = self.step
         step.layers, step.meta = layers, meta
         try:
-            return self.one_token(layers, x, positions, self.attend)
+            return graph(layers, x, positions, self.attend)
         finally:
             step.layers = step.meta = None
 
@@ -154,6 +162,13 @@ def _compile_static(fn):
     return torch.compile(private_copy(fn), dynamic=False, fullgraph=True,
                          options={"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe,
                                   "size_asserts": False})
+
+
+def _compile_stack(fn):
+    """The stack graph for 2..STACK_ROWS tokens: the row count dynamic (one graph per range of rows
+    that picks the same kernels), the module guards skipped as in _compile_static."""
+    return torch.compile(private_copy(fn), dynamic=True, fullgraph=True,
+                         options={"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe})
 
 
 def _compile(fn):
