@@ -178,6 +178,11 @@ class EngineConfig:
     speculative_config: dict | str | None = opt(
         None, "speculative decoding, vLLM's JSON: '{\"method\": \"ngram\", \"num_speculative_tokens\": 4}' "
         "(methods ngram, suffix, draft_model; docs/SPECULATIVE.md)", type=str, metavar="JSON")
+    kv_transfer_config: dict | str | None = opt(
+        None, "a KV connector that moves finished prefills' KV between engines, vLLM's JSON: "
+        "'{\"kv_connector\": \"TcpConnector\", \"kv_role\": \"kv_both\"}' (connectors TcpConnector, "
+        "TierConnector; roles kv_producer, kv_consumer, kv_both; docs/DISTRIBUTED.md)", type=str, metavar="JSON",
+        group="distributed")
     tensor_parallel_size: int = opt(1, "processes the model is split over: attention by KV head, the MLP by "
                                     "columns and rows; gloo on CPU, NCCL on CUDA (docs/DISTRIBUTED.md)",
                                     group="distributed")
@@ -261,12 +266,19 @@ class EngineConfig:
             raise ValueError("kv_tiers extend the prefix cache: they need kv_cache_mode='paged' and prefix caching on")
         if self.kv_tier_key is not None and self.kv_tier_key_file is not None:
             raise ValueError("give the KV tier key once: kv_tier_key or kv_tier_key_file, not both")
-        if (self.kv_tier_key is not None or self.kv_tier_key_file is not None) and not self.tier_names():
-            raise ValueError("kv_tier_key signs KV tier entries: give kv_tiers too, or leave the key out")
+        if (self.kv_tier_key is not None or self.kv_tier_key_file is not None) and not (
+                self.tier_names() or self.kv_transfer_config):
+            raise ValueError("kv_tier_key signs KV tier entries: give kv_tiers (or kv_transfer_config) too, "
+                             "or leave the key out")
 
     def tier_names(self) -> list[str]:
         """kv_tiers as a list (one tier may be given as a string)."""
         return [self.kv_tiers] if isinstance(self.kv_tiers, str) else list(self.kv_tiers or [])
+
+    @staticmethod
+    def parse_tier(text: str):
+        """One kv_tiers entry parsed into kvserve.kv.tiers.TierSpec."""
+        return parse_tier_spec(text)
 
     def tier_specs(self) -> list:
         """kv_tiers parsed into kvserve.kv.tiers.TierSpec (ValueError naming a bad entry)."""

@@ -63,6 +63,8 @@ class LLM:
         prompts = _as_list(prompts)
         params = [_final_only(sp) for sp in _params_list(sampling_params, len(prompts))]
         reqs = [self.engine.make_request(p, sp) for p, sp in zip(prompts, params)]  # validate all first
+        for p, sp in zip(prompts, params):
+            self.engine.receive_kv(p, sp)   # a KV consumer's blocks from the producer, if asked
         ids = [self.engine.add_request(p, sp) for p, sp in zip(prompts, params)]
         del reqs
         return self._run(ids, use_tqdm)

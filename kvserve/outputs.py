@@ -77,6 +77,7 @@ class RequestOutput:
     metrics: RequestMetrics | None = None
     error: str | None = None     # set when the engine failed this request (finish reason 'abort')
     prefix_fault: bool = False   # with error: a cached prefix it read was at fault and is evicted (a retry recomputes it)
+    kv_transfer_params: dict | None = None   # a KV producer's answer: where a consumer finds this prompt's KV
 
 
 class DeltaCollector:

@@ -194,6 +194,8 @@ class SamplingParams:
     bad_words: list[str] | None = None              # vLLM's: words the output never completes
     priority: int = 0   # vLLM's request priority (an argument of its generate): lower runs first
                         # under scheduling_policy='priority'
+    kv_transfer_params: dict | None = None   # vLLM's: {"do_remote_decode": true} on a producer; a producer's
+                                             # answer ({"do_remote_prefill": true, ...}) on a consumer
 
     def __post_init__(self) -> None:
         self.stop = _normalise_stop(self.stop)
@@ -208,6 +210,8 @@ class SamplingParams:
         self.structured_outputs = as_structured_outputs(self.structured_outputs)
         self._validate_token_filters()
         _check("priority", self.priority, _is_int(self.priority), "an integer")
+        _check("kv_transfer_params", self.kv_transfer_params,
+               self.kv_transfer_params is None or isinstance(self.kv_transfer_params, dict), "a JSON object")
         if self.kv_policy is not None:
             from kvserve.kv.policies import parse_policy
             parse_policy(self.kv_policy)
@@ -312,3 +316,13 @@ class BeamSearchParams:
         _check_int("max_tokens", self.max_tokens, 1)
         _check_temperature(self.temperature)
         _check_float("length_penalty", self.length_penalty, math.isfinite, "a finite number")
+
+
+def remote_prefill(params: SamplingParams) -> bool:
+    """True when the request's KV is to be received from a producer (its kv_transfer_params)."""
+    return bool((params.kv_transfer_params or {}).get("do_remote_prefill"))
+
+
+def remote_decode(params: SamplingParams) -> bool:
+    """True when the request's prompt KV is to be saved for a consumer (its kv_transfer_params)."""
+    return bool((params.kv_transfer_params or {}).get("do_remote_decode"))

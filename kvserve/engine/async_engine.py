@@ -21,7 +21,7 @@ from typing import Any
 
 from kvserve.engine.engine import LLMEngine, PromptType
 from kvserve.outputs import RequestOutput
-from kvserve.sampling_params import RequestOutputKind, SamplingParams
+from kvserve.sampling_params import RequestOutputKind, SamplingParams, remote_prefill
 
 log = logging.getLogger("kvserve")
 
@@ -210,6 +210,9 @@ class AsyncEngine:
         """
         self._check_accepting()
         self.check_batch_size(len(prompts), params.n)
+        if remote_prefill(params):   # a KV consumer receives the blocks here, off the engine thread
+            for p in prompts:
+                await asyncio.to_thread(self.engine.receive_kv, p, params)
         streams = [RequestStream(self, rid) for rid in request_ids]
         for s in streams:
             self._streams[s.request_id] = s

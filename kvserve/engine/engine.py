@@ -27,9 +27,11 @@ from kvserve.engine.request import Request, RequestStatus
 from kvserve.engine.sampler import Sampler, SamplingError, SamplingInput
 from kvserve.engine.scheduler import Scheduler
 from kvserve.engine.spec import build_draft, build_speculator
+from kvserve.kv.connector import build_connector
 from kvserve.kv.events import build_publisher
+from kvserve.kv.tiers import make_tier
 from kvserve.outputs import RequestOutput
-from kvserve.sampling_params import SamplingParams, check_cache_salt
+from kvserve.sampling_params import SamplingParams, check_cache_salt, remote_decode, remote_prefill
 from kvserve.startup import phase
 from kvserve.structured.outputs import StructuredOutputs
 
@@ -107,6 +109,7 @@ class LLMEngine:
         self.kv_events = build_publisher(cfg.kv_events, cfg.kv_events_replay)
         self.kv, self.storage = self._build_kv(planner)
         self.tiers = planner.tiers                            # prefix store below the device (kv_tiers)
+        self.connector = _connector(cfg, self.tiers)   # KV transfers between engines (kv_transfer_config)
         self.pool_plan, self.kv_residual_rows = planner.plan, planner.residual_rows
         # The KV manager's eviction strategy: keep everything, or kv/evictor.py's Evictor under
         # a kv_policy (the manager was built with it; the options refuse a kv_policy without a cache)
@@ -151,6 +154,9 @@ class LLMEngine:
         if rid in self.groups:
             raise ValueError(f"request_id {rid!r} is already in use")
         _check_token_ids(params, self.model_config.vocab_size)
+        if (remote_decode(params) or remote_prefill(params)) and self.connector is None:
+            raise ValueError("kv_transfer_params ask for a KV transfer, but this engine has no KV connector: "
+                             "start it with kv_transfer_config (--kv-transfer-config)")
         if params.priority != 0 and self.config.scheduling_policy != "priority":
             raise ValueError(f"priority={params.priority} needs an engine started with scheduling_policy='priority' "
                              "(--scheduling-policy priority); leave it at 0 under fcfs")
@@ -168,6 +174,19 @@ class LLMEngine:
         self.output_processor.add(req)
         self.admit(req)
         return req.request_id
+
+    def receive_kv(self, prompt: PromptType, params: SamplingParams) -> int:
+        """Receive the prompt's KV blocks from the producer its kv_transfer_params name (a consumer,
+        before add_request; safe off the engine thread); how many arrived, 0 when nothing is asked.
+        KVLoadError when some did not and kv_load_failure_policy is 'fail'."""
+        params = _with_prompt_salt(params, prompt)
+        if not remote_prefill(params):
+            return 0
+        if self.connector is None:
+            raise ValueError("kv_transfer_params ask for a remote prefill, but this engine has no KV connector: "
+                             "start it with kv_transfer_config (--kv-transfer-config)")
+        _, ids = _tokenize(self.tokenizer, prompt)
+        return self.connector.receive(self.kv.prompt_keys(ids, params.cache_salt), params.kv_transfer_params)
 
     def admit(self, req: Request) -> None:
         """Queue a request from make_request. Only add_request's requests get outputs from step();
@@ -361,6 +380,9 @@ class LLMEngine:
 
     def release(self, req: Request, status: RequestStatus) -> None:
         """End `req` with `status` and free its blocks and eviction state (no output, not counted)."""
+        if remote_decode(req.params) and req.index == 0 and status != RequestStatus.FINISHED_ABORTED:
+            req.kv_transfer_params = self.connector.save(
+                req.request_id, self.kv.transfer_blocks(req.request_id, req.prompt_token_ids))
         self.scheduler.finish(req, status)
         self.evictor.drop(req.request_id)
         self.speculator.finished(req)
@@ -390,6 +412,7 @@ class LLMEngine:
         m.update(self.evictor.metrics())
         m.update(self.poison.metrics())
         m.update(self.speculator.metrics())
+        m["kv_transfer"] = self.connector.metrics() if self.connector is not None else {}
         return m
 
     def reset_prefix_cache(self, offload: bool = False) -> int:
@@ -413,8 +436,21 @@ class LLMEngine:
             self.tiers.close()
         if self.kv_events is not None:
             self.kv_events.close()
+        if self.connector is not None:
+            self.connector.close()
         if self.tp is not None:
             self.tp.close()
+
+
+def _connector(cfg: EngineConfig, bridge):
+    """The KV connector of kv_transfer_config over the engine's tier bridge, or None."""
+    transfer = cfg.kv_transfer_config
+    if transfer is None:
+        return None
+    receive = bridge.tiers[0] if transfer.is_consumer else None   # offload.build_tiers put it first
+    tier = transfer.kv_connector_extra_config.get("tier")
+    shared = make_tier(cfg.parse_tier(tier)) if transfer.kv_connector == "TierConnector" else None
+    return build_connector(transfer, bridge, receive, shared)
 
 
 def _runs(rows) -> list[Request]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
+from kvserve.kv.connector import ReceiveTier
 from kvserve.kv.swap import SwapSpace
 from kvserve.kv.tiers import (
     TIER_KINDS,
@@ -76,7 +77,8 @@ def build_tiers(planner, storage, pool, events=None) -> TierBridge | None:
     `events`: the KV events queue the tiers report into."""
     config = planner.config
     specs = config.tier_specs()
-    if not specs:
+    transfer = config.kv_transfer_config
+    if not specs and transfer is None:
         return None
     from kvserve.paths import default_cache_root
     weights = fingerprint_path(planner.loaded.path, default_cache_root() / "fingerprints")
@@ -86,9 +88,11 @@ def build_tiers(planner, storage, pool, events=None) -> TierBridge | None:
                                layer_specs=planner.groups, layout=storage.block_layout(), hash_algo=hash_algo)
     tier_events = TierEvents(events, namespace, hash_algo) if events is not None else None
     key = tier_key(config)
-    bridge = TierBridge([make_tier(s, tier_events) for s in specs], storage, namespace, pool, events=tier_events,
-                        seal=tier_seal(key, namespace))
-    log.info("KV tiers: %s (namespace %s, entries %s)", ", ".join(f"{t.name} {t.write_policy}" for t in bridge.tiers),
+    front = [ReceiveTier(int(transfer.kv_buffer_size))] if transfer is not None and transfer.is_consumer else []
+    bridge = TierBridge([*front, *(make_tier(s, tier_events) for s in specs)], storage, namespace, pool,
+                        events=tier_events, seal=tier_seal(key, namespace))
+    log.info("KV tiers: %s (namespace %s, entries %s)",
+             ", ".join(f"{t.name} {t.write_policy}" for t in bridge.tiers) or "none (the KV connector's packing only)",
              namespace, "signed with the tier key (HMAC-SHA256)" if key is not None else "checksummed (CRC-32)")
     return bridge
 

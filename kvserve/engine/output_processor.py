@@ -136,7 +136,7 @@ class OutputProcessor:
         finished = self.finished(group_id)
         out = RequestOutput(group_id, head.prompt, head.prompt_token_ids, outs, finished,
                             head.num_cached_tokens, head.prompt_logprobs, head.metrics, head.error,
-                            head.prefix_fault)
+                            head.prefix_fault, head.kv_transfer_params)
         if finished:
             self._drop(group_id)
         return out

@@ -60,6 +60,7 @@ class Request:
         self.stop_reason: int | str | None = None
         self.error: str | None = None                  # why the engine failed it, if it did
         self.prefix_fault = False                      # with error: its cached prefix was at fault (evicted)
+        self.kv_transfer_params: dict | None = None   # a KV producer's answer, set when it finishes
         self.cumulative_logprob = 0.0
         self.logprobs: list[dict[int, Logprob]] | None = [] if self.params.logprobs is not None else None
         self.prompt_logprobs: list | None = None

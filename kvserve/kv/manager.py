@@ -187,6 +187,24 @@ class KVCacheManager:
                 return hits, h * self.block_size
         return empty, 0
 
+    def transfer_blocks(self, req_id: str, token_ids: list[int]) -> Evicted:
+        """(block id, pool key, tokens) of the request's blocks a prefix hit on `token_ids` uses:
+        the full blocks before the last token, in every group (a sliding group's still held ones)."""
+        state = self._state(req_id)
+        bs, n = self.block_size, (len(token_ids) - 1) // self.block_size
+        self._extend_hashes(req_id, state, token_ids, n)
+        return [(table[i], self._key(g, state.block_hashes[i]), tuple(token_ids[i * bs:(i + 1) * bs]))
+                for i in range(n) for g, table in enumerate(state.tables)
+                if i < len(table) and table[i] != self.null]
+
+    def prompt_keys(self, token_ids: list[int], salt: str | None = None) -> list[BlockHash]:
+        """Pool keys of every group's full blocks before the last token of a prompt (no request
+        state: safe off the step thread)."""
+        n = (len(token_ids) - 1) // self.block_size
+        hashes = hash_full_blocks(self.namespace, token_ids[:n * self.block_size], self.block_size,
+                                  algo=self.hash_algo, salt=salt) if n > 0 else []
+        return [self._key(g, h) for h in hashes for g in range(len(self.groups))]
+
     def _lookup_all(self, g: int, state: _ReqState, token_ids: list[int], n: int) -> list[int | None]:
         bs = self.block_size
         return [self.pool.lookup(self._key(g, state.block_hashes[i]), tuple(token_ids[i * bs:(i + 1) * bs]))

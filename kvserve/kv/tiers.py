@@ -746,6 +746,11 @@ class TierBridge(BlockPoolListener):
             return self._pack(blocks, tensors)
         return WriteBatch([self.key(h) for _, h, _ in blocks], pack, blocks)
 
+    def pack_blocks(self, blocks: Evicted) -> list[bytes]:
+        """Entries of device blocks now (step thread): what a KV connector sends."""
+        tensors = [t.cpu() for t in self.storage.read_blocks([b for b, _, _ in blocks])]
+        return self._pack(blocks, tensors)
+
     def _pack(self, blocks: Evicted, tensors: list[torch.Tensor]) -> list[bytes]:
         """One entry per block from `read_blocks` tensors of those blocks."""
         return [pack_entry(h, tokens, self.layout, row, self.seal)

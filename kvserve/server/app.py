@@ -38,6 +38,7 @@ from kvserve.engine.async_engine import (
     RequestStream,
 )
 from kvserve.engine.engine import LLMEngine
+from kvserve.kv.connector import KVLoadError
 from kvserve.outputs import CompletionOutput, DeltaCollector, RequestOutput
 from kvserve.sampling_params import RequestOutputKind, SamplingParams
 from kvserve.server import (
@@ -430,6 +431,8 @@ async def add_requests(state: ServerState, request: Request, prompts: list[dict]
                        headers={"Retry-After": str(exc.retry_after)}) from None
     except (EngineDrainingError, EngineDeadError) as exc:
         raise APIError(503, str(exc), type="service_unavailable", code="unavailable") from None
+    except KVLoadError as exc:
+        raise APIError(503, str(exc), type="service_unavailable", code="kv_load_failed") from None
     return Admitted(streams, lease)
 
 
@@ -628,7 +631,8 @@ def _completion_response(state: ServerState, params: SamplingParams, rid: str,
             choices.append(P.CompletionChoice(index=i * params.n + c.index, text=echoed + c.text, logprobs=logprobs,
                                               finish_reason=c.finish_reason, stop_reason=c.stop_reason))
     choices.sort(key=lambda ch: ch.index)
-    return P.CompletionResponse(id=rid, model=state.model_name, choices=choices, usage=_usage(finals))
+    return P.CompletionResponse(id=rid, model=state.model_name, choices=choices, usage=_usage(finals),
+                                kv_transfer_params=finals[0].kv_transfer_params if finals else None)
 
 
 def _chat_response(state: ServerState, params: SamplingParams, rid: str,
@@ -643,7 +647,8 @@ def _chat_response(state: ServerState, params: SamplingParams, rid: str,
         choices.append(P.ChatChoice(index=c.index, message=message, logprobs=logprobs,
                                     finish_reason=_finish_reason(c.finish_reason, bool(calls)),
                                     stop_reason=c.stop_reason))
-    return P.ChatCompletionResponse(id=rid, model=state.model_name, choices=choices, usage=_usage([final]))
+    return P.ChatCompletionResponse(id=rid, model=state.model_name, choices=choices, usage=_usage([final]),
+                                    kv_transfer_params=final.kv_transfer_params)
 
 
 def _top(entry: dict, k: int) -> list[tuple[int, float]]:

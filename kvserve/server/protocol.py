@@ -102,6 +102,7 @@ class _SamplingRequest(_Request):
     kv_policy: str | None = None   # kvserve extra: KV eviction for this request (docs/EVICTION.md)
     cache_salt: str | None = None  # vLLM's: share prefix-cache blocks only with requests of this salt
     kv_retention: dict[str, Any] | None = None  # kvserve extra: pin the prompt's blocks (priority, ttl_s, max_tokens)
+    kv_transfer_params: dict[str, Any] | None = None  # vLLM's: a KV transfer (docs/DISTRIBUTED.md "KV connector")
     response_format: ResponseFormat | None = None
     structured_outputs: dict[str, Any] | None = None  # vLLM's: json, regex, choice, grammar, json_object, ...
 
@@ -126,7 +127,7 @@ class _SamplingRequest(_Request):
             include_stop_str_in_output=self.include_stop_str_in_output, kv_policy=self.kv_policy,
             cache_salt=self.cache_salt, kv_retention=self.kv_retention, structured_outputs=self._structured(),
             logit_bias=self.logit_bias, allowed_token_ids=self.allowed_token_ids, bad_words=self.bad_words,
-            priority=self.priority,
+            priority=self.priority, kv_transfer_params=self.kv_transfer_params,
             **{k: v for k, v in given.items() if v is not None})
 
     @property
@@ -336,6 +337,7 @@ class CompletionResponse(BaseModel):
     choices: list[CompletionChoice]
     usage: UsageInfo | None = None
     system_fingerprint: str | None = None
+    kv_transfer_params: dict[str, Any] | None = None   # a KV producer's answer (vLLM's)
 
 
 class TopLogprob(BaseModel):
@@ -386,6 +388,7 @@ class ChatCompletionResponse(BaseModel):
     choices: list[ChatChoice]
     usage: UsageInfo
     system_fingerprint: str | None = None
+    kv_transfer_params: dict[str, Any] | None = None   # a KV producer's answer (vLLM's)
 
 
 class DeltaMessage(BaseModel):

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import json
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 from kvserve.config import parse_bytes
+from kvserve.json_options import json_object
 
 METHODS = ("ngram", "suffix", "draft_model")
 DRAFT_SHARE = 8   # draft_model: its KV pool takes 1/DRAFT_SHARE of the KV budget unless draft_kv_cache_memory says
@@ -76,20 +76,7 @@ def parse_speculative_config(value) -> SpeculativeConfig | None:
     """A SpeculativeConfig from a dict, a JSON string or a SpeculativeConfig; None stays None."""
     if value is None or isinstance(value, SpeculativeConfig):
         return value
-    if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"speculative_config is not JSON ({exc.msg}): {USAGE}") from None
-    if not isinstance(value, dict):
-        raise ValueError(f"speculative_config must be a JSON object, got {type(value).__name__}: {USAGE}")
-    known = {f.name for f in fields(SpeculativeConfig)}
-    unknown = sorted(set(value) - known)
-    if unknown:
-        raise ValueError(f"speculative_config has unknown keys {unknown}; known: {sorted(known)}")
-    for name in ("method", "num_speculative_tokens"):
-        if name not in value:
-            raise ValueError(f"speculative_config needs {name!r}: {USAGE}")
+    value = json_object("speculative_config", value, SpeculativeConfig, ("method", "num_speculative_tokens"), USAGE)
     spec = SpeculativeConfig(**value)
     spec.check()
     return spec
