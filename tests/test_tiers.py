@@ -805,7 +805,7 @@ def test_tier_key_options_are_checked_before_the_model_loads(tmp_path):
         engine_options(EngineConfig(kv_tiers=tiers, kv_tier_key_file=str(tmp_path / "missing"), dtype="float32"))
     with pytest.raises(ValueError, match="not both"):
         engine_options(EngineConfig(kv_tiers=tiers, kv_tier_key="k" * 16, kv_tier_key_file="f", dtype="float32"))
-    with pytest.raises(ValueError, match="give kv_tiers too"):
+    with pytest.raises(ValueError, match=r"give kv_tiers \(or kv_transfer_config\) too"):
         engine_options(EngineConfig(kv_tier_key="k" * 16, dtype="float32"))
     secret = "s3cret-s3cret-s3cret"
     assert secret not in repr(EngineConfig(kv_tiers=tiers, kv_tier_key=secret))
