@@ -110,8 +110,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _register_tools(sub) -> None:
     from kvserve.server.cli import register as register_serve
+    from kvserve.server.disagg import register as register_proxy
     from kvserve.tools import analyze, evaluate, plan, top
     register_serve(sub)
+    register_proxy(sub)
     for tool in (plan, analyze, evaluate, top):
         tool.register(sub)
 

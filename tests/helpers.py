@@ -1,4 +1,9 @@
-"""Comparison helpers shared by the engine tests."""
+"""Comparison helpers shared by the engine tests, and a server on a loopback port."""
+
+import socket
+import threading
+import time
+from contextlib import contextmanager
 
 TOL = 1e-4  # float32 log-prob tolerance between cached and recomputed paths
 
@@ -61,3 +66,33 @@ def poison_entry(path, seed: int = 0) -> None:
     start = 8 + hlen
     body = data[:start] + random.Random(seed).randbytes(len(data) - 4 - start)
     path.write_bytes(body + struct.pack("<I", zlib.crc32(body)))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def config_on_free_port(app, **options):
+    import uvicorn
+    return uvicorn.Config(app, **{"host": "127.0.0.1", "port": free_port(), "log_level": "warning", **options})
+
+
+@contextmanager
+def serving(app, **options):
+    """The app on a loopback port in a background thread (uvicorn.Config `options`); yields its base URL."""
+    import uvicorn
+    config = config_on_free_port(app, **options)
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "server did not start"
+        time.sleep(0.02)
+    try:
+        yield f"http://127.0.0.1:{config.port}"
+    finally:
+        server.should_exit = True
+        thread.join(30)

@@ -23,10 +23,15 @@ def tcp(role: str, **extra) -> str:
     return json.dumps({"kv_connector": "TcpConnector", "kv_role": role, **extra})
 
 
-@pytest.fixture(scope="module")
-def pair():
+def make_pair() -> tuple[LLM, LLM]:
     producer = LLM(**ENGINE, kv_transfer_config=tcp("kv_producer"))
     consumer = LLM(**ENGINE, kv_transfer_config=tcp("kv_consumer", kv_connector_extra_config={"timeout": 2}))
+    return producer, consumer
+
+
+@pytest.fixture(scope="module")
+def pair():
+    producer, consumer = make_pair()
     yield producer, consumer
     producer.close()
     consumer.close()
@@ -187,3 +192,32 @@ def test_over_http_with_the_openai_client(pair):
         assert second.choices[0].text == want.outputs[0].text
         plain = c.post("/v1/completions", json={"prompt": ids, "max_tokens": 2})
         assert plain.status_code == 200 and plain.json().get("kv_transfer_params") is None
+
+
+def test_the_proxy_prefills_on_one_server_and_decodes_on_the_other():
+    """`kvserve proxy` over two real servers on loopback: the answer (streamed and not) equals the
+    colocated one, the decode server prefilled only the last partial block, and the producer saved
+    the blocks the consumer received. Its own pair: a server's shutdown closes its engine."""
+    from helpers import serving
+    from openai import OpenAI
+
+    from kvserve.server.app import build_app
+    from kvserve.server.disagg import build_proxy
+    producer, consumer = make_pair()
+    want = colocated(consumer)
+    consumer.engine.reset_prefix_cache()
+    ids = list(want.prompt_token_ids)
+    saved = producer.get_metrics()["kv_transfer"]["saved_requests"]
+    with serving(build_app(producer.engine)) as p_url, serving(build_app(consumer.engine)) as c_url, \
+            serving(build_proxy([p_url], [c_url])) as proxy:
+        client = OpenAI(base_url=f"{proxy}/v1", api_key="-")
+        args = dict(model="SmolLM2-135M-Instruct", prompt=ids, max_tokens=12, temperature=0,
+                    extra_body={"ignore_eos": True})
+        whole = client.completions.create(**args)
+        assert whole.choices[0].text == want.outputs[0].text
+        assert whole.usage.prompt_tokens_details.cached_tokens == (len(ids) - 1) // 16 * 16
+        consumer_cached = whole.usage.prompt_tokens_details.cached_tokens
+        streamed = "".join(c.choices[0].text for c in client.completions.create(**args, stream=True) if c.choices)
+        assert streamed == want.outputs[0].text and consumer_cached > 0
+        assert client.models.list().data[0].id == "SmolLM2-135M-Instruct"   # other routes: a decode server
+    assert producer.get_metrics()["kv_transfer"]["saved_requests"] == saved + 2
