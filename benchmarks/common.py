@@ -113,7 +113,11 @@ def command_line() -> str:
         script = script.relative_to(REPO_ROOT)
     except ValueError:
         pass
-    return shlex.join(["python", str(script), *sys.argv[1:]])
+    args = list(sys.argv[1:])
+    if "--ray-address" in args:   # added by rerun_on_hosts: not part of what the reader types
+        i = args.index("--ray-address")
+        del args[i:i + 2]
+    return shlex.join(["python", str(script), *args])
 
 
 def md_table(header: list[str], rows: list[list[str]]) -> str:
@@ -213,3 +217,18 @@ def library_system_info(lib: Path) -> str:
 def peer_lines(peer: dict[str, str]) -> str:
     """A peer's facts as markdown bullets, for a report and the console alike."""
     return "\n".join(f"- {k}: `{v}`" for k, v in peer.items())
+
+
+def rerun_on_hosts(hosts: int = 3) -> int:
+    """Run this script again inside host 0 of a fresh NetnsCluster (separate network hosts: a 0-CPU
+    Ray head in host 0, a 1-CPU Ray worker node in each other host), with `--ray-address` added;
+    its exit status. Its output streams through; the cluster is removed afterwards."""
+    from kvserve.distributed.netns import QUICK_FAILURE_DETECTION, NetnsCluster
+    with NetnsCluster(hosts=hosts) as cluster:
+        address = cluster.start_ray(head_num_cpus=0, num_cpus=1, workers=range(1, hosts),
+                                    env=QUICK_FAILURE_DETECTION)
+        print(f"Ray on {hosts} network hosts: head {address} (0 CPUs), workers "
+              f"{', '.join(h.ip for h in cluster.hosts[1:])} (1 CPU each)", flush=True)
+        argv = [sys.executable, str(Path(sys.argv[0]).resolve()), *sys.argv[1:], "--ray-address", address]
+        child = cluster.popen(cluster.hosts[0], argv, stdout=None, stderr=None)
+        return child.wait()

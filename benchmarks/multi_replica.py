@@ -2,6 +2,7 @@
 
     python benchmarks/multi_replica.py              # 8 tenants, 64 requests, 8 clients, 16 tokens; table to BENCHMARKS.md
     python benchmarks/multi_replica.py --requests 12 --clients 4 --tenants 2 --max-tokens 4 --no-write   # smoke run
+    python benchmarks/multi_replica.py --hosts     # across network hosts (root): "Multiple replicas across hosts"
 
 The workload: `--tenants` long system prompts (400-600 tokens each, cut seeded from CPython's
 `pydoc_data.topics` prose with the bundled model's tokenizer), each request one tenant's system
@@ -19,6 +20,11 @@ from each response's usage `prompt_tokens_details.cached_tokens`, checked agains
 `kvserve:prefix_cache_hits_total` in the joined /metrics), TTFT p50/p99 (client-side: time to
 the first chunk with text), output tokens/s (usage counts / wall time of the run), and requests
 per replica (the `x-kvserve-replica` response header).
+
+With `--hosts` the script makes three network hosts (kvserve/distributed/netns.py: a 0-CPU Ray
+head in host 0, a 1-CPU Ray worker node in hosts 1 and 2) and runs itself again inside host 0,
+joining that Ray cluster: each replica asks for one CPU, so each runs on a worker host of its own,
+and the router in host 0 follows their KV events over the hosts' network.
 """
 
 from __future__ import annotations
@@ -45,6 +51,7 @@ from common import (  # noqa: E402
     percentile,
     prose_corpus,
     replace_section,
+    rerun_on_hosts,
 )
 from tqdm import tqdm  # noqa: E402
 
@@ -221,7 +228,8 @@ def run_policy(policy: str, args, engine: dict, jobs: list[Job], url: str) -> Po
     from kvserve.server.replicas import build_application
 
     t0 = time.perf_counter()
-    app = build_application(engine, {}, replicas=args.replicas, routing=policy, events_host="127.0.0.1")
+    where = ({"num_cpus": 1, "ingress_node": args.host} if args.ray_address else {"events_host": "127.0.0.1"})
+    app = build_application(engine, {}, replicas=args.replicas, routing=policy, **where)
     print(f"[{policy}] starting {args.replicas} replicas ...", flush=True)
     serve.run(app, name="kvserve", route_prefix="/")
     names = sorted(httpx.get(url + "/v1/replicas", timeout=60).json()["replicas"])
@@ -314,16 +322,21 @@ def report(args, jobs: list[Job], runs: list[PolicyRun], system_lens: list[int],
     facts = machine_facts()
     pools = sorted({t for run in runs for t in run.pool_tokens.values()})
     counts = [sum(1 for j in jobs if j.tenant == t) for t in range(args.tenants)]
+    place = ("across network hosts (a 0-CPU Ray head with the ingress in one network namespace, a 1-CPU Ray "
+             "worker node per replica in others; kvserve/distributed/netns.py)" if args.ray_address
+             else "on one machine")
+    ray_setup = ("that Ray cluster, each replica asking for 1 CPU" if args.ray_address
+                 else "one local Ray, `num_cpus=2`, no dashboard")
     body = [
-        f"`--replicas {args.replicas}` on one machine: a multi-tenant chat workload routed by each policy in turn. "
+        f"`--replicas {args.replicas}` {place}: a multi-tenant chat workload routed by each policy in turn. "
         f"{args.tenants} tenants, each a system prompt of {min(system_lens)}-{max(system_lens)} tokens "
         f"({sum(system_lens)} in all; cut seeded, seed {args.seed}, from CPython's `pydoc_data.topics` prose), "
         f"{args.requests} requests (tenant drawn seeded: {min(counts)}-{max(counts)} requests per tenant), "
         f"each the tenant's system prompt and a {args.question_tokens[0]}-{args.question_tokens[1]}-token "
         f"question, sent to `/v1/chat/completions` by {args.clients} concurrent streaming clients; "
         f"{args.max_tokens} output tokens each (greedy, `ignore_eos`). Each policy runs on a freshly deployed "
-        "application (empty prefix caches; `build_application` of `server/replicas.py` on one local Ray, "
-        "`num_cpus=2`, no dashboard), after warm-up requests of unrelated text (a short and a "
+        f"application (empty prefix caches; `build_application` of `server/replicas.py` on {ray_setup}), "
+        "after warm-up requests of unrelated text (a short and a "
         f"{args.system_tokens[1]}-token one pinned to each replica, then as many short routed chat requests "
         "as replicas); policies run in the order given. "
         f"Engine per replica: `{' '.join(args.engine_flags)}`; each replica's KV pool holds "
@@ -370,7 +383,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--request-timeout", type=float, default=600.0)
     p.add_argument("--no-write", action="store_true", help="print the table, leave BENCHMARKS.md alone")
+    p.add_argument("--hosts", action="store_true", help="run across three network hosts (needs root)")
+    p.add_argument("--ray-address", default=None, help=argparse.SUPPRESS)   # set by rerun_on_hosts
     args = p.parse_args(argv)
+    if args.hosts and args.ray_address is None:
+        return rerun_on_hosts(1 + args.replicas)
     policies = [x.strip() for x in args.policies.split(",") if x.strip()]
     if bad := [x for x in policies if x not in POLICIES]:
         p.error(f"unknown policies {bad}; choose from {', '.join(POLICIES)}")
@@ -394,13 +411,17 @@ def main(argv: list[str] | None = None) -> int:
     corpus_ids = tokenizer.encode(prose_corpus(), add_special_tokens=False)
     args.warmup_text = tokenizer.decode(corpus_ids[-args.system_tokens[1]:])  # as long as the longest tenant
     load_before = load_average()
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    if args.ray_address:
+        ray.init(address=args.ray_address, log_to_driver=False)
+    else:
+        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    args.host = ray.util.get_node_ip_address() if args.ray_address else "127.0.0.1"
     try:
         with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
+            s.bind((args.host, 0))
             port = s.getsockname()[1]
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
-        url = f"http://127.0.0.1:{port}"
+        serve.start(http_options={"host": args.host, "port": port})
+        url = f"http://{args.host}:{port}"
         runs = [run_policy(policy, args, engine, jobs, url) for policy in policies]
     finally:
         serve.shutdown()
@@ -408,8 +429,9 @@ def main(argv: list[str] | None = None) -> int:
     text = report(args, jobs, runs, system_lens, load_before, load_average())
     print(text)
     if not args.no_write:
-        replace_section(SECTION, text)
-        print(f"\nwrote the '## {SECTION}' section of BENCHMARKS.md")
+        section = SECTION + (" across hosts" if args.ray_address else "")
+        replace_section(section, text)
+        print(f"\nwrote the '## {section}' section of BENCHMARKS.md")
     return 0 if all(summarize(r).errors == 0 for r in runs) else 1
 
 

@@ -74,9 +74,10 @@ def llm_nocache():
 
 
 class RedisServer:
-    """A private redis-server on a free loopback port, no persistence, in a temporary directory."""
+    """A private redis-server on a free port of `host` (loopback by default), no persistence, in a
+    temporary directory."""
 
-    def __init__(self, workdir, *extra: str, port: int | None = None):
+    def __init__(self, workdir, *extra: str, port: int | None = None, host: str = "127.0.0.1"):
         import shutil
         import socket
         import subprocess
@@ -87,12 +88,12 @@ class RedisServer:
                         "(apt-get install -y redis-server)")
         if port is None:
             with socket.socket() as s:
-                s.bind(("127.0.0.1", 0))
+                s.bind((host, 0))
                 port = s.getsockname()[1]
-        self.port = port
-        self.url = f"redis://127.0.0.1:{port}/0"
+        self.port, self.host = port, host
+        self.url = f"redis://{host}:{port}/0"
         self.proc = subprocess.Popen(
-            [exe, "--bind", "127.0.0.1", "--port", str(port), "--dir", str(workdir), "--save", "",
+            [exe, "--bind", host, "--port", str(port), "--dir", str(workdir), "--save", "",
              "--appendonly", "no", "--protected-mode", "no", *extra],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         self._wait_ready()
@@ -102,7 +103,7 @@ class RedisServer:
 
         import redis
 
-        client = redis.Redis(host="127.0.0.1", port=self.port, socket_connect_timeout=0.2)
+        client = redis.Redis(host=self.host, port=self.port, socket_connect_timeout=0.2)
         deadline = time.monotonic() + timeout
         while True:
             try:

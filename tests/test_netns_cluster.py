@@ -8,7 +8,14 @@ import textwrap
 
 import pytest
 
-from kvserve.distributed.netns import NetnsCluster, links, namespaces, netns_available, pid_alive
+from kvserve.distributed.netns import (
+    QUICK_FAILURE_DETECTION,
+    NetnsCluster,
+    links,
+    namespaces,
+    netns_available,
+    pid_alive,
+)
 
 REASON = netns_available()
 pytestmark = pytest.mark.skipif(REASON is not None, reason=REASON or "")
@@ -65,11 +72,6 @@ DRIVER = textwrap.dedent("""
     print("RESULT", json.dumps({"dead": ips[2], "survivor": ray.get(on(ips[1]), timeout=60)}), flush=True)
 """)
 
-# Quick failure detection on the head: a killed node is dead after ~3 missed 500 ms checks.
-FAST_HEALTH = {"RAY_health_check_period_ms": "500", "RAY_health_check_timeout_ms": "500",
-               "RAY_health_check_failure_threshold": "3", "RAY_health_check_initial_delay_ms": "500"}
-
-
 def result(driver, cluster) -> dict:
     """The driver's next RESULT line (Ray prints its own messages to the driver's stdout too)."""
     for line in driver.stdout:
@@ -118,7 +120,7 @@ def ray_cluster():
     pytest.importorskip("ray")
     cluster = NetnsCluster(hosts=3)
     try:
-        cluster.start_ray(env=FAST_HEALTH)
+        cluster.start_ray(env=QUICK_FAILURE_DETECTION)
         yield cluster
     finally:
         cluster.close()

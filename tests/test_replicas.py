@@ -18,8 +18,11 @@ import pytest
 import ray
 from conftest import RedisServer
 from openai import OpenAI
-from prometheus_client.parser import text_string_to_metric_families
 from ray import serve
+from replica_helpers import metrics as _metrics
+from replica_helpers import pinned as _pinned
+from replica_helpers import stream_killed_midway
+from replica_helpers import wait as _wait
 
 from kvserve.server.replicas import (
     ENGINE_DEPLOYMENT,
@@ -75,34 +78,6 @@ def _complete(client: OpenAI, prompt: str, **kw):
 def _replicas(base_url: str, hashes: bool = False) -> dict:
     r = httpx.get(f"{base_url}/v1/replicas", params={"hashes": "true"} if hashes else None, timeout=10)
     return r.json()["replicas"]
-
-
-def _metrics(base_url: str, replica: str) -> dict:
-    """One replica's kvserve:* samples, keyed by name and labels other than model_name."""
-    r = httpx.get(f"{base_url}/metrics", headers={REPLICA_HEADER: replica}, timeout=20)
-    assert r.status_code == 200 and r.headers[REPLICA_HEADER] == replica
-    out = {}
-    for family in text_string_to_metric_families(r.text):
-        for s in family.samples:
-            labels = "".join(f"[{k}={v}]" for k, v in sorted(s.labels.items()) if k != "model_name")
-            out[s.name + labels] = s.value
-    return out
-
-
-def _pinned(client: OpenAI, replica: str, prompt: str, max_tokens: int = 6):
-    """A greedy completion on `replica` only; asserts that it served it."""
-    raw = client.completions.with_raw_response.create(model=None, prompt=prompt, max_tokens=max_tokens,
-                                                      temperature=0, extra_headers={REPLICA_HEADER: replica})
-    assert raw.status_code == 200 and raw.headers[REPLICA_HEADER] == replica
-    return raw.parse()
-
-
-def _wait(cond, timeout: float = 15.0, what: str = "condition"):
-    deadline = time.monotonic() + timeout
-    while not (value := cond()):
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.2)
-    return value
 
 
 def test_merge_metrics_labels_every_sample_and_keeps_one_header():
@@ -231,16 +206,8 @@ def test_redis_down_both_replicas_keep_serving(base_url, redis_tier):
 def test_killed_replica_ends_its_stream_and_the_other_serves(base_url):
     index = _replicas(base_url)
     victim, survivor = sorted(index)
-    body = {"prompt": "Count to one thousand: 1, 2, 3,", "max_tokens": 400, "temperature": 0, "stream": True,
-            "ignore_eos": True}
-    with httpx.stream("POST", f"{base_url}/v1/completions", json=body, headers={REPLICA_HEADER: victim},
-                      timeout=30) as r:
-        assert r.headers[REPLICA_HEADER] == victim
-        lines = r.iter_lines()
-        assert next(line for line in lines if line.startswith("data: "))
-        ray.kill(ray.get_actor(index[victim]["actor_name"], namespace="serve"), no_restart=True)
-        rest = [line[6:] for line in lines if line.startswith("data: ")]
-    assert rest[-1] == "[DONE]" and "error" in json.loads(rest[-2])
+    actor = index[victim]["actor_name"]
+    stream_killed_midway(base_url, victim, lambda: ray.kill(ray.get_actor(actor, namespace="serve"), no_restart=True))
     client = OpenAI(base_url=f"{base_url}/v1", api_key="none", max_retries=0, timeout=60)
     for i in range(3):
         served, out = _complete(client, f"After the fault, request {i}:")

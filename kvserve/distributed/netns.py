@@ -42,6 +42,9 @@ SUBNET_BASE = "10.213"
 LOCK_PATH = os.path.join(tempfile.gettempdir(), "kvserve-netns.lock")
 RAY_PORT = 6379
 RAY_LOG_FILES = ("gcs_server.out", "gcs_server.err", "raylet.out", "raylet.err")
+# Ray settings for a quick verdict on a killed node (dead after ~3 missed 500 ms health checks)
+QUICK_FAILURE_DETECTION = {"RAY_health_check_period_ms": "500", "RAY_health_check_timeout_ms": "500",
+                           "RAY_health_check_failure_threshold": "3", "RAY_health_check_initial_delay_ms": "500"}
 
 _counter = itertools.count()
 
@@ -237,6 +240,7 @@ class NetnsCluster:
         self._finalizer = weakref.finalize(self, self.state.close)
         self.hosts: list[Host] = []
         self.ray_address: str | None = None
+        self._ray_node: dict = {}      # how start_ray started a worker node (rejoin starts it again)
         self.env = {"RAY_AUTH_MODE": os.environ.get("RAY_AUTH_MODE", "disabled"),
                     "RAY_USAGE_STATS_ENABLED": "0"}
         clean_stale(prefix)
@@ -334,39 +338,52 @@ class NetnsCluster:
 
     def start_ray(self, head: int = 0, workers=(1, 2), num_cpus: int = 1, port: int = RAY_PORT,
                   timeout: float = 120.0, env: dict | None = None,
-                  object_store_memory: int = 100 * 2**20) -> str:
+                  object_store_memory: int = 100 * 2**20, head_num_cpus: int | None = None) -> str:
         """Start a Ray head in host `head` and a worker node in each of `workers`.
 
         Returns the GCS address "IP:PORT" once every node is alive. `env` adds to the nodes'
-        environment (Ray's `RAY_...` settings, for instance).
+        environment (Ray's `RAY_...` settings, for instance). The head offers `head_num_cpus`
+        CPUs (default `num_cpus`; 0 keeps CPU-asking actors off it), each worker `num_cpus`.
         """
         if self.ray_address:
             raise RuntimeError(f"Ray already runs on this cluster at {self.ray_address}")
-        ray = str(Path(sys.executable).parent / "ray")
-        env = {**os.environ, **(env or {})}
-        common = ["--block", "--num-cpus", num_cpus, "--num-gpus", 0, "--disable-usage-stats",
-                  "--object-store-memory", object_store_memory]
         head_host = self.host(head)
         address = f"{head_host.ip}:{port}"
+        self._ray_node = {"env": {**os.environ, **(env or {})}, "object_store_memory": object_store_memory,
+                          "num_cpus": num_cpus, "head": head_host}
         deadline = time.monotonic() + timeout
         nodes = [head_host] + [self.host(w) for w in workers]
-
-        def start(host, argv):
-            d = self.ray_dir(host)
-            os.makedirs(d, exist_ok=True)
-            if d not in self.state.dirs:
-                self.state.dirs.append(d)
-            with open(os.path.join(d, "ray-start.log"), "ab") as log:
-                return self.popen(host, [ray, "start", *argv, *common, "--node-ip-address", host.ip,
-                                         "--temp-dir", d], stdout=log, stderr=subprocess.STDOUT,
-                                  env=env)
-
-        procs = [start(head_host, ["--head", "--port", port, "--include-dashboard=false"])]
+        head_cpus = num_cpus if head_num_cpus is None else head_num_cpus
+        procs = [self._ray_start(head_host, ["--head", "--port", port, "--include-dashboard=false"], head_cpus)]
         self._wait_port(head_host.ip, port, deadline, procs, nodes)
-        procs += [start(h, ["--address", address]) for h in nodes[1:]]
+        procs += [self._ray_start(h, ["--address", address], num_cpus) for h in nodes[1:]]
         self._wait_nodes(head_host, address, len(nodes), deadline, procs, nodes)
         self.ray_address = address
         return address
+
+    def rejoin(self, host: Host | int, alive: int, timeout: float = 120.0) -> None:
+        """Start `host`'s Ray worker node again (after `kill_host`), as start_ray did; return once
+        the head counts `alive` live nodes."""
+        if not self.ray_address:
+            raise RuntimeError("start_ray first")
+        host = self.host(host)
+        proc = self._ray_start(host, ["--address", self.ray_address], self._ray_node["num_cpus"])
+        self._wait_nodes(self._ray_node["head"], self.ray_address, alive, time.monotonic() + timeout, [proc], [host])
+
+    def _ray_start(self, host: Host, argv: list, num_cpus: int) -> subprocess.Popen:
+        """`ray start ARGV --block` in `host` (its log in the host's Ray temp dir)."""
+        d = self.ray_dir(host)
+        os.makedirs(d, exist_ok=True)
+        if d not in self.state.dirs:
+            self.state.dirs.append(d)
+        node = self._ray_node
+        ray = str(Path(sys.executable).parent / "ray")
+        common = ["--block", "--num-cpus", num_cpus, "--num-gpus", 0, "--disable-usage-stats",
+                  "--object-store-memory", node["object_store_memory"], "--node-ip-address", host.ip,
+                  "--temp-dir", d]
+        with open(os.path.join(d, "ray-start.log"), "ab") as log:
+            return self.popen(host, [ray, "start", *argv, *common], stdout=log, stderr=subprocess.STDOUT,
+                              env=node["env"])
 
     def _ray_failure(self, message: str, nodes) -> RuntimeError:
         return RuntimeError(f"{message}\n{self.ray_logs(nodes)}")

@@ -34,7 +34,7 @@ log = logging.getLogger("kvserve")
 
 POLL_SECONDS = 0.02          # how often the feeds are read between requests
 MAX_REMEMBERED = 10_000      # choices kept for requests not yet sent
-ROUTERS: dict[str, KVRouter] = {}   # app name -> this process's router (the ingress reads it)
+ROUTERS: dict[str, KVRouter] = {}   # "app/deployment" -> this process's router (the ingress reads it)
 
 
 @dataclass
@@ -45,6 +45,11 @@ class RouteInfo:
     salt: str | None = None              # its cache salt (the first block's hash depends on it)
     replica: str | None = None           # send to this replica only
     policy: str | None = None            # routing policy (None: the deployment's)
+
+
+def meta_of(replica: RunningReplica) -> dict:
+    """What the replica recorded about itself (record_replica_metadata; empty until it has)."""
+    return getattr(replica, "replica_metadata", None) or {}
 
 
 def replica_name(replica: RunningReplica) -> str:
@@ -69,7 +74,7 @@ class KVRouter(RequestRouter):
         self.replays: dict[str, ReplayClient] = {}
         self.poller: asyncio.Task | None = None
         self.loop: asyncio.AbstractEventLoop | None = None
-        routers()[self.app_name] = self
+        routers()[router_key(self.app_name, self._deployment_id.name)] = self
 
     # ---- Serve's hooks -----------------------------------------------------------------
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
@@ -178,7 +183,8 @@ class KVRouter(RequestRouter):
             name = replica_name(replica)
             blocks = self.index.replicas.get(name)
             load = self.load(replica)
-            entry = {"actor_name": replica.replica_id.to_full_id_str(), "queue_depth": load.queue_depth,
+            entry = {"actor_name": replica.replica_id.to_full_id_str(), "node": meta_of(replica).get("node"),
+                     "queue_depth": load.queue_depth,
                      "kv_usage": load.kv_usage, "following_events": name in self.feeds,
                      "lost_batches": blocks.lost_batches if blocks else 0,
                      "blocks": {str(g): len(h) for g, h in (blocks.groups.items() if blocks else [])}}
@@ -189,8 +195,13 @@ class KVRouter(RequestRouter):
         return {"policy": self.policy, "replicas": out}
 
 
+def router_key(app: str, deployment: str) -> str:
+    """The name a deployment's router goes by in `routers()`."""
+    return f"{app}/{deployment}"
+
+
 def routers() -> dict[str, KVRouter]:
-    """This process's routers by app name. Looked up by module name: Ray may ship a class by value,
+    """This process's routers by `router_key`. Looked up by module name: Ray may ship a class by value,
     with its own copy of the globals it uses."""
     return importlib.import_module(__name__).ROUTERS
 

@@ -98,6 +98,13 @@ def register(subparsers) -> None:
     p.add_argument("--ray-address", default=None, metavar="ADDR",
                    help="with --replicas: the Ray cluster to join (e.g. ray://head:10001 or auto); default: "
                         "a local Ray on this machine")
+    p.add_argument("--disaggregate", default=None, metavar="P:D",
+                   help="serve P prefill and D decode replicas (Ray Serve, as --replicas P+D): each request "
+                        "prefills on a prefill replica, whose KV a decode replica receives through a KV "
+                        "connector (TcpConnector unless --kv-transfer-config names another)")
+    p.add_argument("--replica-num-cpus", type=float, default=0, metavar="N",
+                   help="with --replicas: CPUs each engine replica asks of Ray (1 on a cluster of 1-CPU "
+                        "nodes places one replica per node); default 0")
     p.add_argument("--routing", default="prefix", choices=["prefix", "round-robin", "least-loaded"],
                    help="with --replicas: prefix = the replica holding most of the prompt's prefix, weighed "
                         "against its load; least-loaded; round-robin")
@@ -135,7 +142,7 @@ def cmd_serve(args) -> int:
     api_keys, admin_key = api_keys_of(args), admin_key_of(args)
     check_cache_isolation(args.cache_isolation, api_keys)
     check_admin_key(admin_key, api_keys)
-    if args.replicas is not None:
+    if args.replicas is not None or args.disaggregate is not None:
         from kvserve.server.replicas import serve_replicas
         return serve_replicas(args, api_keys, admin_key)
     log.info("start-up: import %.2f s", seconds_since_launch())

@@ -133,6 +133,7 @@ class _EngineCollector(Collector):
                 c.add_metric(label, float(snap[key]))
                 yield c
         yield from _tier_families(snap, self.model_name)
+        yield from _transfer_families(snap, self.model_name)
         yield from _block_time_families(snap, self.model_name)
         yield from _spec_families(snap, self.model_name)
         success = CounterMetricFamily(PREFIX + "request_success", "Finished sequences by finish reason.",
@@ -173,6 +174,32 @@ TIER_COUNTERS = [
     ("kv_tier_flush_seconds", "Seconds spent waiting for a KV tier's pending write-through writes.",
      "flush_seconds"),
 ]
+
+
+# (name, help, key in get_metrics()["kv_transfer"]) — the KV connector's counters
+TRANSFER_COUNTERS = [
+    ("kv_transfer_saved_requests", "KV connector: finished prefills whose blocks were saved for a consumer.",
+     "saved_requests"),
+    ("kv_transfer_saved_blocks", "KV connector: blocks saved for consumers.", "saved_blocks"),
+    ("kv_transfer_saved_bytes", "KV connector: bytes of blocks saved for consumers.", "saved_bytes"),
+    ("kv_transfer_received_requests", "KV connector: requests whose blocks were asked of a producer.",
+     "received_requests"),
+    ("kv_transfer_received_blocks", "KV connector: blocks received from producers.", "received_blocks"),
+    ("kv_transfer_received_bytes", "KV connector: bytes of blocks received from producers.", "received_bytes"),
+    ("kv_transfer_missing_blocks", "KV connector: blocks asked for that did not arrive (recomputed).",
+     "missing_blocks"),
+    ("kv_transfer_load_failures", "KV connector: receives that failed (producer gone, timeout).", "load_failures"),
+    ("kv_transfer_receive_seconds", "KV connector: seconds spent receiving blocks.", "receive_seconds"),
+]
+
+
+def _transfer_families(snap: dict, model_name: str):
+    """The KV connector's counters (only on an engine with kv_transfer_config)."""
+    transfer = snap.get("kv_transfer") or {}
+    for name, doc, key in TRANSFER_COUNTERS if transfer else ():
+        c = CounterMetricFamily(PREFIX + name, doc, labels=["model_name"])
+        c.add_metric([model_name], float(transfer.get(key, 0)))
+        yield c
 
 
 def _tier_families(snap: dict, model_name: str):

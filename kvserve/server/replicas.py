@@ -13,6 +13,13 @@ Two deployments:
 
 A replica that dies mid-answer ends its streams with an error event and `[DONE]` (plain answers:
 503); new requests go to the others and the router forgets its blocks.
+
+Disaggregated (`--disaggregate P:D`): P replicas of a second engine deployment, `kvserve-prefill`,
+run with a KV connector as producers, the D engine replicas as consumers. The ingress sends each
+completion or chat request first to a prefill replica as a one-token request asking for a remote
+decode (server/disagg.py `prefill_body`), then, with the `kv_transfer_params` it answered, to a
+decode replica, which receives the prompt's blocks and prefills only the last partial block; the
+decode replica's answer is relayed. Each deployment has its own router.
 """
 
 from __future__ import annotations
@@ -23,8 +30,9 @@ import logging
 import socket
 from dataclasses import dataclass, field
 
-from kvserve.distributed.serve_router import RouteInfo, routers
+from kvserve.distributed.serve_router import RouteInfo, router_key, routers
 from kvserve.server.app import APIError, tenant_salt
+from kvserve.server.disagg import prefill_body
 
 log = logging.getLogger("kvserve.server")
 
@@ -32,6 +40,8 @@ REPLICA_HEADER = "x-kvserve-replica"
 ROUTED_PATHS = ("/v1/completions", "/v1/chat/completions")
 STATS_PERIOD_S = 0.5     # how often each replica reports its KV usage to the router
 ENGINE_DEPLOYMENT = "kvserve-engine"
+PREFILL_DEPLOYMENT = "kvserve-prefill"
+PREFILL_HEADER = "x-kvserve-prefill-replica"
 HOP_HEADERS = {b"host", b"content-length", b"transfer-encoding", b"connection"}
 
 
@@ -67,10 +77,11 @@ class EngineReplica:
         from kvserve.server.app import build_app
 
         self.name = serve.get_replica_context().replica_id.unique_id
-        host = events_host or _node_ip()
+        self.node = host = events_host or _node_ip()
         engine_kwargs = {**engine_kwargs, "kv_events": f"tcp://{host}:{free_port(host)}",
                          "kv_events_replay": f"tcp://{host}:{free_port(host)}",
-                         "kv_events_allow_remote": True}   # the router reads them from the cluster's nodes
+                         "kv_events_allow_remote": True,    # the router reads them from the cluster's nodes
+                         **connector_on(engine_kwargs.get("kv_transfer_config"), host)}
         self.llm = await asyncio.to_thread(LLM, **engine_kwargs)
         app_kwargs = dict(app_kwargs)
         metrics_names = app_kwargs.pop("metrics_names", None)
@@ -87,7 +98,7 @@ class EngineReplica:
         """Where this replica's KV events are, and how it hashes blocks (read once by the router)."""
         from kvserve.distributed.router import hit_groups
         kv, events = self.llm.engine.kv, self.llm.engine.kv_events
-        return {"kv_events": events.endpoint, "kv_events_replay": events.replay_endpoint,
+        return {"node": self.node, "kv_events": events.endpoint, "kv_events_replay": events.replay_endpoint,
                 "namespace": kv.namespace.hex(), "block_size": kv.block_size, "hash_algo": kv.hash_algo,
                 "hit_groups": list(hit_groups(kv))}
 
@@ -113,6 +124,13 @@ class EngineReplica:
     async def __del__(self):
         if getattr(self, "lifespan", None) is not None:  # start-up got that far
             await self.lifespan.__aexit__(None, None, None)
+
+
+def connector_on(transfer: dict | None, host: str) -> dict:
+    """A TcpConnector producer serves its blocks on this replica's node address (unless told where)."""
+    if not transfer or transfer.get("kv_connector") != "TcpConnector" or "kv_ip" in transfer:
+        return {}
+    return {"kv_transfer_config": {**transfer, "kv_ip": host}}
 
 
 def add_replica_routes(app) -> None:
@@ -173,13 +191,15 @@ class Ingress:
     """Serve's HTTP entry: routes each request to an engine replica and relays its answer."""
 
     def __init__(self, engines, model: str | None, routing: str = "prefix", cache_isolation: str = "salt",
-                 api_keys: list[str] | None = None, max_body_bytes: int = 2 << 20, admin_api_key: str | None = None):
+                 api_keys: list[str] | None = None, max_body_bytes: int = 2 << 20, admin_api_key: str | None = None,
+                 prefill=None):
         from kvserve.engine.builder import load_tokenizer
         from kvserve.model.loader import resolve_model_path
         from kvserve.server.app import ApiKeyMiddleware
 
         self.engines = engines.options(stream=True)
-        self.engine_app = engines.app_name
+        self.prefill = prefill.options(stream=True) if prefill is not None else None  # disaggregated
+        self.handles = [h for h in (self.engines, self.prefill) if h is not None]
         self.routing = routing
         self.tokenizer = load_tokenizer(resolve_model_path(model))
         self.cache_isolation, self.api_keys = cache_isolation, list(api_keys or [])
@@ -201,6 +221,8 @@ class Ingress:
             if path == "/metrics" and call.route.replica is None:
                 text, status = await self.metrics(call)
                 return Response(text, status_code=status, media_type="text/plain; version=0.0.4")
+            if self.prefill is not None and call.route.token_ids is not None:
+                return await self.disaggregated(call)
             return await self.forward(call)
         except APIError as exc:
             return exc.response()
@@ -247,7 +269,25 @@ class Ingress:
         if err is not None:
             raise err
 
-    async def forward(self, call: HTTPCall):
+    async def disaggregated(self, call: HTTPCall):
+        """Prefill on a prefill replica (one token, its KV saved), then decode on an engine replica
+        that receives that KV; the decode replica's answer is relayed."""
+        from starlette.responses import Response
+        body = json.loads(call.body)
+        first = HTTPCall(call.method, call.path, call.query, call.headers, json.dumps(prefill_body(body)).encode(),
+                         RouteInfo(call.route.token_ids, call.route.salt, policy=call.route.policy))
+        status, answer, prefill_replica = await self.collect(first, self.prefill)
+        if status != 200:   # a bad request: the replica's own answer says why; a lost one: 503
+            return Response(answer or _error_body("the prefill replica failed: retry", "replica_failed"),
+                            status_code=status, media_type="application/json")
+        params = json.loads(answer).get("kv_transfer_params")
+        if params is None:
+            raise APIError(502, "the prefill replica returned no kv_transfer_params (is its KV connector a "
+                                "producer?)", type="service_unavailable", code="prefill_failed")
+        call.body = json.dumps({**body, "kv_transfer_params": params}).encode()
+        return await self.forward(call, {PREFILL_HEADER: prefill_replica})
+
+    async def forward(self, call: HTTPCall, extra_headers: dict | None = None):
         """Send the call to a replica and relay its answer; a replica lost on the way ends it cleanly."""
         from starlette.responses import StreamingResponse
 
@@ -258,24 +298,27 @@ class Ingress:
             gen.cancel()
             return _lost(exc).response()
         headers = {k.decode(): v.decode() for k, v in head["headers"] if k.lower() not in HOP_HEADERS}
+        headers.update(extra_headers or {})
         sse = headers.get("content-type", "").startswith("text/event-stream")
         return StreamingResponse(_relay(gen, sse), status_code=head["status"], headers=headers)
 
     async def metrics(self, call: HTTPCall) -> tuple[str, int]:
         """Every replica's /metrics, each sample labelled with its replica."""
         texts = {}
-        for name in await self.replica_names():
-            one = HTTPCall(call.method, call.path, call.query, call.headers, b"", RouteInfo(replica=name))
-            status, body = await self.collect(one)
-            if status == 401:
-                return body.decode(), 401
-            if status == 200:
-                texts[name] = body.decode()
+        for handle in self.handles:
+            for name in sorted((await self.router_status(handle))["replicas"]):
+                one = HTTPCall(call.method, call.path, call.query, call.headers, b"", RouteInfo(replica=name))
+                status, body, _ = await self.collect(one, handle)
+                if status == 401:
+                    return body.decode(), 401
+                if status == 200:
+                    texts[name] = body.decode()
         return merge_metrics(texts), 200
 
-    async def collect(self, call: HTTPCall) -> tuple[int, bytes]:
-        """A whole (non-streamed) answer from the replica the call names."""
-        gen = self.engines.handle.remote(call)
+    async def collect(self, call: HTTPCall, handle=None) -> tuple[int, bytes, str]:
+        """A whole (non-streamed) answer from a replica of `handle`'s deployment (the engines by
+        default): its status, body and the replica's name."""
+        gen = (handle or self.engines).handle.remote(call)
         try:
             head, body = None, b""
             async for item in gen:
@@ -283,21 +326,31 @@ class Ingress:
                     head = item
                 else:
                     body += item
-            return head["status"], body
+            name = dict(head["headers"]).get(REPLICA_HEADER.encode(), b"").decode()
+            return head["status"], body, name
         except Exception as exc:
             log.warning("replica %s did not answer %s: %r", call.route.replica, call.path, exc)
-            return 503, b""
+            return 503, b"", ""
 
     async def replica_names(self) -> list[str]:
-        """The live replicas, by name."""
+        """The live engine replicas, by name."""
         return sorted((await self.replicas())["replicas"])
 
     async def replicas(self, hashes: bool = False) -> dict:
-        """The router's view: each replica's load and the blocks its index holds."""
-        router = routers().get(self.engine_app)
+        """The routers' view: each replica's load and the blocks its index holds (a disaggregated
+        application's prefill replicas under "prefill")."""
+        out = await self.router_status(self.engines, hashes)
+        if self.prefill is not None:
+            out["prefill"] = await self.router_status(self.prefill, hashes)
+        return out
+
+    async def router_status(self, handle, hashes: bool = False) -> dict:
+        """One deployment's router view (a first call through the handle makes its router)."""
+        key = router_key(handle.app_name, handle.deployment_name)
+        router = routers().get(key)
         if router is None or router.loop is None:
-            await self.collect(HTTPCall("GET", "/health", route=RouteInfo(policy=self.routing)))
-            router = routers().get(self.engine_app)   # the first call made it
+            await self.collect(HTTPCall("GET", "/health", route=RouteInfo(policy=self.routing)), handle)
+            router = routers().get(key)
         if router is None:
             return {"policy": None, "replicas": {}}
         return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(router.status(hashes), router.loop))
@@ -379,23 +432,65 @@ def _node_ip() -> str:
 
 
 def build_application(engine_kwargs: dict, app_kwargs: dict, *, replicas: int, routing: str = "prefix",
-                      events_host: str | None = None, num_cpus: float = 0, max_ongoing_requests: int = 256):
-    """The Ray Serve application: `replicas` engine replicas behind an ingress routed by KVRouter."""
+                      events_host: str | None = None, num_cpus: float = 0, max_ongoing_requests: int = 256,
+                      disaggregate: tuple[int, int] | None = None, ingress_node: str | None = None):
+    """The Ray Serve application: `replicas` engine replicas behind an ingress routed by KVRouter;
+    with `disaggregate` (P, D), P prefill replicas and D decode replicas (`replicas` is ignored).
+    `ingress_node`: the node address the ingress runs on (default: where Ray puts it)."""
     from ray import serve
-    from ray.serve.config import RequestRouterConfig
 
-    router = RequestRouterConfig(request_router_class="kvserve.distributed.serve_router.KVRouter",
-                                 request_router_kwargs={"policy": routing},
-                                 request_routing_stats_period_s=STATS_PERIOD_S)
-    engine = serve.deployment(EngineReplica, name=ENGINE_DEPLOYMENT, num_replicas=replicas,
-                              max_ongoing_requests=max_ongoing_requests, request_router_config=router,
-                              ray_actor_options={"num_cpus": num_cpus}, health_check_period_s=2)
+    def engines(name: str, count: int, kwargs: dict):
+        deployment = serve.deployment(EngineReplica, name=name, num_replicas=count,
+                                      max_ongoing_requests=max_ongoing_requests,
+                                      request_router_config=_router_config(routing),
+                                      ray_actor_options={"num_cpus": num_cpus}, health_check_period_s=2)
+        return deployment.bind(kwargs, app_kwargs, events_host)
+
+    prefill = None
+    if disaggregate is not None:
+        producer, consumer = disaggregated_engines(engine_kwargs)
+        prefill = engines(PREFILL_DEPLOYMENT, disaggregate[0], producer)
+        engine_kwargs, replicas = consumer, disaggregate[1]
     api = {k: app_kwargs[k] for k in ("cache_isolation", "max_body_bytes", "admin_api_key") if k in app_kwargs}
     keys = app_kwargs.get("api_key") or []
-    ingress = serve.deployment(Ingress, name="kvserve-ingress", ray_actor_options={"num_cpus": 0},
+    pin = {"resources": {f"node:{ingress_node}": 0.001}} if ingress_node else {}
+    ingress = serve.deployment(Ingress, name="kvserve-ingress", ray_actor_options={"num_cpus": 0, **pin},
                                max_ongoing_requests=10_000)
-    return ingress.bind(engine.bind(engine_kwargs, app_kwargs, events_host), engine_kwargs.get("model"),
-                        routing, api_keys=[keys] if isinstance(keys, str) else keys, **api)
+    return ingress.bind(engines(ENGINE_DEPLOYMENT, replicas, engine_kwargs), engine_kwargs.get("model"),
+                        routing, api_keys=[keys] if isinstance(keys, str) else keys, prefill=prefill, **api)
+
+
+def _router_config(routing: str):
+    from ray.serve.config import RequestRouterConfig
+    return RequestRouterConfig(request_router_class="kvserve.distributed.serve_router.KVRouter",
+                               request_router_kwargs={"policy": routing},
+                               request_routing_stats_period_s=STATS_PERIOD_S)
+
+
+def disaggregated_engines(engine_kwargs: dict) -> tuple[dict, dict]:
+    """The prefill (kv_producer) and decode (kv_consumer) replicas' engine options: the given
+    kv_transfer_config's connector (TcpConnector when none is given) with each side's role."""
+    from kvserve.kv.connector import parse_kv_transfer_config
+    given = engine_kwargs.get("kv_transfer_config") or {"kv_connector": "TcpConnector"}
+    given = json.loads(given) if isinstance(given, str) else given
+    transfer = {k: v for k, v in given.items() if k not in ("engine_id", "kv_role")}
+    sides = [{**transfer, "kv_role": role} for role in ("kv_producer", "kv_consumer")]
+    for side in sides:
+        parse_kv_transfer_config(side)   # a bad connector is refused here, before any replica starts
+    return tuple({**engine_kwargs, "kv_transfer_config": side} for side in sides)
+
+
+def parse_disaggregate(value: str | None) -> tuple[int, int] | None:
+    """`--disaggregate P:D` as (P, D); ValueError that says what to give."""
+    if value is None:
+        return None
+    try:
+        p, d = (int(x) for x in value.split(":"))
+    except ValueError:
+        raise ValueError(f"--disaggregate takes PREFILL:DECODE replica counts, e.g. 1:2, not {value!r}") from None
+    if p < 1 or d < 1:
+        raise ValueError(f"--disaggregate needs at least one prefill and one decode replica, got {value!r}")
+    return p, d
 
 
 def build_ingress(engines, model: str | None = None, routing: str = "prefix", name: str = "kvserve-ingress"):
@@ -430,7 +525,12 @@ def serve_replicas(args, api_keys: list[str], admin_key: str | None = None) -> i
     ray = require("ray", "distributed", "kvserve serve --replicas")
     from ray import serve
 
-    if args.replicas < 1:
+    disaggregate = parse_disaggregate(args.disaggregate)
+    if disaggregate is not None and args.replicas not in (None, sum(disaggregate)):
+        raise ValueError(f"--replicas {args.replicas} with --disaggregate {args.disaggregate}: give --replicas "
+                         f"{sum(disaggregate)} (prefill + decode) or leave it out")
+    replicas = sum(disaggregate) if disaggregate else args.replicas
+    if replicas < 1:
         raise ValueError(f"--replicas must be >= 1, got {args.replicas}")
     if args.ray_address:
         ray.init(address=args.ray_address, log_to_driver=False)
@@ -438,11 +538,13 @@ def serve_replicas(args, api_keys: list[str], admin_key: str | None = None) -> i
         ray.init(num_cpus=os.cpu_count(), include_dashboard=False, log_to_driver=False)
     serve.start(http_options={"host": args.host, "port": args.port})
     app_kwargs = replica_app_kwargs(args, api_keys, admin_key)
-    app = build_application(engine_kwargs(args), app_kwargs, replicas=args.replicas, routing=args.routing,
-                            events_host=None if args.ray_address else "127.0.0.1")
+    app = build_application(engine_kwargs(args), app_kwargs, replicas=replicas, routing=args.routing,
+                            events_host=None if args.ray_address else "127.0.0.1",
+                            num_cpus=args.replica_num_cpus, disaggregate=disaggregate,
+                            ingress_node=_node_ip() if args.ray_address else None)
     serve.run(app, name="kvserve", route_prefix="/")
-    log.info("serving %d replicas on http://%s:%d (routing %s)", args.replicas, args.host, args.port,
-             args.routing)
+    log.info("serving %s on http://%s:%d (routing %s)", f"{disaggregate[0]} prefill + {disaggregate[1]} decode "
+             "replicas" if disaggregate else f"{replicas} replicas", args.host, args.port, args.routing)
     stop = threading.Event()
 
     def on_signal(*_):
