@@ -109,11 +109,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _register_tools(sub) -> None:
+    from kvserve.distributed.launch import register as register_tp_node
     from kvserve.server.cli import register as register_serve
     from kvserve.server.disagg import register as register_proxy
     from kvserve.tools import analyze, evaluate, plan, top
     register_serve(sub)
     register_proxy(sub)
+    register_tp_node(sub)
     for tool in (plan, analyze, evaluate, top):
         tool.register(sub)
 

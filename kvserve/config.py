@@ -79,6 +79,23 @@ def _tier_size(size: str, text: str, usage: str) -> int:
     return n
 
 
+def check_nodes(nnodes: int, node_rank: int, master_port: int, tensor_parallel_size: int | None = None) -> None:
+    """ValueError for a tensor parallel launch over `nnodes` hosts that cannot run, saying what to give."""
+    if nnodes < 1:
+        raise ValueError(f"nnodes is how many hosts tensor parallel runs on: give 1 or more, got {nnodes}")
+    if not 0 <= node_rank < nnodes:
+        raise ValueError(f"node_rank is this host's place among nnodes={nnodes}: give 0..{nnodes - 1}, got {node_rank}")
+    if tensor_parallel_size is not None and tensor_parallel_size % nnodes:
+        raise ValueError(f"tensor_parallel_size={tensor_parallel_size} does not split over nnodes={nnodes}: give a "
+                         "tensor_parallel_size that is a multiple of nnodes (each host runs tensor_parallel_size / "
+                         "nnodes ranks)")
+    if not 0 <= master_port <= 65535:
+        raise ValueError(f"master_port must be a TCP port (0..65535), got {master_port}")
+    if nnodes > 1 and master_port == 0:
+        raise ValueError(f"nnodes={nnodes} needs master_port: the port node 0's store listens on and the other "
+                         "nodes connect to (e.g. master_port=29500, --master-port 29500)")
+
+
 def opt(default, help: str, **cli):
     """A config field with its help text and command-line details (`kvserve.cli` builds flags from them)."""
     return field(default=default, metadata={"help": help, **cli})
@@ -188,6 +205,13 @@ class EngineConfig:
                                     group="distributed")
     tensor_parallel_timeout: float = opt(300.0, "seconds a tensor parallel rank waits for the others in a "
                                          "collective before the engine fails", group="distributed")
+    nnodes: int = opt(1, "hosts tensor parallel runs on (torchrun's --nnodes): each runs tensor_parallel_size / "
+                      "nnodes ranks; this engine is node 0, the others run `kvserve tp-node`", group="distributed")
+    node_rank: int = opt(0, "this host's place among the nnodes (an engine is node 0)", group="distributed")
+    master_addr: str = opt("127.0.0.1", "node 0's address that every node reaches; its store listens there",
+                           group="distributed")
+    master_port: int = opt(0, "port of node 0's store (0: any free port, one host only; needed when nnodes > 1)",
+                           group="distributed")
 
     def validate(self) -> None:
         """Raise ValueError naming the first bad field; a check of the config's own values only (the
@@ -247,6 +271,7 @@ class EngineConfig:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         if not self.tensor_parallel_timeout > 0:
             raise ValueError(f"tensor_parallel_timeout must be > 0 seconds, got {self.tensor_parallel_timeout}")
+        check_nodes(self.nnodes, self.node_rank, self.master_port, self.tensor_parallel_size)
         # the options tensor parallel runs are checked where it is built (distributed/tensor_parallel.py)
 
     def _validate_kv_policy(self) -> None:

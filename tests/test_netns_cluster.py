@@ -9,6 +9,7 @@ import textwrap
 import pytest
 
 from kvserve.distributed.netns import (
+    ETC_NETNS,
     QUICK_FAILURE_DETECTION,
     NetnsCluster,
     links,
@@ -113,6 +114,7 @@ def test_hosts_are_separate_and_reachable():
     assert server.poll() is not None
     assert not set(names[:2]) & set(namespaces())
     assert not {n for n in links() if n.startswith(cluster.tag)}
+    assert not [d for d in names[:2] if (ETC_NETNS / d).exists()]   # their resolv.conf folders too
 
 
 @pytest.fixture(scope="module")

@@ -41,6 +41,7 @@ DEFAULT_PREFIX = "kvs"
 SUBNET_BASE = "10.213"
 LOCK_PATH = os.path.join(tempfile.gettempdir(), "kvserve-netns.lock")
 RAY_PORT = 6379
+ETC_NETNS = Path("/etc/netns")
 RAY_LOG_FILES = ("gcs_server.out", "gcs_server.err", "raylet.out", "raylet.err")
 # Ray settings for a quick verdict on a killed node (dead after ~3 missed 500 ms health checks)
 QUICK_FAILURE_DETECTION = {"RAY_health_check_period_ms": "500", "RAY_health_check_timeout_ms": "500",
@@ -138,6 +139,10 @@ def clean_stale(prefix: str = DEFAULT_PREFIX) -> list[str]:
         if pid is not None and not pid_alive(pid):
             if ip("link", "del", link, check=False).returncode == 0:
                 removed.append(link)
+    for d in ETC_NETNS.glob(f"{prefix}*"):
+        pid = tag_pid(d.name, prefix)
+        if pid is not None and not pid_alive(pid):
+            shutil.rmtree(d, ignore_errors=True)
     for d in Path("/tmp").glob(f"ray-{prefix}*"):
         pid = tag_pid(d.name[len("ray-"):], prefix)
         if pid is not None and not pid_alive(pid):
@@ -272,6 +277,7 @@ class NetnsCluster:
         ns, veth = f"{self.tag}h{index:x}", f"{self.tag}v{index:x}"
         ip("netns", "add", ns)
         self.state.namespaces.append(ns)
+        self._no_resolver(ns)
         ip("link", "add", veth, "type", "veth", "peer", "name", "eth0", "netns", ns)
         self.state.veths.append(veth)
         ip("link", "set", veth, "master", self.bridge, "up")
@@ -280,6 +286,15 @@ class NetnsCluster:
         ip("-n", ns, "link", "set", "eth0", "up")
         ip("-n", ns, "route", "add", "default", "via", self.bridge_ip)
         self.hosts.append(Host(name=ns, ip=address, index=index))
+
+    def _no_resolver(self, ns: str) -> None:
+        """A resolv.conf naming no reachable server for `ns` (`ip netns exec` mounts /etc/netns/NS/
+        over /etc/): a name lookup there (torch's store looks up its peers) fails at once instead of
+        waiting out the resolver's timeout."""
+        d = ETC_NETNS / ns
+        d.mkdir(parents=True, exist_ok=True)
+        self.state.dirs.append(str(d))
+        (d / "resolv.conf").write_text("nameserver 127.0.0.1\n")
 
     def host(self, host: Host | int) -> Host:
         """`host` itself, or the host with that index."""

@@ -1,12 +1,15 @@
 """Tensor parallel over N processes: rank 0 is the engine (it schedules, samples and answers); ranks
 1..N-1 are worker processes that hold their shard of the model and their own KV pool and run the
-same step as rank 0, from the step message rank 0 broadcasts before each forward.
+same step as rank 0, from the step message rank 0 broadcasts before each forward. Over several hosts
+(nnodes > 1) node 0 holds rank 0 and its local ranks and each other node runs `kvserve tp-node`
+(launch.py), which starts that node's ranks from the config rank 0 publishes in its store.
 
 Every rank's pool holds only its KV heads and is sized from its own budget (kv_cache_memory is per
 rank); all ranks take the smallest block count of them, since rank 0's KV manager hands out block
 ids for all. A rank that dies fails the engine with a RuntimeError naming it: rank 0 checks the
-workers before each step, and a collective whose peer is gone fails (at once when its socket
-closes, else after tensor_parallel_timeout seconds).
+workers before each step (a remote rank: what its node's tp-node reported), and a collective whose peer
+is gone fails (at once when its socket closes, else after tensor_parallel_timeout seconds); a remote rank
+that left no report is named by its node's heartbeat stopping.
 """
 
 from __future__ import annotations
@@ -27,7 +30,16 @@ from dataclasses import dataclass
 import torch
 
 from kvserve.attention import AttentionBackends, AttentionMetadata, PrefillSpan, StepBatch
-from kvserve.distributed.group import Group, follower_store, leader_store
+from kvserve.distributed.group import Group, follower_store, leader_store, node_address
+from kvserve.distributed.launch import (
+    Layout,
+    RemoteNodes,
+    describe_exit,
+    joined_key,
+    never_joined,
+    spawn_rank,
+    stop_procs,
+)
 from kvserve.distributed.sharding import (
     check_model,
     parallelize,
@@ -69,6 +81,9 @@ def check_config(config) -> None:
     if refused:
         raise ValueError(f"tensor_parallel_size={config.tensor_parallel_size} cannot run "
                          f"{', '.join(refused)}: {SUPPORTED}")
+    if config.node_rank != 0:
+        raise ValueError(f"node_rank={config.node_rank}: the engine runs on node 0 (node_rank=0); on node "
+                         f"{config.node_rank} run `{Layout.of(config).command(config.node_rank)}`")
 
 
 def check_weight_format(config, dtype: torch.dtype) -> str:
@@ -82,9 +97,9 @@ def check_weight_format(config, dtype: torch.dtype) -> str:
 
 
 def rank_device(config, rank: int) -> torch.device:
-    """CUDA rank r runs on cuda:r; CPU ranks on the CPU."""
+    """CUDA rank r runs on cuda:(its place on its node); CPU ranks on the CPU."""
     device = config.torch_device()
-    return torch.device("cuda", rank) if device.type == "cuda" else device
+    return torch.device("cuda", rank % Layout.of(config).per_node) if device.type == "cuda" else device
 
 
 def load_shard(config, group: Group, device: torch.device, dtype: torch.dtype, weights=None) -> LoadedModel:
@@ -228,54 +243,80 @@ def start_ranks(config) -> TensorParallel:
 
 
 class TensorParallel:
-    """Rank 0's side: starts ranks 1..size-1 as worker processes, holds the group, watches the workers."""
+    """Rank 0's side: starts its node's ranks 1..per_node-1 as worker processes (the other nodes' ranks
+    come from their `kvserve tp-node`), holds the group, watches the workers."""
 
     def __init__(self, config, device: torch.device, dtype: torch.dtype):
         check_config(config)              # the options it runs, before anything loads
         self.config, self.size = config, config.tensor_parallel_size
+        self.layout = Layout.of(config)
         self.failed: str | None = None
         mc, weights = load_weights(resolve_model_path(config.model), dtype)
         check_model(mc, self.size)        # before any process starts
         check_weight_format(config, dtype)
-        store = leader_store(self.size, config.tensor_parallel_timeout)
+        self.store = leader_store(self.size, config.tensor_parallel_timeout, config.master_addr, config.master_port)
+        self.remote = RemoteNodes(self.store, self.layout, config)
         self.errors = tempfile.mkdtemp(prefix="kvserve-tp-")
-        self.procs = [self._spawn(rank, store.port) for rank in range(1, self.size)]
+        self.procs = [self._spawn(rank, self.store.port) for rank in self.layout.ranks(0)[1:]]
         self._finalizer = weakref.finalize(self, _cleanup, self.procs, self.errors)
         try:
-            self.group = self._join(store, device)
+            self.group = self._join(device)
             self.loaded = load_shard(config, self.group, device, dtype, (mc, weights))
         except BaseException as exc:
             raise self.fail(f"start-up failed ({exc})") from exc
-        log.info("tensor parallel: %d ranks (%s), this rank holds KV heads %s of %d", self.size,
-                 type(self.group.compute).__name__, plan_shard(mc, 0, self.size).kv_heads, mc.num_kv_heads)
+        log.info("tensor parallel: %d ranks on %d node(s) (%s), this rank holds KV heads %s of %d", self.size,
+                 self.layout.nnodes, type(self.group.compute).__name__, plan_shard(mc, 0, self.size).kv_heads,
+                 mc.num_kv_heads)
 
     def _spawn(self, rank: int, port: int) -> subprocess.Popen:
-        args = [sys.executable, "-m", "kvserve.distributed.worker", str(rank), str(self.size), str(port),
-                os.path.join(self.errors, f"rank{rank}.txt")]
-        proc = subprocess.Popen(args, stdin=subprocess.PIPE)
-        proc.stdin.write(pickle.dumps(self.config))
-        proc.stdin.close()
-        return proc
+        return spawn_rank(rank, self.size, port, self._error_file(rank), self.config)
 
-    def _join(self, store, device: torch.device) -> Group:
-        """Rank 0's group, made while watching the workers: one that exits before joining fails
-        start-up at once instead of after the timeout."""
+    def _error_file(self, rank: int) -> str:
+        return os.path.join(self.errors, f"rank{rank}.txt")
+
+    def _join(self, device: torch.device) -> Group:
+        """Rank 0's group, made while watching the workers: one that exits before joining fails start-up
+        at once; ranks that have not joined within tensor_parallel_timeout fail it, named."""
         done: dict = {}
+        timeout = self.config.tensor_parallel_timeout
+        host = node_address(self.layout.master_addr, self.layout.nnodes)
 
         def connect():
             try:
-                done["group"] = Group(store, 0, self.size, device, self.config.tensor_parallel_timeout)
+                done["group"] = Group(self.store, 0, self.size, device, timeout, host)
             except BaseException as exc:
                 done["error"] = exc
         thread = threading.Thread(target=connect, daemon=True)
         thread.start()
+        deadline = time.monotonic() + timeout
         while thread.is_alive():
             thread.join(0.05)
-            if thread.is_alive() and any(p.poll() is not None for p in self.procs):
+            if not thread.is_alive():
+                break
+            if any(p.poll() is not None for p in self.procs):
                 raise RuntimeError("a worker rank exited before joining the group")
+            if self.remote.exited():
+                raise RuntimeError("a rank on another node exited before joining the group")
+            if time.monotonic() > deadline:
+                raise RuntimeError(self._not_joined(timeout))
         if "error" in done:
+            if never_joined(self.store, range(1, self.size)):
+                raise RuntimeError(self._not_joined(timeout)) from done["error"]
             raise done["error"]
         return done["group"]
+
+    def _not_joined(self, timeout: float) -> str:
+        """Which ranks never joined, and what to run where."""
+        missing = never_joined(self.store, range(1, self.size))
+        if not missing:
+            return (f"every rank joined rank 0's store but the group did not form within {timeout:g} s: gloo "
+                    "connects each pair of ranks directly, on ports it picks on each node's address, so the "
+                    "nodes must reach each other on every TCP port")
+        text = f"rank{'s' * (len(missing) > 1)} {', '.join(map(str, missing))} never joined within {timeout:g} s"
+        nodes = sorted({self.layout.node_of(r) for r in missing} - {0})
+        if nodes:
+            text += ": start " + "; ".join(f"`{self.layout.command(n)}` on node {n}" for n in nodes)
+        return text
 
     def planner(self, config, loaded: LoadedModel, device: torch.device) -> ShardPlanner:
         """Rank 0's cache planner."""
@@ -291,49 +332,40 @@ class TensorParallel:
             raise RuntimeError(self.failed)
         if any(p.poll() is not None for p in self.procs):
             raise self.fail("a worker rank exited")
+        if self.remote.exited():
+            raise self.fail("a worker rank on another node exited")
 
     def fail(self, what: str) -> RuntimeError:
-        """Stop the workers and return the error that ends this engine (every later step raises it too)."""
-        dead = [self._describe(rank, p) for rank, p in enumerate(self.procs, 1) if p.poll() is not None]
-        _stop(self.procs, 0.0)
+        """Stop the workers (the other nodes' too) and return the error that ends this engine (every later
+        step raises it too). A remote rank is named from its node's report, or its node's silent heartbeat."""
+        dead = [describe_exit(rank, p, self._error_file(rank)) for rank, p in enumerate(self.procs, 1)
+                if p.poll() is not None]
+        dead += self.remote.lost()
+        stop_procs(self.procs, 0.0)
+        self.remote.stop(what)
         self.failed = (f"tensor parallel engine failed: {what}; " + ("; ".join(dead) if dead else
                        "no worker had exited") + f". All {self.size} ranks are stopped: create a new LLM")
         return RuntimeError(self.failed)
 
-    def _describe(self, rank: int, proc: subprocess.Popen) -> str:
-        text = f"rank {rank} (pid {proc.pid}) exited with status {proc.returncode}"
-        path = os.path.join(self.errors, f"rank{rank}.txt")
-        if os.path.exists(path):
-            with open(path) as f:
-                text += ": " + f.read().strip().splitlines()[-1]
-        return text
-
     def close(self) -> None:
-        """Tell the workers to exit and wait for them."""
-        if self.failed is None:
+        """Tell the workers to exit and wait for them (and for the other nodes to see theirs exit)."""
+        clean = self.failed is None
+        if clean:
             try:
                 self.group.broadcast_object(None)
             except RuntimeError:
                 pass
             self.failed = "tensor parallel workers were stopped (LLM.close()): create a new LLM"
-        _stop(self.procs)
+            self.remote.stop("")
+        stop_procs(self.procs)
+        if clean:
+            self.remote.wait_done(5.0)
         self._finalizer()
-
-
-def _stop(procs: list[subprocess.Popen], wait: float = 5.0) -> None:
-    """Wait up to `wait` s for the workers to exit, then kill them."""
-    deadline = time.monotonic() + wait
-    for p in procs:
-        try:
-            p.wait(timeout=max(0.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait()
 
 
 def _cleanup(procs: list[subprocess.Popen], errors: str) -> None:
     """Kill workers still running and remove their error files."""
-    _stop(procs, 0.0)
+    stop_procs(procs, 0.0)
     shutil.rmtree(errors, ignore_errors=True)
 
 
@@ -341,8 +373,10 @@ def worker_main(rank: int, size: int, port: int, error_file: str) -> int:
     """A worker rank: join the group, load the shard, run steps until told to stop."""
     config = pickle.loads(sys.stdin.buffer.read())
     try:
-        store = follower_store(port, size, config.tensor_parallel_timeout)
-        group = Group(store, rank, size, rank_device(config, rank), config.tensor_parallel_timeout)
+        host = node_address(config.master_addr, config.nnodes)
+        store = follower_store(config.master_addr, port, config.tensor_parallel_timeout)
+        store.set(joined_key(rank), host)
+        group = Group(store, rank, size, rank_device(config, rank), config.tensor_parallel_timeout, host)
         Follower(config, group).serve()
         return 0
     except BaseException:

@@ -1,5 +1,7 @@
 """Entry point of a tensor parallel worker rank: `python -m kvserve.distributed.worker RANK SIZE PORT
-ERROR_FILE`, the engine config pickled on stdin (rank 0 starts these; see tensor_parallel.py)."""
+ERROR_FILE`, the engine config pickled on stdin. Rank 0 starts the ranks of its own node; on the other
+nodes of a multi-host launch `kvserve tp-node` starts them (launch.py). A rank connects to rank 0's store
+at the config's master_addr:PORT and listens for its peers on this host's address (group.py)."""
 
 import os
 import sys
