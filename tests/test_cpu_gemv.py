@@ -228,20 +228,50 @@ def test_q8g_gemv_in_a_compiled_graph_gives_eager_results():
     assert torch.equal(compiled(x), f(x))
 
 
-def test_the_portable_vector_path_gives_the_same_results(tmp_path):
-    """Built without AVX-512 (-mno-avx512f: GCC's vector extensions on narrower registers, no zmm
-    instruction in the library), in a fresh process: q8g_gemv passes the same float64 checks."""
+NARROW_CHECKS = """
+import torch
+from kvserve import native
+from kvserve.attention import cpu as attention
+from kvserve.model import cpu
+import test_cpu_gemv as t, test_paged_attention as pa
+assert cpu.available() and attention.kernel()
+for group in (16, 32):
+    for rows in (1, 2, 5, 16):
+        t._check_q8g(rows, group)
+for kind in ("int8", "bfloat16", "float16", "q8g-32", "q8g-16-mins"):
+    t.test_invariant_gemvs_give_a_row_the_same_bits_at_every_row_count(kind)
+for rows in (1, 3, 5):
+    t.test_int8_gemv_rounds_as_torchs_int8_kernel(rows, 33, 1536, torch.float32)
+    for dtype in (torch.bfloat16, torch.float16):
+        t.test_16_bit_gemvs_against_the_float64_product(rows, 50, 96, dtype)
+    for block in (32, 64):
+        t.test_int4_gemv_on_either_block_layout_gives_the_exact_product(block, rows)
+pa.test_cpu_kernel_equals_attention_formula(64, 3, 9)
+pa.test_cpu_kernel_float32_queries_over_bfloat16_pools(4, 64)
+print(cpu.library())
+print(native.build(attention.SOURCE, *native.torch_op_flags()))
+"""
+
+
+@pytest.mark.parametrize("flags,registers", [("-mno-avx512f", "ymm"), ("-mno-avx", "xmm")],
+                         ids=["avx2", "portable"])
+def test_the_narrower_vector_paths_give_the_same_results(tmp_path, flags, registers):
+    """Built without AVX-512 (-mno-avx512f: the AVX2 path, 8-float vectors, on a CPU that has AVX2)
+    or without AVX (-mno-avx: the portable path, GCC's vector extensions on 4-float SSE vectors), in
+    a fresh process: the GEMVs and the decode attention kernel (simd.h's helpers) pass the float64
+    and row-invariance checks, and neither library uses a wider register."""
     tests = Path(__file__).parent
-    env = {**os.environ, "KVSERVE_CPU_KERNEL_FLAGS": "-mno-avx512f",
+    env = {**os.environ, "KVSERVE_CPU_KERNEL_FLAGS": flags,
            "PYTHONPATH": os.pathsep.join([str(tests), os.environ.get("PYTHONPATH", "")])}
-    script = ("from kvserve.model import cpu; import test_cpu_gemv as t; assert cpu.available(); "
-              "[t._check_q8g(r, g) for r in (1, 2, 5, 16) for g in (16, 32)]; print(cpu.library())")
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, cwd=tmp_path)
+    done = subprocess.run([sys.executable, "-c", NARROW_CHECKS], capture_output=True, text=True, env=env,
+                          cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-2000:]
-    library = done.stdout.strip().splitlines()[-1]
-    assert library != str(cpu.library())
-    asm = subprocess.run(["objdump", "-d", library], capture_output=True, text=True, check=True).stdout
-    assert "ymm" in asm and "zmm" not in asm
+    libraries = done.stdout.strip().splitlines()[-2:]
+    assert libraries[0] != str(cpu.library())
+    wider = {"ymm": ["zmm"], "xmm": ["ymm", "zmm"]}[registers]
+    for library in libraries:
+        asm = subprocess.run(["objdump", "-d", library], capture_output=True, text=True, check=True).stdout
+        assert registers in asm and not any(w in asm for w in wider), library
 
 
 def test_zero_rows_give_an_empty_result():

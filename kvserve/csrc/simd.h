@@ -1,19 +1,30 @@
-// Vector helpers shared by kvserve's C++ kernels: 16-float vectors (GCC vector extensions: one
-// AVX-512 register, or several narrower ones), bfloat16 conversions, a 16x16 transpose-reduce.
+// Vector helpers shared by kvserve's C++ kernels: `vf`, the widest float vector the target keeps in
+// one register (GCC vector extensions: 16 lanes under AVX-512, 8 under AVX, 4 else; GCC keeps a
+// vector wider than the target's registers in memory, op by op), bfloat16 conversions and loads,
+// and the transpose-reduce of 16 such vectors. Intrinsics appear only under #if beside a portable
+// form, where that one compiles to slower code.
 #pragma once
 
 #include <cstdint>
 #include <cstring>
-#ifdef __AVX512F__
+#if defined(__AVX2__) || defined(__AVX512F__)
 #include <immintrin.h>
 #endif
 
 namespace kvserve {
 
-typedef float v16 __attribute__((vector_size(64)));
-typedef int32_t i32x16 __attribute__((vector_size(64)));
-typedef uint16_t u16x16 __attribute__((vector_size(32)));
-typedef uint32_t u32x16 __attribute__((vector_size(64)));
+#if defined(__AVX512F__)
+constexpr int kVectorBytes = 64;
+#elif defined(__AVX__)
+constexpr int kVectorBytes = 32;
+#else
+constexpr int kVectorBytes = 16;
+#endif
+constexpr int kLanes = kVectorBytes / 4;
+
+typedef float vf __attribute__((vector_size(kVectorBytes)));
+typedef int32_t vi __attribute__((vector_size(kVectorBytes)));
+typedef uint32_t vu __attribute__((vector_size(kVectorBytes)));
 
 inline float bf16_to_float(uint16_t h) {
   uint32_t bits = static_cast<uint32_t>(h) << 16;
@@ -28,43 +39,51 @@ inline uint16_t float_to_bf16(float x) {  // round to nearest even
   return static_cast<uint16_t>((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16);
 }
 
-inline v16 loadv(const float* p) {
-  v16 v;
-  std::memcpy(&v, p, 64);
+inline vf loadv(const float* p) {
+  vf v;
+  std::memcpy(&v, p, sizeof v);
   return v;
 }
 
-inline v16 loadv(const uint16_t* p) {  // 16 bfloat16 values widened
-#ifdef __AVX512F__
-  return (v16)_mm512_castsi512_ps(_mm512_slli_epi32(
+inline vf loadv(const uint16_t* p) {  // kLanes bfloat16 values widened
+#if defined(__AVX512F__)
+  return (vf)_mm512_castsi512_ps(_mm512_slli_epi32(
       _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
+#elif defined(__AVX2__)
+  return (vf)_mm256_castsi256_ps(_mm256_slli_epi32(
+      _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16));
+#else
+  typedef uint16_t vh __attribute__((vector_size(kVectorBytes / 2)));
+  vh h;
+  std::memcpy(&h, p, sizeof h);
+  return (vf)(__builtin_convertvector(h, vu) << 16);
 #endif
-  u16x16 h;
-  std::memcpy(&h, p, 32);
-  u32x16 w = __builtin_convertvector(h, u32x16) << 16;
-  v16 f;
-  std::memcpy(&f, &w, 64);
-  return f;
 }
 
-inline v16 pair_sum(v16 a, v16 b, i32x16 lo, i32x16 hi) {
+// Lanes C apart summed, in each chunk of 2C lanes of a and of b: a's sums fill the low half of the
+// result, b's the high half (C = 8 on 16 lanes: a[i] + a[i + 8], then b[i] + b[i + 8]).
+template <int C>
+inline vf fold(vf a, vf b) {
+  vi lo, hi;
+  for (int i = 0; i < kLanes; ++i) {  // constants once inlined: the compiler picks the shuffles
+    const int j = i % (kLanes / 2);
+    lo[i] = (i < kLanes / 2 ? 0 : kLanes) + j / C * 2 * C + j % C;
+    hi[i] = lo[i] + C;
+  }
   return __builtin_shuffle(a, b, lo) + __builtin_shuffle(a, b, hi);
 }
 
-// Lane t of the result is the sum of the 16 lanes of p[t] (p is overwritten).
-inline v16 transpose_sum(v16* p) {
-  const i32x16 lo1 = {0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23};
-  const i32x16 hi1 = {8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31};
-  const i32x16 lo2 = {0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27};
-  const i32x16 hi2 = {4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31};
-  const i32x16 lo3 = {0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29};
-  const i32x16 hi3 = {2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31};
-  const i32x16 lo4 = {0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30};
-  const i32x16 hi4 = {1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31};
-  for (int i = 0; i < 8; ++i) p[i] = pair_sum(p[2 * i], p[2 * i + 1], lo1, hi1);
-  for (int i = 0; i < 4; ++i) p[i] = pair_sum(p[2 * i], p[2 * i + 1], lo2, hi2);
-  for (int i = 0; i < 2; ++i) p[i] = pair_sum(p[2 * i], p[2 * i + 1], lo3, hi3);
-  return pair_sum(p[0], p[1], lo4, hi4);
+template <int C, int N>
+inline void fold_pairs(vf* p) {  // N vectors to N / 2, and on until C = 1 (16 / kLanes vectors)
+  for (int i = 0; i < N / 2; ++i) p[i] = fold<C>(p[2 * i], p[2 * i + 1]);
+  if constexpr (C > 1) fold_pairs<C / 2, N / 2>(p);
+}
+
+// out[t] = the sum of the lanes of p[t], t < 16 (p is overwritten): each sum a tree, the halves of
+// the vector added first, whatever its width.
+inline void transpose_sum(vf* p, float* out) {
+  fold_pairs<kLanes / 2, 16>(p);
+  std::memcpy(out, p, 16 * sizeof(float));
 }
 
 }  // namespace kvserve

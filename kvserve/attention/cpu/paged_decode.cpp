@@ -21,10 +21,11 @@
 
 namespace {
 
-using kvserve::i32x16;
+using kvserve::kLanes;
 using kvserve::loadv;
 using kvserve::transpose_sum;
-using kvserve::v16;
+using kvserve::vf;
+using kvserve::vi;
 
 inline float load(const float* p, int64_t i) { return p[i]; }
 inline float load(const uint16_t* p, int64_t i) { return kvserve::bf16_to_float(p[i]); }
@@ -61,43 +62,42 @@ inline void softmax_rows(float* score, int64_t g_n, int64_t len, int64_t stride,
   }
 }
 
-// exp_nonpositive on 16 lanes, the same polynomial (x <= 0, so truncating x * log2(e) - 0.5 rounds
-// to nearest: conversions, unlike the 1.5 * 2^23 trick, survive -fassociative-math).
-inline v16 exp_nonpositive(v16 x) {
-  const v16 lo = v16{} - 87.0f;
+// exp_nonpositive on kLanes lanes, the same polynomial (x <= 0, so truncating x * log2(e) - 0.5
+// rounds to nearest: conversions, unlike the 1.5 * 2^23 trick, survive -fassociative-math).
+inline vf exp_nonpositive(vf x) {
+  const vf lo = vf{} - 87.0f;
   x = x < lo ? lo : x;
-  const i32x16 ni = __builtin_convertvector(x * 1.44269504f - 0.5f, i32x16);
-  const v16 n = __builtin_convertvector(ni, v16);
-  const v16 r = x - n * 0.693145752f - n * 1.42860677e-6f;
-  const v16 p = 1.0f + r * (1.0f + r * (0.5f + r * (0.166666672f + r * (0.0416666456f +
-                r * (0.00833336543f + r * 0.00138883968f)))));
-  const i32x16 e = (ni + 127) << 23;
-  v16 scale;
-  std::memcpy(&scale, &e, 64);
-  return p * scale;
+  const vi ni = __builtin_convertvector(x * 1.44269504f - 0.5f, vi);
+  const vf n = __builtin_convertvector(ni, vf);
+  const vf r = x - n * 0.693145752f - n * 1.42860677e-6f;
+  const vf p = 1.0f + r * (1.0f + r * (0.5f + r * (0.166666672f + r * (0.0416666456f +
+               r * (0.00833336543f + r * 0.00138883968f)))));
+  const vi e = (ni + 127) << 23;
+  return p * (vf)e;
 }
 
-// softmax_rows for rows padded to a multiple of 16, 16 scores at a time; peak[g] gets row g's maximum.
+// softmax_rows for rows padded to a multiple of 16, kLanes scores at a time; peak[g] gets row g's maximum.
 inline void softmax_rows_vec(float* score, int64_t g_n, int64_t len, int64_t stride, float* total, float* peak_out) {
-  const i32x16 lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
-  const v16 none = v16{} - INFINITY, zero = v16{};
+  vi lane;
+  for (int i = 0; i < kLanes; ++i) lane[i] = i;
+  const vf none = vf{} - INFINITY, zero = vf{};
   for (int64_t g = 0; g < g_n; ++g) {
     float* sg = score + g * stride;
-    v16 m = none;
-    for (int64_t b = 0; b < stride; b += 16) {
-      const v16 x = lane < static_cast<int32_t>(len - b) ? loadv(sg + b) : none;
+    vf m = none;
+    for (int64_t b = 0; b < stride; b += kLanes) {
+      const vf x = lane < static_cast<int32_t>(len - b) ? loadv(sg + b) : none;
       m = m > x ? m : x;
     }
     float peak = m[0];
-    for (int i = 1; i < 16; ++i) peak = std::max(peak, m[i]);
-    v16 sum = zero;
-    for (int64_t b = 0; b < stride; b += 16) {
-      const v16 e = lane < static_cast<int32_t>(len - b) ? exp_nonpositive(loadv(sg + b) - peak) : zero;
-      std::memcpy(sg + b, &e, 64);
+    for (int i = 1; i < kLanes; ++i) peak = std::max(peak, m[i]);
+    vf sum = zero;
+    for (int64_t b = 0; b < stride; b += kLanes) {
+      const vf e = lane < static_cast<int32_t>(len - b) ? exp_nonpositive(loadv(sg + b) - peak) : zero;
+      std::memcpy(sg + b, &e, sizeof e);
       sum += e;
     }
     float t = 0.0f;
-    for (int i = 0; i < 16; ++i) t += sum[i];
+    for (int i = 0; i < kLanes; ++i) t += sum[i];
     total[g] = t;
     peak_out[g] = peak;
   }
@@ -160,8 +160,8 @@ inline void prefetch_rows(const TK* pool, const int64_t* rows, int64_t span) {
   }
 }
 
-// ---- head sizes that are a multiple of 16: 16-float vectors (GCC vector extensions), tiles of
-// 16 tokens whose K/V rows are found once; a tile's 16 dot products are reduced together. An item
+// ---- head sizes that are a multiple of 16: simd.h's vectors (kLanes floats), tiles of 16 tokens
+// whose K/V rows are found once; a tile's 16 dot products are reduced together. An item
 // covers `per` adjacent K/V heads of one row, so a tile reads each token's rows of those heads
 // together (one contiguous stretch of the block when per = Hkv). With `part`, the item's share of a
 // split row goes there unnormalized instead of to `out`: per query head [DK] sums, its peak, its total.
@@ -169,7 +169,7 @@ template <typename TQ, typename TK, int DK>
 void attend_heads_vec(const TQ* q, const TK* k_pool, const TK* v_pool, const int64_t* table, int64_t start,
                       int64_t end, int64_t h0, int64_t per, const Shape& s, TQ* out, std::vector<float>& buf,
                       float* part) {
-  constexpr int J = DK / 16;
+  constexpr int J = DK / kLanes;
   const int64_t g_n = s.hq / s.hkv, n_q = per * g_n, bs = s.block_size, len = end - start;
   const int64_t padded = (len + 15) / 16 * 16;
   buf.resize(n_q * (2 * DK + padded + 2) + 16);
@@ -200,16 +200,15 @@ void attend_heads_vec(const TQ* q, const TK* k_pool, const TK* v_pool, const int
     }
     for (int64_t a = 0; a < n_q; ++a) {
       const int64_t off = (a / g_n) * DK;
-      v16 qv[J], part[16];
-      for (int j = 0; j < J; ++j) qv[j] = loadv(qf + a * DK + 16 * j);
+      vf qv[J], part[16];
+      for (int j = 0; j < J; ++j) qv[j] = loadv(qf + a * DK + kLanes * j);
       for (int t = 0; t < 16; ++t) {
         const TK* k = k_pool + rows[t] + off;
-        v16 x = qv[0] * loadv(k);
-        for (int j = 1; j < J; ++j) x += qv[j] * loadv(k + 16 * j);
+        vf x = qv[0] * loadv(k);
+        for (int j = 1; j < J; ++j) x += qv[j] * loadv(k + kLanes * j);
         part[t] = x;
       }
-      v16 sums = transpose_sum(part);
-      std::memcpy(score + a * padded + base, &sums, 64);
+      transpose_sum(part, score + a * padded + base);
     }
   }
   softmax_rows_vec(score, n_q, len, padded, total, peak);
@@ -223,14 +222,14 @@ void attend_heads_vec(const TQ* q, const TK* k_pool, const TK* v_pool, const int
     }
     for (int64_t a = 0; a < n_q; ++a) {
       const int64_t off = (a / g_n) * DK;
-      v16 x[J];
-      for (int j = 0; j < J; ++j) x[j] = loadv(acc + a * DK + 16 * j);
+      vf x[J];
+      for (int j = 0; j < J; ++j) x[j] = loadv(acc + a * DK + kLanes * j);
       const float* w = score + a * padded + base;
       for (int t = 0; t < n; ++t) {
         const TK* v = v_pool + rows[t] + off;
-        for (int j = 0; j < J; ++j) x[j] += w[t] * loadv(v + 16 * j);
+        for (int j = 0; j < J; ++j) x[j] += w[t] * loadv(v + kLanes * j);
       }
-      for (int j = 0; j < J; ++j) std::memcpy(acc + a * DK + 16 * j, &x[j], 64);
+      for (int j = 0; j < J; ++j) std::memcpy(acc + a * DK + kLanes * j, &x[j], sizeof x[j]);
     }
   }
   if (part != nullptr) {

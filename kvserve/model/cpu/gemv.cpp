@@ -11,14 +11,15 @@
 //               + mins[n, g] * sum_{k in g} x[m, k]
 //     (a GGUF block's codes as the format stores them: Q8_0, Q5_0, Q6_K signed, Q5_1 / Q5_K
 //     unsigned with mins), x as given, float32 sums, a bfloat16 result rounded once.
-// Sixteen output channels at a time: each channel's dot product runs along K with four
+// Sixteen output channels at a time: each channel's dot product runs along K with several
 // accumulators, the 16 partial vectors are reduced together (a transpose), weights are prefetched
 // a few KiB ahead (one core alone does not keep enough loads in flight to fill the memory bus).
 // `invariant` (int8, bfloat16, float16, q8g): a lone row is summed as a row of a group is, so each
 // row's result is the same whatever the call's row count (int4's rows are so already).
 // Output channel blocks are split over torch's threads (at::parallel_for, torch's OpenMP runtime).
-// Vectors are GCC vector extensions (one AVX-512 register, or two AVX2 ones); AVX-512 intrinsics
-// appear only under #ifdef __AVX512F__ beside a portable path (tests build that with -mno-avx512f).
+// Vectors are simd.h's `vf`, one register wide (16 floats under AVX-512, 8 under AVX2, 4 else);
+// AVX-512 and AVX2 (+F16C) intrinsics appear only under #if beside a portable path (tests build
+// the AVX2 path with -mno-avx512f, the portable one with -mno-avx).
 // Built at run time by kvserve/model/cpu/__init__.py against torch's headers.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -42,8 +43,6 @@ using namespace kvserve;
 
 constexpr int64_t kPrefetch = 4096;  // bytes ahead in the weight stream
 
-typedef int8_t i8x16 __attribute__((vector_size(16)));
-
 inline void prefetch(const void* p) {
 #if defined(__SSE__)
   _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T0);
@@ -56,25 +55,44 @@ struct Half {  // a float16 value's bits
   uint16_t bits;
 };
 
-inline v16 widen(const int8_t* p) {  // 16 int8 values as floats
-#ifdef __AVX512F__
-  return (v16)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+struct Bf16 {  // a bfloat16 value's bits
+  uint16_t bits;
+};
+
+inline vf widen(const Bf16* p) { return loadv(&p->bits); }  // kLanes bfloat16 values as floats
+
+inline vf widen(const int8_t* p) {  // kLanes int8 values as floats
+#if defined(__AVX512F__)
+  return (vf)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+#elif defined(__AVX2__)
+  return (vf)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
 #else
-  i8x16 q;
-  std::memcpy(&q, p, 16);
-  return __builtin_convertvector(__builtin_convertvector(q, i32x16), v16);
+  typedef int8_t vb __attribute__((vector_size(kLanes)));
+  vb q;
+  std::memcpy(&q, p, sizeof q);
+  return __builtin_convertvector(__builtin_convertvector(q, vi), vf);
 #endif
 }
 
-inline v16 widen(const Half* p) {  // 16 float16 values as floats
-#ifdef __AVX512F__
-  return (v16)_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+inline vf widen(const Half* p) {  // kLanes float16 values as floats
+#if defined(__AVX512F__)
+  return (vf)_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+#elif defined(__AVX2__) && defined(__F16C__)
+  return (vf)_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
 #else
-  typedef _Float16 h16 __attribute__((vector_size(32)));
-  h16 h;
-  std::memcpy(&h, p, 32);
-  return __builtin_convertvector(h, v16);
+  typedef _Float16 vh __attribute__((vector_size(kVectorBytes / 2)));
+  vh h;
+  std::memcpy(&h, p, sizeof h);
+  return __builtin_convertvector(h, vf);
 #endif
+}
+
+constexpr int kUnroll = 64 / kLanes;  // vectors per 64 inputs: a one-row pass's accumulators
+
+template <int N>
+inline vf sum_of(const vf* a) {  // (a[0] + a[1]) + (a[2] + a[3]) ..., pairwise
+  if constexpr (N == 1) return a[0];
+  else return sum_of<N / 2>(a) + sum_of<N / 2>(a + N / 2);
 }
 
 inline float half_to_float(uint16_t bits) {
@@ -90,72 +108,63 @@ inline uint16_t float_to_half(float x) {  // round to nearest even
   return bits;
 }
 
-// Dot products of row x (float32, K % 16 == 0) with 16 weight rows from w (int8 or float16,
-// widened to float32): part[t] holds 16 partial sums of channel t.
+// Dot products of row x (float32, K % 16 == 0) with 16 weight rows from w (int8, float16 or
+// bfloat16, widened to float32): part[t] holds kLanes partial sums of channel t.
 template <typename W>
-void widened_block(const float* x, const W* w, int64_t k, v16* part) {
+void widened_block(const float* x, const W* w, int64_t k, vf* part) {
   for (int t = 0; t < 16; ++t) {
     const W* wr = w + t * k;
-    v16 a = {0}, b = {0}, c = {0}, d = {0};
+    vf acc[kUnroll] = {};
     int64_t i = 0;
     for (; i + 64 <= k; i += 64) {
       prefetch(wr + i + kPrefetch / sizeof(W));
       if (sizeof(W) > 1) prefetch(wr + i + kPrefetch / sizeof(W) + 32);
-      a += widen(wr + i) * loadv(x + i);
-      b += widen(wr + i + 16) * loadv(x + i + 16);
-      c += widen(wr + i + 32) * loadv(x + i + 32);
-      d += widen(wr + i + 48) * loadv(x + i + 48);
+      for (int j = 0; j < kUnroll; ++j) acc[j] += widen(wr + i + j * kLanes) * loadv(x + i + j * kLanes);
     }
-    for (; i < k; i += 16) a += widen(wr + i) * loadv(x + i);
-    part[t] = (a + b) + (c + d);
+    for (; i < k; i += kLanes) acc[0] += widen(wr + i) * loadv(x + i);
+    part[t] = sum_of<kUnroll>(acc);
   }
 }
 
 // The same for R rows of x at once (row stride k): each widened weight vector serves every row.
+// A row's two accumulators take one product each a step: no chain of additions the compiler
+// could reassociate, so a row is summed alike whatever R (the `invariant` mode relies on it).
 template <int R, typename W>
-void widened_rows(const float* x, const W* w, int64_t k, v16 (*part)[16]) {
+void widened_rows(const float* x, const W* w, int64_t k, vf (*part)[16]) {
   for (int t = 0; t < 16; ++t) {
     const W* wr = w + t * k;
-    v16 a[R] = {}, b[R] = {};
+    vf a[R] = {}, b[R] = {};
     int64_t i = 0;
-    for (; i + 32 <= k; i += 32) {
+    for (; i + 2 * kLanes <= k; i += 2 * kLanes) {
       prefetch(wr + i + kPrefetch / sizeof(W));
-      const v16 w0 = widen(wr + i), w1 = widen(wr + i + 16);
+      const vf w0 = widen(wr + i), w1 = widen(wr + i + kLanes);
       for (int r = 0; r < R; ++r) {
         a[r] += w0 * loadv(x + r * k + i);
-        b[r] += w1 * loadv(x + r * k + i + 16);
+        b[r] += w1 * loadv(x + r * k + i + kLanes);
       }
     }
-    for (; i < k; i += 16) {
-      const v16 w0 = widen(wr + i);
+    for (; i < k; i += kLanes) {
+      const vf w0 = widen(wr + i);
       for (int r = 0; r < R; ++r) a[r] += w0 * loadv(x + r * k + i);
     }
     for (int r = 0; r < R; ++r) part[r][t] = a[r] + b[r];
   }
 }
 
+// bfloat16 rows of x against bfloat16 weights with AVX512-BF16's dot products (elsewhere x is
+// widened to float32 once and the weights as they are read: Widened<Bf16>).
 #ifdef __AVX512BF16__
-inline v16 dot_bf16(v16 acc, const uint16_t* w, const uint16_t* x) {
+inline vf dot_bf16(vf acc, const Bf16* w, const uint16_t* x) {  // acc plus 32 products, in pairs of lanes
   __m512i wv = _mm512_loadu_si512(w);
   __m512i xv = _mm512_loadu_si512(x);
-  return (v16)_mm512_dpbf16_ps((__m512)acc, (__m512bh)wv, (__m512bh)xv);
+  return (vf)_mm512_dpbf16_ps((__m512)acc, (__m512bh)wv, (__m512bh)xv);
 }
-#else
-inline v16 widen_bf16(const uint16_t* p) {
-  u16x16 h;
-  std::memcpy(&h, p, 32);
-  return (v16)(__builtin_convertvector(h, u32x16) << 16);
-}
-inline v16 dot_bf16(v16 acc, const uint16_t* w, const uint16_t* x) {
-  return acc + widen_bf16(w) * widen_bf16(x) + widen_bf16(w + 16) * widen_bf16(x + 16);
-}
-#endif
 
-// As int8_block for bfloat16 rows (K % 32 == 0).
-void bf16_block(const uint16_t* x, const uint16_t* w, int64_t k, v16* part) {
+// As widened_block (K % 32 == 0).
+void bf16_block(const uint16_t* x, const Bf16* w, int64_t k, vf* part) {
   for (int t = 0; t < 16; ++t) {
-    const uint16_t* wr = w + t * k;
-    v16 a = {0}, b = {0}, c = {0}, d = {0};
+    const Bf16* wr = w + t * k;
+    vf a = {0}, b = {0}, c = {0}, d = {0};
     int64_t i = 0;
     for (; i + 128 <= k; i += 128) {
       prefetch(wr + i + kPrefetch / 2);
@@ -172,10 +181,10 @@ void bf16_block(const uint16_t* x, const uint16_t* w, int64_t k, v16* part) {
 
 // As bf16_block for R rows of x at once.
 template <int R>
-void bf16_rows(const uint16_t* x, const uint16_t* w, int64_t k, v16 (*part)[16]) {
+void bf16_rows(const uint16_t* x, const Bf16* w, int64_t k, vf (*part)[16]) {
   for (int t = 0; t < 16; ++t) {
-    const uint16_t* wr = w + t * k;
-    v16 a[R] = {}, b[R] = {};
+    const Bf16* wr = w + t * k;
+    vf a[R] = {}, b[R] = {};
     int64_t i = 0;
     for (; i + 64 <= k; i += 64) {
       prefetch(wr + i + kPrefetch / 2);
@@ -190,6 +199,7 @@ void bf16_rows(const uint16_t* x, const uint16_t* w, int64_t k, v16 (*part)[16])
     for (int r = 0; r < R; ++r) part[r][t] = a[r] + b[r];
   }
 }
+#endif
 
 // ---- int4: torch's CPU int4 layout (_convert_weight_to_int4pack_for_cpu): per block of B output
 // channels (B = 4 x torch's float vector width: 64 under AVX512, 32 under AVX2 and elsewhere), per
@@ -199,39 +209,48 @@ void bf16_rows(const uint16_t* x, const uint16_t* w, int64_t k, v16 (*part)[16])
 // zero * sum(x): the codes' dot products run over plain integers widened to float.
 constexpr int64_t kInt4Group = 32;
 
-template <int B>  // B/2 bytes -> the B channels' codes as floats, 16 per vector
-inline void int4_codes(const uint8_t* p, v16* w) {
-  constexpr int H = B / 32;  // 16-byte chunks: chunk j holds channels 16j.. (low), B/2 + 16j.. (high)
-#ifdef __AVX512F__
+template <int B>  // B/2 bytes -> the B channels' codes as floats, kLanes per vector
+inline void int4_codes(const uint8_t* p, vf* w) {
+  constexpr int H = B / 2 / kLanes;  // byte chunk j: channels kLanes j.. (low nibbles), B/2 + kLanes j.. (high)
+#if defined(__AVX512F__)
   const __m512i mask = _mm512_set1_epi32(15);
   for (int j = 0; j < H; ++j) {
     const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16 * j)));
-    w[j] = (v16)_mm512_cvtepi32_ps(_mm512_and_si512(bytes, mask));
-    w[H + j] = (v16)_mm512_cvtepi32_ps(_mm512_srli_epi32(bytes, 4));
+    w[j] = (vf)_mm512_cvtepi32_ps(_mm512_and_si512(bytes, mask));
+    w[H + j] = (vf)_mm512_cvtepi32_ps(_mm512_srli_epi32(bytes, 4));
+  }
+#elif defined(__AVX2__)
+  const __m256i mask = _mm256_set1_epi32(15);
+  for (int j = 0; j < H; ++j) {
+    const __m256i bytes = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8 * j)));
+    w[j] = (vf)_mm256_cvtepi32_ps(_mm256_and_si256(bytes, mask));
+    w[H + j] = (vf)_mm256_cvtepi32_ps(_mm256_srli_epi32(bytes, 4));
   }
 #else
   for (int j = 0; j < H; ++j)
-    for (int c = 0; c < 16; ++c) {
-      w[j][c] = static_cast<float>(p[16 * j + c] & 15);
-      w[H + j][c] = static_cast<float>(p[16 * j + c] >> 4);
+    for (int c = 0; c < kLanes; ++c) {
+      w[j][c] = static_cast<float>(p[kLanes * j + c] & 15);
+      w[H + j][c] = static_cast<float>(p[kLanes * j + c] >> 4);
     }
 #endif
 }
 
-// out[r][j] (16 channels each) for R rows of x over one block of B channels: w is the block's
+constexpr int kInt4Vectors = 64 / kLanes;  // vectors of a block of channels, at most
+
+// out[r][j] (kLanes channels each) for R rows of x over one block of B channels: w is the block's
 // [K, B/2] bytes, sz its first (scale, zero) pair in group 0, xsum the rows' per-group sums of x.
 template <int B, int R>
 void int4_rows(const float* x, const float* xsum, const uint8_t* w, const uint32_t* sz, int64_t k, int64_t n,
-               v16 (*out)[4]) {
-  constexpr int J = B / 16, Bytes = B / 2;
+               vf (*out)[kInt4Vectors]) {
+  constexpr int J = B / kLanes, Bytes = B / 2;
   const int64_t groups = k / kInt4Group;
-  v16 res[R][J] = {};
+  vf res[R][J] = {};
   for (int64_t g = 0; g < groups; ++g) {
-    v16 acc[R][J] = {};
+    vf acc[R][J] = {};
     const uint8_t* wg = w + g * kInt4Group * Bytes;
     for (int64_t kk = 0; kk < kInt4Group; ++kk) {
       if (kk % (64 / Bytes) == 0) prefetch(wg + kk * Bytes + kPrefetch);
-      v16 codes[J];
+      vf codes[J];
       int4_codes<B>(wg + kk * Bytes, codes);
       for (int r = 0; r < R; ++r) {
         const float xv = x[r * k + g * kInt4Group + kk];
@@ -239,9 +258,9 @@ void int4_rows(const float* x, const float* xsum, const uint8_t* w, const uint32
       }
     }
     for (int j = 0; j < J; ++j) {
-      u32x16 pair;
-      std::memcpy(&pair, sz + g * n + 16 * j, 64);
-      const v16 scale = (v16)(pair << 16), zero = (v16)(pair & 0xFFFF0000u);
+      vu pair;
+      std::memcpy(&pair, sz + g * n + kLanes * j, sizeof pair);
+      const vf scale = (vf)(pair << 16), zero = (vf)(pair & 0xFFFF0000u);
       for (int r = 0; r < R; ++r) {
         const float sum = xsum[r * groups + g];
         res[r][j] += scale * (acc[r][j] - 8.0f * sum) + zero * sum;
@@ -255,12 +274,12 @@ void int4_rows(const float* x, const float* xsum, const uint8_t* w, const uint32
 // ---- q8g: int8 codes [N, K] with a float32 scale, and optionally a min, per output channel and
 // group of G (16 or 32) inputs: w = code * scale + min. A channel's scales (and mins) are its
 // `groups` consecutive floats, read along with its codes. One row: each group's dot product with
-// the codes is scaled once, and the mins meet the row's group sums of x; several rows: each 16
+// the codes is scaled once, and the mins meet the row's group sums of x; several rows: each kLanes
 // codes are dequantized once (code * scale + min, as floats) and serve every row.
 #ifdef __AVX512F__
 constexpr int kQ8gTile = 8;  // rows per pass over a block: 2 x 8 accumulators in 32 registers
 #else
-constexpr int kQ8gTile = 4;  // 16 registers
+constexpr int kQ8gTile = 4;  // 2 x 4 accumulators and a step's weights in 16 registers
 #endif
 
 struct Q8gBlock {     // one block of 16 output channels and the rows of x it meets
@@ -273,30 +292,30 @@ struct Q8gBlock {     // one block of 16 output channels and the rows of x it me
 };
 
 template <int G>
-inline v16 group_dot(const int8_t* w, const float* x) {  // G codes times G inputs, 16 lanes of partial sums
-  v16 a = widen(w) * loadv(x);
-  for (int c = 16; c < G; c += 16) a += widen(w + c) * loadv(x + c);
+inline vf group_dot(const int8_t* w, const float* x) {  // G codes times G inputs, kLanes partial sums
+  vf a = widen(w) * loadv(x);
+  for (int c = kLanes; c < G; c += kLanes) a += widen(w + c) * loadv(x + c);
   return a;
 }
 
-inline v16 mins_dot(const float* mn, const float* xsum, int64_t groups) {  // sum of mn * xsum, in lanes
-  v16 a = {0};
+inline vf mins_dot(const float* mn, const float* xsum, int64_t groups) {  // sum of mn * xsum, in lanes
+  vf a = {0};
   int64_t g = 0;
-  for (; g + 16 <= groups; g += 16) a += loadv(mn + g) * loadv(xsum + g);
+  for (; g + kLanes <= groups; g += kLanes) a += loadv(mn + g) * loadv(xsum + g);
   float tail = 0.0f;
   for (; g < groups; ++g) tail += mn[g] * xsum[g];
   a[0] += tail;
   return a;
 }
 
-// As widened_block for one row of q8g codes: part[t] holds 16 partial sums of channel t.
+// As widened_block for one row of q8g codes: part[t] holds kLanes partial sums of channel t.
 template <int G, bool Mins>
-void q8g_block(const Q8gBlock& b, v16* part) {
+void q8g_block(const Q8gBlock& b, vf* part) {
   const int64_t k = b.k, groups = k / G;
   for (int t = 0; t < 16; ++t) {
     const int8_t* wr = b.w + t * k;
     const float* sr = b.s + t * groups;
-    v16 acc[4] = {};
+    vf acc[4] = {};
     int64_t g = 0;
     for (; g + 4 <= groups; g += 4) {
       for (int p = 0; p < 4 * G; p += 64) prefetch(wr + g * G + p + kPrefetch);
@@ -308,41 +327,41 @@ void q8g_block(const Q8gBlock& b, v16* part) {
   }
 }
 
-// 16 codes dequantized. The empty asm keeps them a value of their own: with one row the compiler
-// would otherwise fold the scale into the row's products (reassociation), and a lone row's sums
-// would differ from the same row's in a group.
+// kLanes codes dequantized. The empty asm keeps them a value of their own: with one row the
+// compiler would otherwise fold the scale into the row's products (reassociation), and a lone
+// row's sums would differ from the same row's in a group.
 template <int G, bool Mins>
-inline v16 q8g_weights(const int8_t* w, const float* s, const float* mn, int64_t i) {
-  const v16 c = widen(w + i);
-  v16 out = Mins ? c * s[i / G] + mn[i / G] : c * s[i / G];
-#ifdef __AVX512F__
-  asm("" : "+v"(out));
+inline vf q8g_weights(const int8_t* w, const float* s, const float* mn, int64_t i) {
+  const vf c = widen(w + i);
+  vf out = Mins ? c * s[i / G] + mn[i / G] : c * s[i / G];
+#if defined(__SSE__)
+  asm("" : "+v"(out));   // one vector register
 #else
-  asm("" : "+m"(out));   // two 256-bit registers: through memory
+  asm("" : "+m"(out));
 #endif
   return out;
 }
 
-// The same for R rows of x at once.
+// The same for R rows of x at once (two accumulators a row, as widened_rows).
 template <int R, int G, bool Mins>
-void q8g_rows(const Q8gBlock& b, v16 (*part)[16]) {
+void q8g_rows(const Q8gBlock& b, vf (*part)[16]) {
   const int64_t k = b.k, groups = k / G;
   for (int t = 0; t < 16; ++t) {
     const int8_t* wr = b.w + t * k;
     const float* sr = b.s + t * groups;
     const float* mr = Mins ? b.mn + t * groups : nullptr;
-    v16 a[R] = {}, c[R] = {};
+    vf a[R] = {}, c[R] = {};
     int64_t i = 0;
-    for (; i + 32 <= k; i += 32) {
+    for (; i + 2 * kLanes <= k; i += 2 * kLanes) {
       prefetch(wr + i + kPrefetch);
-      const v16 w0 = q8g_weights<G, Mins>(wr, sr, mr, i), w1 = q8g_weights<G, Mins>(wr, sr, mr, i + 16);
+      const vf w0 = q8g_weights<G, Mins>(wr, sr, mr, i), w1 = q8g_weights<G, Mins>(wr, sr, mr, i + kLanes);
       for (int r = 0; r < R; ++r) {
         a[r] += w0 * loadv(b.x + r * k + i);
-        c[r] += w1 * loadv(b.x + r * k + i + 16);
+        c[r] += w1 * loadv(b.x + r * k + i + kLanes);
       }
     }
-    for (; i < k; i += 16) {
-      const v16 w0 = q8g_weights<G, Mins>(wr, sr, mr, i);
+    for (; i < k; i += kLanes) {
+      const vf w0 = q8g_weights<G, Mins>(wr, sr, mr, i);
       for (int r = 0; r < R; ++r) a[r] += w0 * loadv(b.x + r * k + i);
     }
     for (int r = 0; r < R; ++r) part[r][t] = a[r] + c[r];
@@ -368,7 +387,7 @@ void for_blocks(int64_t m, int64_t n, Block block) {
 // another summation order) unless `invariant`: then every row is summed as in a group of rows, so a
 // row's result does not depend on how many rows share the call (the batch-invariant mode).
 template <typename Kernels, int R = 1, typename... Args>
-void row_group(int64_t rows, bool invariant, v16 (*part)[16], Args... args) {
+void row_group(int64_t rows, bool invariant, vf (*part)[16], Args... args) {
   if constexpr (R == 1) {
     if (rows == 1 && !invariant) return Kernels::one(args..., part[0]);
   }
@@ -379,20 +398,22 @@ void row_group(int64_t rows, bool invariant, v16 (*part)[16], Args... args) {
 template <typename W>
 struct Widened {
   static constexpr int kTile = 4;
-  static void one(const float* x, const W* w, int64_t k, v16* part) { widened_block(x, w, k, part); }
-  template <int R> static void many(const float* x, const W* w, int64_t k, v16 (*part)[16]) { widened_rows<R>(x, w, k, part); }
+  static void one(const float* x, const W* w, int64_t k, vf* part) { widened_block(x, w, k, part); }
+  template <int R> static void many(const float* x, const W* w, int64_t k, vf (*part)[16]) { widened_rows<R>(x, w, k, part); }
 };
-struct Bf16 {
+#ifdef __AVX512BF16__
+struct Bf16Pairs {
   static constexpr int kTile = 4;
-  static void one(const uint16_t* x, const uint16_t* w, int64_t k, v16* part) { bf16_block(x, w, k, part); }
-  template <int R> static void many(const uint16_t* x, const uint16_t* w, int64_t k, v16 (*part)[16]) { bf16_rows<R>(x, w, k, part); }
+  static void one(const uint16_t* x, const Bf16* w, int64_t k, vf* part) { bf16_block(x, w, k, part); }
+  template <int R> static void many(const uint16_t* x, const Bf16* w, int64_t k, vf (*part)[16]) { bf16_rows<R>(x, w, k, part); }
 };
+#endif
 
 template <int G, bool Mins>
 struct Q8g {
   static constexpr int kTile = kQ8gTile;
-  static void one(const Q8gBlock& b, v16* part) { q8g_block<G, Mins>(b, part); }
-  template <int R> static void many(const Q8gBlock& b, v16 (*part)[16]) { q8g_rows<R, G, Mins>(b, part); }
+  static void one(const Q8gBlock& b, vf* part) { q8g_block<G, Mins>(b, part); }
+  template <int R> static void many(const Q8gBlock& b, vf (*part)[16]) { q8g_rows<R, G, Mins>(b, part); }
 };
 
 void check_shapes(const at::Tensor& x, const at::Tensor& w, int64_t k_multiple, const char* name) {
@@ -434,11 +455,12 @@ at::Tensor int8_gemv(const at::Tensor& x, const at::Tensor& w, const at::Tensor&
   const uint16_t* sp = static_cast<const uint16_t*>(scale.const_data_ptr());
   void* yp = y.data_ptr();
   for_blocks(m, n, [&](int64_t r0, int64_t rows, int64_t n0) {
-    v16 part[4][16];
+    vf part[4][16];
     row_group<Widened<int8_t>>(rows, invariant, part, xb.const_data_ptr<float>() + r0 * k, wp + n0 * k, k);
     for (int64_t i = 0; i < rows; ++i) {
       const int64_t r = r0 + i;
-      v16 sums = transpose_sum(part[i]);
+      float sums[16];
+      transpose_sum(part[i], sums);
       for (int t = 0; t < 16; ++t) {
         const uint16_t out = float_to_bf16(sums[t] * bf16_to_float(sp[n0 + t]));
         if (f32) static_cast<float*>(yp)[r * n + n0 + t] = bf16_to_float(out);
@@ -454,14 +476,22 @@ at::Tensor bf16_gemv(const at::Tensor& x, const at::Tensor& w, bool invariant) {
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && w.scalar_type() == at::kBFloat16, "bf16_gemv: bfloat16 x and w");
   const int64_t m = x.size(0), k = x.size(1), n = w.size(0);
   at::Tensor y = at::empty({m, n}, x.options());
+#ifdef __AVX512BF16__
+  using Kernels = Bf16Pairs;
   const uint16_t* xp = static_cast<const uint16_t*>(x.const_data_ptr());
-  const uint16_t* wp = static_cast<const uint16_t*>(w.const_data_ptr());
+#else
+  using Kernels = Widened<Bf16>;
+  const at::Tensor xf = float_rows(x, false);
+  const float* xp = xf.const_data_ptr<float>();
+#endif
+  const Bf16* wp = static_cast<const Bf16*>(w.const_data_ptr());
   uint16_t* yp = static_cast<uint16_t*>(y.data_ptr());
   for_blocks(m, n, [&](int64_t r0, int64_t rows, int64_t n0) {
-    v16 part[4][16];
-    row_group<Bf16>(rows, invariant, part, xp + r0 * k, wp + n0 * k, k);
+    vf part[4][16];
+    row_group<Kernels>(rows, invariant, part, xp + r0 * k, wp + n0 * k, k);
     for (int64_t i = 0; i < rows; ++i) {
-      v16 sums = transpose_sum(part[i]);
+      float sums[16];
+      transpose_sum(part[i], sums);
       for (int t = 0; t < 16; ++t) yp[(r0 + i) * n + n0 + t] = float_to_bf16(sums[t]);
     }
   });
@@ -477,10 +507,11 @@ at::Tensor f16_gemv(const at::Tensor& x, const at::Tensor& w, bool invariant) {
   const Half* wp = static_cast<const Half*>(w.const_data_ptr());
   uint16_t* yp = static_cast<uint16_t*>(y.data_ptr());
   for_blocks(m, n, [&](int64_t r0, int64_t rows, int64_t n0) {
-    v16 part[4][16];
+    vf part[4][16];
     row_group<Widened<Half>>(rows, invariant, part, xf.const_data_ptr<float>() + r0 * k, wp + n0 * k, k);
     for (int64_t i = 0; i < rows; ++i) {
-      v16 sums = transpose_sum(part[i]);
+      float sums[16];
+      transpose_sum(part[i], sums);
       for (int t = 0; t < 16; ++t) yp[(r0 + i) * n + n0 + t] = float_to_half(sums[t]);
     }
   });
@@ -494,7 +525,7 @@ at::Tensor f16_gemv_meta(const at::Tensor& x, const at::Tensor& w, bool invarian
 template <int B>
 void int4_blocks(const float* xb, const float* xsum, const uint8_t* wp, const uint32_t* sz, int64_t m, int64_t k,
                  int64_t n, bool f32, void* yp) {
-  constexpr int J = B / 16;
+  constexpr int J = B / kLanes;
   const int64_t groups = k / kInt4Group;
   at::parallel_for(0, n / B, 1, [&](int64_t b0, int64_t b1) {
     for (int64_t blk = b0; blk < b1; ++blk) {
@@ -504,15 +535,15 @@ void int4_blocks(const float* xb, const float* xsum, const uint8_t* wp, const ui
         const float* x0 = xb + r0 * k;
         const float* s0 = xsum + r0 * groups;
         const uint8_t* w0 = wp + n0 * k / 2;
-        v16 out[4][4];
+        vf out[4][kInt4Vectors];
         if (rows == 4) int4_rows<B, 4>(x0, s0, w0, sz + n0, k, n, out);
         else if (rows == 3) int4_rows<B, 3>(x0, s0, w0, sz + n0, k, n, out);
         else if (rows == 2) int4_rows<B, 2>(x0, s0, w0, sz + n0, k, n, out);
         else int4_rows<B, 1>(x0, s0, w0, sz + n0, k, n, out);
         for (int64_t i = 0; i < rows; ++i)
           for (int j = 0; j < J; ++j)
-            for (int t = 0; t < 16; ++t) {
-              const int64_t at = (r0 + i) * n + n0 + 16 * j + t;
+            for (int t = 0; t < kLanes; ++t) {
+              const int64_t at = (r0 + i) * n + n0 + kLanes * j + t;
               const uint16_t v = float_to_bf16(out[i][j][t]);
               if (f32) static_cast<float*>(yp)[at] = bf16_to_float(v);
               else static_cast<uint16_t*>(yp)[at] = v;
@@ -564,10 +595,11 @@ void q8g_run(const float* x, const int8_t* w, const float* s, const float* mn, i
   for_blocks<Q8g<G, Mins>::kTile>(m, n, [&](int64_t r0, int64_t rows, int64_t n0) {
     const Q8gBlock b{x + r0 * k, xsum.data() + r0 * groups, w + n0 * k, s + n0 * groups,
                      Mins ? mn + n0 * groups : nullptr, k};
-    v16 part[Q8g<G, Mins>::kTile][16];
+    vf part[Q8g<G, Mins>::kTile][16];
     row_group<Q8g<G, Mins>>(rows, invariant, part, b);
     for (int64_t i = 0; i < rows; ++i) {
-      const v16 sums = transpose_sum(part[i]);
+      float sums[16];
+      transpose_sum(part[i], sums);
       const int64_t at = (r0 + i) * n + n0;
       if (f32) std::memcpy(static_cast<float*>(yp) + at, &sums, 64);
       else
