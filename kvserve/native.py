@@ -50,7 +50,7 @@ def cpu_flags() -> str:
 def torch_op_flags() -> tuple[list[str], list[str]]:
     """Compiler and linker flags for a source that includes torch's headers and registers torch ops
     (loaded with `torch.ops.load_library`, so compiled graphs call them through the dispatcher);
-    $KVSERVE_CPU_KERNEL_FLAGS adds compiler flags (e.g. `-mno-avx512f` for the portable paths)."""
+    $KVSERVE_CPU_KERNEL_FLAGS adds compiler flags (e.g. `-mno-avx512f` for the AVX2 paths, `-mno-avx` for the portable ones)."""
     import torch
     from torch.utils.cpp_extension import include_paths, library_paths
     abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)

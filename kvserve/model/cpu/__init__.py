@@ -5,8 +5,8 @@ machine's memory bandwidth for one to a few rows (a decode step), where torch's 
 (`_weight_int8pack_mm`, oneDNN's bfloat16 GEMM) read about half as fast; `q8g_gemv` multiplies by
 int8 codes with a float32 scale (and min) per group of 16 or 32 inputs, a GGUF block's own codes. The source compiles
 against torch's headers with the system compiler (kvserve/native.py: cached, keyed by source,
-flags and CPU; $KVSERVE_CPU_KERNEL_FLAGS adds compiler flags, e.g. `-mno-avx512f` for the portable
-vector path) and loads with `torch.ops.load_library`, so compiled graphs call the ops through
+flags and CPU; $KVSERVE_CPU_KERNEL_FLAGS adds compiler flags, e.g. `-mno-avx512f` for the AVX2
+path, `-mno-avx` for the portable one) and loads with `torch.ops.load_library`, so compiled graphs call the ops through
 the dispatcher. `available()` is False where the build fails (logged once); the layers (model/quant.py) then keep
 torch's kernels.
 """
@@ -38,7 +38,8 @@ def library() -> Path:
 
 def vector_int4() -> bool:
     """True when the int4 GEMV builds with its AVX-512 nibble unpacking (a CPU with avx512f, no
-    -mno-avx512f): its portable path unpacks one nibble at a time and loses to torch's int4 kernel."""
+    -mno-avx512f); elsewhere torch's int4 kernel keeps these rows (the AVX2 GEMV wins at one row
+    but loses from three: docs/KERNELS.md)."""
     return "avx512f" in native.cpu_flags().split() and "-mno-avx512f" not in os.environ.get(FLAGS_ENV, "").split()
 
 
