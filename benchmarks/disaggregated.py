@@ -48,6 +48,7 @@ from common import (  # noqa: E402
     replace_section,
     rerun_on_hosts,
 )
+from multi_replica import scrape, summed  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 SECTION = "Disaggregated serving"
@@ -143,16 +144,6 @@ async def workload(url: str, args, questions: list[str], documents: list[str]) -
     return results, time.perf_counter() - start
 
 
-def scrape(url: str) -> dict[str, float]:
-    """kvserve:* samples of the joined /metrics summed over replicas, by name."""
-    from prometheus_client.parser import text_string_to_metric_families
-    out: dict[str, float] = {}
-    for family in text_string_to_metric_families(httpx.get(url + "/metrics", timeout=60).text):
-        for s in family.samples:
-            out[s.name] = out.get(s.name, 0.0) + s.value
-    return out
-
-
 def deploy(mode: str, args, url: str):
     """`kvserve serve` of `mode` in this host, ready and warmed up; its process."""
     import subprocess
@@ -199,7 +190,7 @@ def run_mode(mode: str, args, url: str, questions, documents) -> Run:
         proc.wait(120)
     keys = ("kvserve:kv_transfer_received_bytes_total", "kvserve:kv_transfer_receive_seconds_total",
             "kvserve:kv_transfer_received_requests_total", "kvserve:kv_transfer_received_blocks_total")
-    transfer = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in keys}
+    transfer = {k: summed(after, k) - summed(before, k) for k in keys}
     return Run(mode, results, wall, start_s, transfer)
 
 

@@ -6,10 +6,10 @@ same step as rank 0, from the step message rank 0 broadcasts before each forward
 
 Every rank's pool holds only its KV heads and is sized from its own budget (kv_cache_memory is per
 rank); all ranks take the smallest block count of them, since rank 0's KV manager hands out block
-ids for all. A rank that dies fails the engine with a RuntimeError naming it: rank 0 checks the
-workers before each step (a remote rank: what its node's tp-node reported), and a collective whose peer
-is gone fails (at once when its socket closes, else after tensor_parallel_timeout seconds); a remote rank
-that left no report is named by its node's heartbeat stopping.
+ids for all. A rank that dies fails the engine with a RuntimeError naming it: rank 0 checks its local
+workers before each step, and a collective whose peer is gone fails (at once when its socket closes,
+else after tensor_parallel_timeout seconds); a remote rank is then named from its node's report, or
+by its node's heartbeat stopping.
 """
 
 from __future__ import annotations
@@ -332,8 +332,8 @@ class TensorParallel:
             raise RuntimeError(self.failed)
         if any(p.poll() is not None for p in self.procs):
             raise self.fail("a worker rank exited")
-        if self.remote.exited():
-            raise self.fail("a worker rank on another node exited")
+        # a remote rank is not polled here (a store round trip each step): the step's first collective
+        # fails when its sockets close, and fail() names it from its node's report or heartbeat
 
     def fail(self, what: str) -> RuntimeError:
         """Stop the workers (the other nodes' too) and return the error that ends this engine (every later
