@@ -1,7 +1,6 @@
 """Which kernel each weight-format class runs at each row count: an oracle written from the table in
 docs/WEIGHTS.md ("Which kernel runs"), and each class's output against its dequantized weight."""
 
-import os
 
 import pytest
 import torch
@@ -100,26 +99,34 @@ def test_int8_off_the_cpu_widens_to_the_activations_dtype():
     assert picked(layer) == ranges((None, "dequantized_linear"))
 
 
-def test_int4_in_the_cpu_layout(units):
-    """1-GEMV_INT4_ROWS rows: the C++ GEMV on a CPU with AVX-512 (elsewhere its portable path loses to
-    torch's kernel, which then serves them); up to 128: torch's int4 kernel; more: the unpacked weight in a
-    bfloat16 matmul (float32 without bfloat16 units); with a bfloat16 copy, more than 12 rows read it."""
-    avx512 = "avx512f" in open("/proc/cpuinfo").read().split() and "-mno-avx512f" not in os.environ.get(
-        "KVSERVE_CPU_KERNEL_FLAGS", "")
-    n = 2 * quant.CPU_INT4_ROWS
-    layer = float_layer("int4", n=n)
-    assert isinstance(layer, quant.Int4PackedLinear)
-    many = "unpacked_bf16" if units else "unpacked_f32"
-    gemv = [(quant.GEMV_INT4_ROWS, "int4_gemv")] if avx512 else []
-    assert picked(layer) == ranges(*gemv, (128, "int4pack_mm"), (None, many))
+def test_int4_on_the_cpu_runs_q4g():
+    """Up to 128 rows the C++ q4g GEMV; more: the dequantized weight in a float32 matmul; with the
+    GEMVs off every step dequantizes; with a bfloat16 copy, more than 12 rows read it."""
+    layer = float_layer("int4", n=48)
+    assert isinstance(layer, quant.Int4GroupLinear)
+    assert picked(layer) == ranges((128, "q4g_gemv"), (None, "dequantized_linear"))
     layer.use_gemv(False)
-    assert picked(layer) == ranges((128, "int4pack_mm"), (None, many))
+    assert picked(layer) == ranges((None, "dequantized_linear"))
     layer.use_gemv(True)
     layer.add_bf16_copy()
-    assert picked(layer) == ranges(*gemv, (12, "int4pack_mm"), (None, "bf16_copy"))
+    assert picked(layer) == ranges((12, "q4g_gemv"), (None, "bf16_copy"))
 
 
-def test_int4_rows_that_do_not_tile_the_cpu_layout_keep_nibbles():
+def test_int4_without_kvserves_ops_in_torchs_layout(units, monkeypatch):
+    """Where the C++ ops are not built: up to 128 rows torch's int4 kernel; more: the unpacked weight
+    in a bfloat16 matmul (float32 without bfloat16 units); with a bfloat16 copy, more than 12 rows
+    read it."""
+    monkeypatch.setattr(quant, "q4g_kernel", lambda device: False)
+    layer = float_layer("int4", n=2 * quant.CPU_INT4_ROWS)
+    assert isinstance(layer, quant.Int4PackedLinear)
+    many = "unpacked_bf16" if units else "unpacked_f32"
+    assert picked(layer) == ranges((128, "int4pack_mm"), (None, many))
+    layer.add_bf16_copy()
+    assert picked(layer) == ranges((12, "int4pack_mm"), (None, "bf16_copy"))
+
+
+def test_int4_rows_that_do_not_tile_torchs_layout_keep_nibbles(monkeypatch):
+    monkeypatch.setattr(quant, "q4g_kernel", lambda device: False)
     layer = float_layer("int4", n=quant.CPU_INT4_ROWS + 8)
     assert isinstance(layer, quant.Int4NibbleLinear)
     assert picked(layer) == ranges((None, "dequantized_linear"))

@@ -18,7 +18,7 @@ from kvserve.engine import builder
 from kvserve.model import weight_cache
 from kvserve.model.gguf_blocks import Int4Groups
 from kvserve.model.loader import load_gguf_kept
-from kvserve.model.quant import CPU_INT4_ROWS, Int4PackedLinear, make_linear, weight_bytes
+from kvserve.model.quant import Int4GroupLinear, make_linear, weight_bytes
 
 CPU = torch.device("cpu")
 CONFIG = EngineConfig(bf16_weight_copy="on")   # every int8/int4/int8-group layer takes its copy
@@ -129,14 +129,14 @@ def test_the_key_changes_with_the_config_torch_cpu_sources_and_file_and_not_othe
     assert weight_cache.cache_file(mixed_gguf, key) == weight_cache.cache_file(mixed_gguf, key)
 
 
-@pytest.mark.parametrize("n", [128, 48])   # the CPU kernel's packed layout (rows in tiles of 64 or 32), and nibbles
+@pytest.mark.parametrize("n", [128, 48])
 def test_the_fast_bf16_copy_equals_the_dequantize_based_one(n):
     g = torch.Generator().manual_seed(n)
     k = 256
     groups = Int4Groups(torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8),
                         torch.rand(n, k // 32, generator=g) * 0.1, torch.randn(n, k // 32, generator=g) * 0.5)
     layer = make_linear(groups, None, "int4")
-    assert isinstance(layer, Int4PackedLinear) == (n % CPU_INT4_ROWS == 0)
+    assert isinstance(layer, Int4GroupLinear)
     want = layer.dequantize(torch.float32).t().contiguous().to(torch.bfloat16)
     layer.add_bf16_copy()
     assert layer.bf16_t.is_contiguous() and torch.equal(layer.bf16_t, want)

@@ -13,11 +13,13 @@ its GEMVs are switched (`use_gemv`). `make_linear` picks the class from the form
 - `Int8Linear` (int8, one symmetric scale per output channel): on CPU up to SMALL_ROWS rows the C++
   GEMV (with `_weight_int8pack_mm`'s roundings: bfloat16 activations), else `_weight_int8pack_mm`;
   more rows widen the weight inside the matmul (`F.linear(x, q) * scale`, also the CUDA path).
-- `Int4PackedLinear` / `Int4NibbleLinear` (`Int4Linear`: one scale and minimum per group of
-  GROUP_SIZE input channels, the layout of GGUF's Q4_1 / Q4_K sub-blocks): on CPU torch's packed
-  layout, the C++ GEMV up to GEMV_INT4_ROWS rows (row results independent of the row count), `_weight_int4pack_mm_for_cpu` up to
-  INT4_WIDE_ROWS, then the unpacked weight in a bfloat16 matmul (float32 without bfloat16 units);
-  elsewhere nibbles unpacked to the activation dtype inside the matmul.
+- `Int4GroupLinear` (int4 on a CPU with kvserve's ops: GGUF's nibble order, a float16 scale and min
+  per group of GROUP_SIZE inputs: Q4_0 / Q4_1 exactly, Q4_K's sub-blocks rounded): the C++ `q4g_gemv` (rows quantized
+  to int16 per group, integer dot products, row results independent of the row count) up to
+  INT4_WIDE_ROWS rows, then the weight dequantized for a float32 matmul.
+- `Int4PackedLinear` / `Int4NibbleLinear` (`Int4Linear`: bfloat16 scale and zero per group): on a
+  CPU without kvserve's ops torch's packed layout (`_weight_int4pack_mm_for_cpu` up to
+  INT4_WIDE_ROWS, then the unpacked weight); off the CPU nibbles unpacked inside the matmul.
 - `Int8GroupLinear` (int8 codes in groups of 32 or 16 with float32 scales and mins: GGUF's Q8_0 /
   Q5_* / Q6_K, exact): the C++ `q8g_gemv` up to SMALL_ROWS rows, then widened.
 With a bfloat16 copy (the engine's bf16_weight_copy) int8 / int4 steps of more than COPY_ROWS rows,
@@ -52,11 +54,10 @@ FLOAT_FORMATS = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16"
 GROUP_SIZE = 32
 INT8_KERNEL_K = 16       # the CPU int8 kernel needs in_features in multiples of 16 (else: widened path)
 SMALL_ROWS = 16          # int8 on CPU: rows up to this use the int8 kernel, more use a widened weight
-INT4_WIDE_ROWS = 128     # int4 on CPU: more rows than this unpack the weight to float32 (prefill)
+INT4_WIDE_ROWS = 128     # int4 on CPU: rows up to this use the C++ GEMV (torch's int4 kernel without it), more
+                         # dequantize the weight for a float32 matmul (prefill)
 COPY_ROWS = 12           # with a bfloat16 copy: more rows than this read it
 GEMV_ROWS = {"bfloat16": 8, "float16": 8}   # 16-bit weights on CPU: rows up to this use the C++ GEMV
-GEMV_INT4_ROWS = 5       # int4 on CPU: rows up to this use the C++ GEMV (each row as a one-row call computes it:
-                         # a step verifying 4 proposed tokens decodes as one-row steps would)
 HALF_WIDE_ROWS = 16      # 16-bit weights on a CPU without 16-bit units: more rows widen to float32
 TIED_WIDE_ROWS = 1       # ... or more than this when a float32 copy exists anyway (tied embedding)
 # Linears whose weight other code reads directly (MLA's absorbed kv_b_proj): they stay in float.
@@ -403,23 +404,20 @@ class Int4Linear(KeptLinear):
 
 
 class Int4PackedLinear(Int4Linear):
-    """int4 in torch's CPU packed layout (rows a multiple of CPU_INT4_ROWS): up to GEMV_INT4_ROWS
-    rows kvserve's C++ GEMV (bfloat16 results), then `_weight_int4pack_mm_for_cpu` (bfloat16
-    activations) up to INT4_WIDE_ROWS rows; more rows (a prefill chunk) unpack the weight once and
-    run a bfloat16 matmul where the CPU has bfloat16 units (the weight rounded to bfloat16 too), a
-    float32 one where it has not. With a bfloat16 copy, steps of more than COPY_ROWS rows read it."""
+    """int4 in torch's CPU packed layout (rows a multiple of CPU_INT4_ROWS), where kvserve's C++ ops
+    are not built: `_weight_int4pack_mm_for_cpu` (bfloat16 activations) up to INT4_WIDE_ROWS rows;
+    more rows (a prefill chunk) unpack the weight once and run a bfloat16 matmul where the CPU has
+    bfloat16 units (the weight rounded to bfloat16 too), a float32 one where it has not. With a
+    bfloat16 copy, steps of more than COPY_ROWS rows read it."""
 
     def _store_codes(self, q: torch.Tensor) -> None:
         self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 1))
 
     def table(self):
-        gemv = Int4PackedLinear.int4_gemv if self.gemv else None
         if self.bf16_t is not None:
-            return kernel_table((GEMV_INT4_ROWS, gemv), (COPY_ROWS, Int4PackedLinear.int4pack_mm),
-                                (None, KeptLinear.bf16_copy))
+            return kernel_table((COPY_ROWS, Int4PackedLinear.int4pack_mm), (None, KeptLinear.bf16_copy))
         unpacked = Int4PackedLinear.unpacked_bf16 if self.bf16_units else Int4PackedLinear.unpacked_f32
-        return kernel_table((GEMV_INT4_ROWS, gemv), (INT4_WIDE_ROWS, Int4PackedLinear.int4pack_mm),
-                            (None, unpacked))
+        return kernel_table((INT4_WIDE_ROWS, Int4PackedLinear.int4pack_mm), (None, unpacked))
 
     def codes(self) -> torch.Tensor:
         return int4_codes_t(self.packed).t().contiguous()
@@ -431,14 +429,6 @@ class Int4PackedLinear(Int4Linear):
         codes = int4_codes_t(self.packed).float().view(k // GROUP_SIZE, GROUP_SIZE, n) - 8
         scale, zero = (self.scales_zeros[..., i].float().unsqueeze(1) for i in (0, 1))   # [K/G, 1, N]
         return (codes * scale + zero).view(k, n)
-
-    def int4_gemv(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype not in GEMV_DTYPES:
-            return self.int4pack_mm(x)
-        return torch.ops.kvserve_cpu.int4_gemv(x.contiguous(), self.packed, self.scales_zeros, CPU_INT4_ROWS)
-
-    def invariant_gemv(self):
-        return Int4PackedLinear.int4_gemv if self.gemv else None   # its rows are independent already
 
     def int4pack_mm(self, x: torch.Tensor) -> torch.Tensor:
         xb = x.to(torch.bfloat16)
@@ -472,12 +462,80 @@ class Int4NibbleLinear(Int4Linear):
         return F.linear(x, self.dequantize(x.dtype))
 
 
+class Int4GroupLinear(KeptLinear):
+    """int4 on a CPU with kvserve's C++ ops: the codes in GGUF's own nibble order ([N, K/2]: per group
+    of 32 inputs, input i's code in byte i's low nibble, input 16 + i's in its high), a float16 scale
+    ([N, K/32]) and min ([K/32, N]: the GEMV sums eight channels' at once) per group (w = code * scale + min: Q4_0 and Q4_1 exactly, as the file stores them; Q4_K's
+    sub-block scale and min, d * scale6, rounded to float16).
+    - up to INT4_WIDE_ROWS rows (float32 or bfloat16 activations): the C++ `q4g_gemv`, which
+      quantizes each row to int16 per group of 32 (llama.cpp's Q8_1 with 16-bit codes: an error of
+      1/65534 of the group's largest value) and takes integer dot products; a row's result does not
+      depend on the rows beside it;
+    - more rows: one bfloat16 GEMM on the bfloat16 copy where the engine keeps one (then from
+      COPY_ROWS rows), else the weight dequantized for the call (`q4g_dequantize`) in a float32
+      matmul (bfloat16 on a CPU with bfloat16 units).
+    With the GEMVs off (`use_gemv(False)`) every step runs the dequantized weight."""
+
+    fmt = "int4"
+
+    def __init__(self, groups: Int4Groups, bias: torch.Tensor | None = None, device: torch.device | None = None):
+        super().__init__()
+        self._setup(groups.codes.shape, bias, device or groups.codes.device)
+        self.register_buffer("nibbles", gguf_nibbles(groups.codes))
+        self.register_buffer("scales", groups.scales.to(torch.float16).contiguous())
+        self.register_buffer("mins", groups.lows.to(torch.float16).t().contiguous())   # [K/32, N]
+        self.gemv = True
+        self.pick_kernels()
+
+    def use_gemv(self, on: bool) -> None:
+        self.gemv = on
+        self.pick_kernels()
+
+    def table(self):
+        gemv = Int4GroupLinear.q4g_gemv if self.gemv else None
+        if self.bf16_t is not None:
+            return kernel_table((COPY_ROWS, gemv), (None, KeptLinear.bf16_copy))
+        return kernel_table((INT4_WIDE_ROWS, gemv), (None, Int4GroupLinear.dequantized_linear))
+
+    def invariant_gemv(self):
+        return Int4GroupLinear.q4g_gemv if self.gemv else None   # its rows are independent already
+
+    def codes(self) -> torch.Tensor:
+        """The 4-bit codes [N, K] (uint8 0..15)."""
+        n, k = self.out_features, self.in_features
+        v = self.nibbles.view(n, k // GROUP_SIZE, 1, GROUP_SIZE // 2)
+        return torch.cat([v & 15, v >> 4], dim=2).view(n, k)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return torch.ops.kvserve_cpu.q4g_dequantize(self.nibbles, self.scales, self.mins).to(dtype)
+
+    def q4g_gemv(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype not in GEMV_DTYPES:
+            return self.dequantized_linear(x)
+        return torch.ops.kvserve_cpu.q4g_gemv(x.contiguous(), self.nibbles, self.scales, self.mins)
+
+    def dequantized_linear(self, x: torch.Tensor) -> torch.Tensor:
+        w = torch.ops.kvserve_cpu.q4g_dequantize(self.nibbles, self.scales, self.mins)
+        wide = torch.bfloat16 if self.bf16_units else torch.float32
+        return F.linear(x.to(wide), w.to(wide)).to(x.dtype)
+
+
+def gguf_nibbles(codes: torch.Tensor) -> torch.Tensor:
+    """4-bit codes [N, K] (uint8 0..15) in GGUF's nibble order [N, K/2]: per group of 32 inputs, 16
+    bytes, input i in byte i's low nibble and input 16 + i in its high nibble."""
+    n, k = codes.shape
+    v = codes.view(n, k // GROUP_SIZE, 2, GROUP_SIZE // 2)
+    return (v[:, :, 0] | (v[:, :, 1] << 4)).reshape(n, k // 2).contiguous()
+
+
 def int4_linear(weight: torch.Tensor | Int4Groups, bias: torch.Tensor | None = None,
                 device: torch.device | None = None) -> Int4Linear:
-    """The int4 layer for `weight` (a float weight is grouped first): packed for torch's CPU kernels
-    where its rows tile their block, else nibbles."""
+    """The int4 layer for `weight` (a float weight is grouped first): kvserve's own CPU layout where its
+    ops are built, else packed for torch's CPU kernels where its rows tile their block, else nibbles."""
     groups = weight if isinstance(weight, Int4Groups) else int4_groups(weight.detach())
     device = device or groups.codes.device
+    if q4g_kernel(device):
+        return Int4GroupLinear(groups, bias, device)
     packs = device.type == "cpu" and groups.codes.shape[0] % CPU_INT4_ROWS == 0
     return (Int4PackedLinear if packs else Int4NibbleLinear)(groups, bias, device)
 
@@ -641,7 +699,7 @@ def cpu_gemv(device: torch.device, fmt: str) -> bool:
     if device.type != "cpu" or fmt not in ("int8", "int4", "bfloat16", "float16"):
         return False
     from kvserve.model import cpu
-    return cpu.available() and (fmt != "int4" or cpu.vector_int4())
+    return cpu.available()
 
 
 def slow_half(device: torch.device) -> bool:
@@ -671,6 +729,11 @@ def _q8g_torch(x, codes, scales, mins, group):
             y = y + xg.sum(-1) @ mins[rows].t()
         out.append(y)
     return torch.cat(out, dim=-1).to(x.dtype)
+
+
+def q4g_kernel(device: torch.device) -> bool:
+    """True when the C++ `q4g_gemv` serves int4 layers on `device`."""
+    return cpu_gemv(device, "int4") and hasattr(torch.ops.kvserve_cpu, "q4g_gemv")
 
 
 def q8g_kernel(device: torch.device) -> bool:

@@ -3,7 +3,9 @@
 `torch.ops.kvserve_cpu.int8_gemv` and `bf16_gemv` read int8 / bfloat16 weights at close to the
 machine's memory bandwidth for one to a few rows (a decode step), where torch's own CPU paths
 (`_weight_int8pack_mm`, oneDNN's bfloat16 GEMM) read about half as fast; `q8g_gemv` multiplies by
-int8 codes with a float32 scale (and min) per group of 16 or 32 inputs, a GGUF block's own codes. The source compiles
+int8 codes with a float32 scale (and min) per group of 16 or 32 inputs, a GGUF block's own codes,
+and `q4g_gemv` 4-bit codes in GGUF's nibble order (integer dot products with the rows quantized to
+int8 per group, as llama.cpp multiplies). The source compiles
 against torch's headers with the system compiler (kvserve/native.py: cached, keyed by source,
 flags and CPU; $KVSERVE_CPU_KERNEL_FLAGS adds compiler flags, e.g. `-mno-avx512f` for the AVX2
 path, `-mno-avx` for the portable one) and loads with `torch.ops.load_library`, so compiled graphs call the ops through
@@ -14,7 +16,6 @@ torch's kernels.
 from __future__ import annotations
 
 import logging
-import os
 from pathlib import Path
 
 import torch
@@ -34,13 +35,6 @@ def library() -> Path:
     """The ops' shared library for this CPU and flags (built on the first call; raises BuildError)."""
     flags, libs = native.torch_op_flags()
     return native.build(SOURCE, flags, libs)
-
-
-def vector_int4() -> bool:
-    """True when the int4 GEMV builds with its AVX-512 nibble unpacking (a CPU with avx512f, no
-    -mno-avx512f); elsewhere torch's int4 kernel keeps these rows (the AVX2 GEMV wins at one row
-    but loses from three: docs/KERNELS.md)."""
-    return "avx512f" in native.cpu_flags().split() and "-mno-avx512f" not in os.environ.get(FLAGS_ENV, "").split()
 
 
 def available() -> bool:

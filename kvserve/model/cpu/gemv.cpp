@@ -11,11 +11,16 @@
 //               + mins[n, g] * sum_{k in g} x[m, k]
 //     (a GGUF block's codes as the format stores them: Q8_0, Q5_0, Q6_K signed, Q5_1 / Q5_K
 //     unsigned with mins), x as given, float32 sums, a bfloat16 result rounded once.
+//   q4g_gemv(x [M, K] float32|bfloat16, codes [N, K/2] uint8, scales [N, K/32], mins [K/32, N]
+//            float16)
+//     -> [M, N] in x's dtype: 4-bit codes in GGUF's nibble order, w = code * scale + min; x
+//     quantized to int16 per group of 32 and multiplied in integers (below).
+//   q4g_dequantize(codes, scales, mins) -> W [N, K] float32.
 // Sixteen output channels at a time: each channel's dot product runs along K with several
 // accumulators, the 16 partial vectors are reduced together (a transpose), weights are prefetched
 // a few KiB ahead (one core alone does not keep enough loads in flight to fill the memory bus).
 // `invariant` (int8, bfloat16, float16, q8g): a lone row is summed as a row of a group is, so each
-// row's result is the same whatever the call's row count (int4's rows are so already).
+// row's result is the same whatever the call's row count (q4g's rows are so already).
 // Output channel blocks are split over torch's threads (at::parallel_for, torch's OpenMP runtime).
 // Vectors are simd.h's `vf`, one register wide (16 floats under AVX-512, 8 under AVX2, 4 else);
 // AVX-512 and AVX2 (+F16C) intrinsics appear only under #if beside a portable path (tests build
@@ -27,6 +32,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <optional>
@@ -200,76 +206,6 @@ void bf16_rows(const uint16_t* x, const Bf16* w, int64_t k, vf (*part)[16]) {
   }
 }
 #endif
-
-// ---- int4: torch's CPU int4 layout (_convert_weight_to_int4pack_for_cpu): per block of B output
-// channels (B = 4 x torch's float vector width: 64 under AVX512, 32 under AVX2 and elsewhere), per
-// input channel, B/2 bytes: channel c's code in byte c's low nibble, channel B/2 + c's in its high
-// nibble; w = (code - 8) * scale + zero, one (scale, zero) pair per channel and group of 32 input
-// channels ([K/32, N, 2] bfloat16). Per group, sum(w x) = scale * (sum(code x) - 8 sum(x)) +
-// zero * sum(x): the codes' dot products run over plain integers widened to float.
-constexpr int64_t kInt4Group = 32;
-
-template <int B>  // B/2 bytes -> the B channels' codes as floats, kLanes per vector
-inline void int4_codes(const uint8_t* p, vf* w) {
-  constexpr int H = B / 2 / kLanes;  // byte chunk j: channels kLanes j.. (low nibbles), B/2 + kLanes j.. (high)
-#if defined(__AVX512F__)
-  const __m512i mask = _mm512_set1_epi32(15);
-  for (int j = 0; j < H; ++j) {
-    const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16 * j)));
-    w[j] = (vf)_mm512_cvtepi32_ps(_mm512_and_si512(bytes, mask));
-    w[H + j] = (vf)_mm512_cvtepi32_ps(_mm512_srli_epi32(bytes, 4));
-  }
-#elif defined(__AVX2__)
-  const __m256i mask = _mm256_set1_epi32(15);
-  for (int j = 0; j < H; ++j) {
-    const __m256i bytes = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8 * j)));
-    w[j] = (vf)_mm256_cvtepi32_ps(_mm256_and_si256(bytes, mask));
-    w[H + j] = (vf)_mm256_cvtepi32_ps(_mm256_srli_epi32(bytes, 4));
-  }
-#else
-  for (int j = 0; j < H; ++j)
-    for (int c = 0; c < kLanes; ++c) {
-      w[j][c] = static_cast<float>(p[kLanes * j + c] & 15);
-      w[H + j][c] = static_cast<float>(p[kLanes * j + c] >> 4);
-    }
-#endif
-}
-
-constexpr int kInt4Vectors = 64 / kLanes;  // vectors of a block of channels, at most
-
-// out[r][j] (kLanes channels each) for R rows of x over one block of B channels: w is the block's
-// [K, B/2] bytes, sz its first (scale, zero) pair in group 0, xsum the rows' per-group sums of x.
-template <int B, int R>
-void int4_rows(const float* x, const float* xsum, const uint8_t* w, const uint32_t* sz, int64_t k, int64_t n,
-               vf (*out)[kInt4Vectors]) {
-  constexpr int J = B / kLanes, Bytes = B / 2;
-  const int64_t groups = k / kInt4Group;
-  vf res[R][J] = {};
-  for (int64_t g = 0; g < groups; ++g) {
-    vf acc[R][J] = {};
-    const uint8_t* wg = w + g * kInt4Group * Bytes;
-    for (int64_t kk = 0; kk < kInt4Group; ++kk) {
-      if (kk % (64 / Bytes) == 0) prefetch(wg + kk * Bytes + kPrefetch);
-      vf codes[J];
-      int4_codes<B>(wg + kk * Bytes, codes);
-      for (int r = 0; r < R; ++r) {
-        const float xv = x[r * k + g * kInt4Group + kk];
-        for (int j = 0; j < J; ++j) acc[r][j] += codes[j] * xv;
-      }
-    }
-    for (int j = 0; j < J; ++j) {
-      vu pair;
-      std::memcpy(&pair, sz + g * n + kLanes * j, sizeof pair);
-      const vf scale = (vf)(pair << 16), zero = (vf)(pair & 0xFFFF0000u);
-      for (int r = 0; r < R; ++r) {
-        const float sum = xsum[r * groups + g];
-        res[r][j] += scale * (acc[r][j] - 8.0f * sum) + zero * sum;
-      }
-    }
-  }
-  for (int r = 0; r < R; ++r)
-    for (int j = 0; j < J; ++j) out[r][j] = res[r][j];
-}
 
 // ---- q8g: int8 codes [N, K] with a float32 scale, and optionally a min, per output channel and
 // group of G (16 or 32) inputs: w = code * scale + min. A channel's scales (and mins) are its
@@ -522,66 +458,6 @@ at::Tensor f16_gemv_meta(const at::Tensor& x, const at::Tensor& w, bool invarian
   return at::empty_symint({x.sym_size(0), w.sym_size(0)}, x.options());
 }
 
-template <int B>
-void int4_blocks(const float* xb, const float* xsum, const uint8_t* wp, const uint32_t* sz, int64_t m, int64_t k,
-                 int64_t n, bool f32, void* yp) {
-  constexpr int J = B / kLanes;
-  const int64_t groups = k / kInt4Group;
-  at::parallel_for(0, n / B, 1, [&](int64_t b0, int64_t b1) {
-    for (int64_t blk = b0; blk < b1; ++blk) {
-      const int64_t n0 = blk * B;
-      for (int64_t r0 = 0; r0 < m;) {  // tiles of up to 4 rows: each tile unpacks the codes once
-        const int64_t rows = std::min<int64_t>(4, m - r0);
-        const float* x0 = xb + r0 * k;
-        const float* s0 = xsum + r0 * groups;
-        const uint8_t* w0 = wp + n0 * k / 2;
-        vf out[4][kInt4Vectors];
-        if (rows == 4) int4_rows<B, 4>(x0, s0, w0, sz + n0, k, n, out);
-        else if (rows == 3) int4_rows<B, 3>(x0, s0, w0, sz + n0, k, n, out);
-        else if (rows == 2) int4_rows<B, 2>(x0, s0, w0, sz + n0, k, n, out);
-        else int4_rows<B, 1>(x0, s0, w0, sz + n0, k, n, out);
-        for (int64_t i = 0; i < rows; ++i)
-          for (int j = 0; j < J; ++j)
-            for (int t = 0; t < kLanes; ++t) {
-              const int64_t at = (r0 + i) * n + n0 + kLanes * j + t;
-              const uint16_t v = float_to_bf16(out[i][j][t]);
-              if (f32) static_cast<float*>(yp)[at] = bf16_to_float(v);
-              else static_cast<uint16_t*>(yp)[at] = v;
-            }
-        r0 += rows;
-      }
-    }
-  });
-}
-
-// `block`: the packed layout's block of output channels (the B above: 32 or 64).
-at::Tensor int4_gemv(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales_zeros, int64_t block) {
-  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && packed.dim() == 2 && packed.is_contiguous() &&
-                  scales_zeros.is_contiguous(), "int4_gemv: contiguous x [M, K] and packed [N, K/2] expected");
-  const int64_t m = x.size(0), k = x.size(1), n = packed.size(0);
-  TORCH_CHECK(block == 32 || block == 64, "int4_gemv: a block of 32 or 64 output channels expected");
-  TORCH_CHECK(packed.size(1) * 2 == k && packed.scalar_type() == at::kByte, "int4_gemv: packed uint8 [N, K/2] expected");
-  TORCH_CHECK(k % kInt4Group == 0 && n % block == 0, "int4_gemv: K must be a multiple of 32 and N of the block");
-  TORCH_CHECK(scales_zeros.scalar_type() == at::kBFloat16 && scales_zeros.numel() == k / kInt4Group * n * 2,
-              "int4_gemv: bfloat16 scales_zeros [K/32, N, 2] expected");
-  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, "int4_gemv: float32 or bfloat16 x");
-  TORCH_CHECK(m <= 64, "int4_gemv: at most 64 rows expected");
-  const bool f32 = x.scalar_type() == at::kFloat;
-  const int64_t groups = k / kInt4Group;
-  std::vector<float> xb(m * k), xsum(m * groups, 0.0f);  // x rounded to bfloat16; its group sums
-  for (int64_t i = 0; i < m * k; ++i) {
-    xb[i] = f32 ? bf16_to_float(float_to_bf16(x.const_data_ptr<float>()[i]))
-                : bf16_to_float(static_cast<const uint16_t*>(x.const_data_ptr())[i]);
-    xsum[i / kInt4Group] += xb[i];
-  }
-  at::Tensor y = at::empty({m, n}, x.options());
-  const uint8_t* wp = packed.const_data_ptr<uint8_t>();
-  const uint32_t* sz = static_cast<const uint32_t*>(scales_zeros.const_data_ptr());
-  if (block == 64) int4_blocks<64>(xb.data(), xsum.data(), wp, sz, m, k, n, f32, y.data_ptr());
-  else int4_blocks<32>(xb.data(), xsum.data(), wp, sz, m, k, n, f32, y.data_ptr());
-  return y;
-}
-
 // y [M, N] = the q8g product of x [M, K] (float32) with the codes w, scales s and mins mn (or null),
 // the rows' group sums of x first where there are mins.
 template <int G, bool Mins>
@@ -643,8 +519,266 @@ at::Tensor q8g_gemv_meta(const at::Tensor& x, const at::Tensor& codes, const at:
   return at::empty_symint({x.sym_size(0), codes.sym_size(0)}, x.options());
 }
 
-at::Tensor int4_gemv_meta(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales_zeros, int64_t block) {
-  return at::empty_symint({x.sym_size(0), packed.sym_size(0)}, x.options());
+// ---- q4g: 4-bit codes in GGUF's own order (per output channel, per group of 32 inputs, 16 bytes:
+// input i's code in byte i's low nibble, input 16 + i's in its high nibble), a float16 scale and
+// min per channel and group (GGUF's own for Q4_0 / Q4_1; scales [N, K/32], mins [K/32, N]):
+// w = code * scale + min (Q4_0: min = -8 scale; Q4_1; Q4_K's sub-blocks). The rows of x are quantized to int16 per group of 32 first
+// (d = max|x| / 32767, q = round(x / d), s = d * sum(q): llama.cpp's Q8_1 with 16-bit codes, an
+// error of 1/65534 of the group's largest value where bfloat16 rounds at 1/512 of each value), so
+// a group's product is an integer dot product: y = sum_g scale * d_g * dot(code_g, q_g) + min * s_g.
+// Every row is computed alone (its integer sums are exact; its float sums run in one order whatever
+// the tile), so a row's result does not depend on how many rows share the call.
+constexpr int64_t kQ4Group = 32;
+
+inline float f16_value(uint16_t bits) {  // one float16 scale or min (F16C's conversion, not a library call)
+#if defined(__F16C__)
+  return _cvtsh_ss(bits);
+#else
+  return half_to_float(bits);
+#endif
+}
+
+template <typename Q>
+struct QRows {              // x's rows quantized per group of 32 to Q
+  std::vector<Q> q;         // [M, K]
+  std::vector<float> d, s;  // [M, K/32]: the group's scale; scale * the sum of its codes
+};
+
+template <typename Q>
+QRows<Q> quantize_rows(const float* x, int64_t m, int64_t k) {
+  constexpr int32_t kMax = (1 << (8 * sizeof(Q) - 1)) - 1;
+  const int64_t groups = k / kQ4Group;
+  QRows<Q> out{std::vector<Q>(m * k), std::vector<float>(m * groups), std::vector<float>(m * groups)};
+  for (int64_t g = 0; g < m * groups; ++g) {
+    const float* xg = x + g * kQ4Group;
+    float amax = 0.0f;
+    for (int i = 0; i < kQ4Group; ++i) amax = std::max(amax, std::fabs(xg[i]));
+    const float d = amax * (1.0f / kMax);
+    const float inv = d > 0.0f ? 1.0f / d : 0.0f;
+    int32_t sum = 0;
+    for (int i = 0; i < kQ4Group; ++i) {
+      const int32_t v = std::min(kMax, std::max(-kMax, static_cast<int32_t>(std::nearbyint(xg[i] * inv))));
+      out.q[g * kQ4Group + i] = static_cast<Q>(v);
+      sum += v;
+    }
+    out.d[g] = d;
+    out.s[g] = d * static_cast<float>(sum);
+  }
+  return out;
+}
+
+template <typename Q>
+struct Q4gArgs {
+  const uint8_t* w;        // codes [N, K/2]
+  const uint16_t* scales;  // [N, K/32] float16
+  const uint16_t* mins;    // [K/32, N] float16
+  const QRows<Q>* x;
+  int64_t k, groups, n;
+  float* y;                // [M, N]
+};
+
+#if defined(__AVX2__)
+// A group's 32 codes, unpacked for rows of Q: 2 x 16 16-bit lanes for int16 rows (madd).
+template <typename Q>
+struct Q4Codes;
+
+template <>
+struct Q4Codes<int16_t> {
+  __m256i lo, hi;  // inputs 0-15, 16-31
+  explicit Q4Codes(const uint8_t* p) {
+    const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    const __m128i mask = _mm_set1_epi8(15);
+    lo = _mm256_cvtepu8_epi16(_mm_and_si128(raw, mask));
+    hi = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(raw, 4), mask));
+  }
+  __m256 dot(const int16_t* q) const {
+    const __m256i a = _mm256_madd_epi16(lo, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q)));
+    const __m256i b = _mm256_madd_epi16(hi, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + 16)));
+    return _mm256_cvtepi32_ps(_mm256_add_epi32(a, b));
+  }
+};
+
+inline float sum8(__m256 v) {
+  __m128 a = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  a = _mm_add_ps(a, _mm_movehl_ps(a, a));
+  return _mm_cvtss_f32(_mm_add_ss(a, _mm_movehdup_ps(a)));
+}
+#endif
+
+// y[r, n] += sum_g mins[g, n] * s[r, g] for channels n0..n1 of every row: mins are [K/32, N], so
+// eight channels run in a vector's lanes, each lane summing its groups in order with one rounding a
+// step (fma), as a lone channel does: a row's sums do not depend on the tile or the row count.
+template <typename Q>
+void q4g_add_mins(const Q4gArgs<Q>& a, int64_t n0, int64_t n1, int64_t m) {
+  const int64_t groups = a.groups, n = a.n;
+  for (int64_t r = 0; r < m; ++r) {
+    const float* s = a.x->s.data() + r * groups;
+    float* y = a.y + r * n;
+    int64_t c = n0;
+#if defined(__AVX2__) && defined(__F16C__)
+    for (; c + 8 <= n1; c += 8) {
+      __m256 low = _mm256_setzero_ps();
+      for (int64_t g = 0; g < groups; ++g) {
+        const __m256 mins = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(a.mins + g * n + c)));
+        low = _mm256_fmadd_ps(mins, _mm256_set1_ps(s[g]), low);
+      }
+      _mm256_storeu_ps(y + c, _mm256_add_ps(_mm256_loadu_ps(y + c), low));
+    }
+#endif
+    for (; c < n1; ++c) {
+      float low = 0.0f;
+      for (int64_t g = 0; g < groups; ++g) low = std::fma(f16_value(a.mins[g * n + c]), s[g], low);
+      y[c] += low;
+    }
+  }
+}
+
+#if !defined(__AVX2__)
+// One channel's sum_g scale_g * d_g * dot(code_g, q_g) for one row (not inlined: one summation order).
+template <typename Q>
+__attribute__((noinline)) float q4g_portable(const uint8_t* w, const uint16_t* scales, const Q* q, const float* d,
+                                             int64_t groups) {
+  float sum = 0.0f;
+  for (int64_t g = 0; g < groups; ++g) {
+    const uint8_t* p = w + g * 16;
+    const Q* qg = q + g * kQ4Group;
+    int32_t dot = 0;
+    for (int i = 0; i < 16; ++i) dot += (p[i] & 15) * qg[i] + (p[i] >> 4) * qg[16 + i];
+    sum += static_cast<float>(dot) * (f16_value(scales[g]) * d[g]);
+  }
+  return sum;
+}
+#endif
+
+// y for C channels from n0 and R rows from r0: each code group is unpacked once and meets every row
+// (the portable path: row by row).
+template <typename Q, int C, int R>
+void q4g_tile(const Q4gArgs<Q>& a, int64_t n0, int64_t r0) {
+  const int64_t k = a.k, groups = a.groups;
+  const Q* q = a.x->q.data() + r0 * k;
+  const float* d = a.x->d.data() + r0 * groups;
+  const uint8_t* w = a.w + n0 * (k / 2);
+  const uint16_t* sc = a.scales + n0 * groups;
+#if defined(__AVX2__)
+  __m256 acc[R][C];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) acc[r][c] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    for (int c = 0; c < C; ++c) {
+      const Q4Codes<Q> codes(w + c * (k / 2) + g * 16);
+      const float scale = f16_value(sc[c * groups + g]);
+      for (int r = 0; r < R; ++r) {
+        const __m256 dot = codes.dot(q + r * k + g * kQ4Group);
+        acc[r][c] = _mm256_fmadd_ps(dot, _mm256_set1_ps(scale * d[r * groups + g]), acc[r][c]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c)
+      a.y[(r0 + r) * a.n + n0 + c] = sum8(acc[r][c]);
+#else
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c)
+      a.y[(r0 + r) * a.n + n0 + c] = q4g_portable(w + c * (k / 2), sc + c * groups, q + r * k, d + r * groups, groups);
+#endif
+}
+
+template <typename Q, int C>
+void q4g_rows(const Q4gArgs<Q>& a, int64_t n0, int64_t m) {  // C channels, every row in tiles of up to 4
+  constexpr int C2 = C > 2 ? 2 : C;  // three or four rows: two channels a tile (16 registers)
+  int64_t r = 0;
+  for (; r + 4 <= m; r += 4)
+    for (int c = 0; c < C; c += C2) q4g_tile<Q, C2, 4>(a, n0 + c, r);
+  if (m - r == 3)
+    for (int c = 0; c < C; c += C2) q4g_tile<Q, C2, 3>(a, n0 + c, r);
+  else if (m - r == 2) q4g_tile<Q, C, 2>(a, n0, r);
+  else if (m - r == 1) q4g_tile<Q, C, 1>(a, n0, r);
+}
+
+constexpr int64_t kQ4Chunk = 16;  // output channels a thread takes at a time
+
+template <typename Q>
+void q4g_run(const float* x, const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& mins, at::Tensor& y) {
+  const int64_t m = y.size(0), n = y.size(1), k = codes.size(1) * 2;
+  const QRows<Q> xq = quantize_rows<Q>(x, m, k);
+  const Q4gArgs<Q> a{codes.const_data_ptr<uint8_t>(), static_cast<const uint16_t*>(scales.const_data_ptr()),
+                     static_cast<const uint16_t*>(mins.const_data_ptr()), &xq, k, k / kQ4Group, n, y.data_ptr<float>()};
+  at::parallel_for(0, (n + kQ4Chunk - 1) / kQ4Chunk, 1, [&](int64_t c0, int64_t c1) {
+    const int64_t start = c0 * kQ4Chunk, end = std::min(n, c1 * kQ4Chunk);
+    for (int64_t n0 = start; n0 < end;) {
+      if (n0 + 4 <= end) {
+        q4g_rows<Q, 4>(a, n0, m);
+        n0 += 4;
+      } else {
+        q4g_rows<Q, 1>(a, n0, m);
+        n0 += 1;
+      }
+    }
+    q4g_add_mins(a, start, end, m);
+  });
+}
+
+// scales [N, K/32], mins [K/32, N]: float16, contiguous.
+void check_q4g_operands(const at::Tensor& scales, const at::Tensor& mins, int64_t n, int64_t groups) {
+  for (const bool is_min : {false, true}) {
+    const at::Tensor& t = is_min ? mins : scales;
+    const int64_t rows = is_min ? groups : n, cols = is_min ? n : groups;
+    TORCH_CHECK(t.scalar_type() == at::kHalf && t.dim() == 2 && t.size(0) == rows && t.size(1) == cols &&
+                    t.is_contiguous(),
+                "q4g: contiguous float16 ", is_min ? "mins [K/32, N]" : "scales [N, K/32]", " = [", rows, ", ", cols,
+                "] expected, got ", t.scalar_type(), " ", t.sizes(), t.is_contiguous() ? "" : " (not contiguous)");
+  }
+}
+
+at::Tensor q4g_gemv(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& mins) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && codes.dim() == 2 && codes.is_contiguous(),
+              "q4g_gemv: contiguous x [M, K] and codes [N, K/2] expected");
+  const int64_t m = x.size(0), k = x.size(1), n = codes.size(0), groups = k / kQ4Group;
+  TORCH_CHECK(k % kQ4Group == 0, "q4g_gemv: K must be a multiple of 32, got ", k);
+  TORCH_CHECK(codes.scalar_type() == at::kByte && codes.size(1) * 2 == k, "q4g_gemv: uint8 codes [N, K/2] expected");
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,
+              "q4g_gemv: float32 or bfloat16 x expected, got ", x.scalar_type());
+  check_q4g_operands(scales, mins, n, groups);
+  at::Tensor y = at::empty({m, n}, x.options().dtype(at::kFloat));
+  if (m == 0 || n == 0) return y.to(x.scalar_type());
+  const at::Tensor xf = float_rows(x, false);
+  q4g_run<int16_t>(xf.const_data_ptr<float>(), codes, scales, mins, y);
+  return x.scalar_type() == at::kFloat ? y : y.to(x.scalar_type());
+}
+
+at::Tensor q4g_gemv_meta(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& mins) {
+  return at::empty_symint({x.sym_size(0), codes.sym_size(0)}, x.options());
+}
+
+// W [N, K] in float32 from the q4g layout (code * scale + min): the weight of a step with more rows
+// than the GEMV serves.
+at::Tensor q4g_dequantize(const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& mins) {
+  TORCH_CHECK(codes.dim() == 2 && codes.is_contiguous() && codes.scalar_type() == at::kByte,
+              "q4g_dequantize: contiguous uint8 codes [N, K/2] expected");
+  const int64_t n = codes.size(0), k = codes.size(1) * 2, groups = k / kQ4Group;
+  TORCH_CHECK(k % kQ4Group == 0, "q4g_dequantize: K must be a multiple of 32, got ", k);
+  check_q4g_operands(scales, mins, n, groups);
+  at::Tensor w = at::empty({n, k}, codes.options().dtype(at::kFloat));
+  const uint8_t* cp = codes.const_data_ptr<uint8_t>();
+  const uint16_t* sp = static_cast<const uint16_t*>(scales.const_data_ptr());
+  const uint16_t* mp = static_cast<const uint16_t*>(mins.const_data_ptr());
+  float* wp = w.data_ptr<float>();
+  at::parallel_for(0, n * groups, 256, [&](int64_t g0, int64_t g1) {
+    for (int64_t g = g0; g < g1; ++g) {
+      const uint8_t* p = cp + g * 16;
+      float* out = wp + g * kQ4Group;
+      const float scale = f16_value(sp[g]), min = f16_value(mp[g % groups * n + g / groups]);
+      for (int i = 0; i < 16; ++i) {
+        out[i] = static_cast<float>(p[i] & 15) * scale + min;
+        out[16 + i] = static_cast<float>(p[i] >> 4) * scale + min;
+      }
+    }
+  });
+  return w;
+}
+
+at::Tensor q4g_dequantize_meta(const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& mins) {
+  return at::empty_symint({codes.sym_size(0), codes.sym_size(1) * 2}, codes.options().dtype(at::kFloat));
 }
 
 at::Tensor int8_gemv_meta(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale, bool invariant) {
@@ -661,16 +795,18 @@ TORCH_LIBRARY(kvserve_cpu, m) {
   m.def("int8_gemv(Tensor x, Tensor w, Tensor scale, bool invariant=False) -> Tensor");
   m.def("bf16_gemv(Tensor x, Tensor w, bool invariant=False) -> Tensor");
   m.def("f16_gemv(Tensor x, Tensor w, bool invariant=False) -> Tensor");
-  m.def("int4_gemv(Tensor x, Tensor packed, Tensor scales_zeros, int block) -> Tensor");
   m.def("q8g_gemv(Tensor x, Tensor codes, Tensor scales, Tensor? mins, int group, bool invariant=False) -> Tensor");
+  m.def("q4g_gemv(Tensor x, Tensor codes, Tensor scales, Tensor mins) -> Tensor");
+  m.def("q4g_dequantize(Tensor codes, Tensor scales, Tensor mins) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(kvserve_cpu, CPU, m) {
   m.impl("int8_gemv", int8_gemv);
   m.impl("bf16_gemv", bf16_gemv);
   m.impl("f16_gemv", f16_gemv);
-  m.impl("int4_gemv", int4_gemv);
   m.impl("q8g_gemv", q8g_gemv);
+  m.impl("q4g_gemv", q4g_gemv);
+  m.impl("q4g_dequantize", q4g_dequantize);
 }
 
 // Meta kernels keep the row count symbolic (sym_size): size() would make a compiled graph that calls
@@ -679,6 +815,7 @@ TORCH_LIBRARY_IMPL(kvserve_cpu, Meta, m) {
   m.impl("int8_gemv", int8_gemv_meta);
   m.impl("bf16_gemv", bf16_gemv_meta);
   m.impl("f16_gemv", f16_gemv_meta);
-  m.impl("int4_gemv", int4_gemv_meta);
   m.impl("q8g_gemv", q8g_gemv_meta);
+  m.impl("q4g_gemv", q4g_gemv_meta);
+  m.impl("q4g_dequantize", q4g_dequantize_meta);
 }
