@@ -6,8 +6,8 @@ Each block type has one kept layout (docs/WEIGHTS.md):
   (groups of 32) and Q6_K (groups of 16). Exact: the float32 products are gguf's own, so
   `dequantize()` equals `gguf.quants.dequantize` bit for bit.
 - int4 groups of 32 (`Int4Groups`): 4-bit codes with a float32 scale and low per group:
-  w = code * scale + low. Q4_0, Q4_1, Q4_K; exact in float32 (the int4 layer then rounds scale and
-  zero to bfloat16).
+  w = code * scale + low. Q4_0, Q4_1, Q4_K; exact in float32 (the CPU int4 layer keeps scale and
+  low in float16: Q4_0 / Q4_1's own values, Q4_K's sub-block products rounded).
 - float: F32, F16, BF16 as they are.
 Types without a kernel here (Q2_K, Q3_K, IQ*, TQ*, MXFP4, ...) are dequantized by gguf and
 requantized to the nearest kept layout: int4 up to INT4_MAX_BITS bits per weight, int8 groups of 32
@@ -77,7 +77,7 @@ class Int4Groups:
         return Int4Groups(perm(self.codes), perm(self.scales), perm(self.lows), self.group)
 
     @property
-    def nbytes(self) -> int:   # as the int4 layer holds it: half a byte a code, bfloat16 scale and zero
+    def nbytes(self) -> int:   # as the int4 layer holds it: half a byte a code, float16 scale and min
         return self.codes.numel() // 2 + 2 * 2 * self.scales.numel()
 
 
