@@ -395,8 +395,10 @@ def test_gemma_tokenizer_equals_transformers(gemma_path, gemma_cache_root):
         ids = tokenizer.encode(text)
         assert ids == ref.encode(text) == cached.encode(text), text
         assert ids[:1] == [2]  # Gemma adds <bos>
-        assert tokenizer.decode(ids) == ref.decode(ids, skip_special_tokens=True)
-    assert (tokenizer.bos_token_id, tokenizer.eos_token_id) == (2, 1)
+        assert tokenizer.decode(ids) == ref.decode(ids, skip_special_tokens=True) == cached.decode(ids)
+        assert cached.decode(ids, skip_special_tokens=False) == ref.decode(ids, skip_special_tokens=False)
+    assert (tokenizer.bos_token_id, tokenizer.eos_token_id) == (2, 1) == (cached.bos_token_id, cached.eos_token_id)
+    assert cached.vocab_size == len(ref)
     assert not tokenizer.has_chat_template
 
 

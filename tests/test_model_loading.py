@@ -2,6 +2,9 @@
 
 import logging
 import os
+import shutil
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -18,7 +21,7 @@ from kvserve.model.loader import (
     resolve_model_path,
     unpermute_rotary,
 )
-from kvserve.model.tokenizer import CACHE_TOKENIZER, Tokenizer
+from kvserve.model.tokenizer import CACHE_TOKENIZER, FastTokenizer, Tokenizer
 
 TEXTS = [
     "Hello world",
@@ -26,6 +29,8 @@ TEXTS = [
     "Unicode: naïve café — 東京 🚀",
     "def f(x):\n    return x ** 2\n",
     "",
+    "<|im_start|>user\nspecial tokens as text<|im_end|>\n",
+    "tabs\tand\r\nnewlines, don't it's   multiple   spaces ,. ;",
 ]
 CONVERSATIONS = [
     [{"role": "user", "content": "What is the capital of France?"}],
@@ -138,22 +143,42 @@ def test_cache_key_follows_file_identity(tmp_path):
 def test_tokenizer_matches_transformers_and_survives_cache(
     bundled_model_path, cache_root, hf_tokenizer
 ):
+    """The tokenizer built from the GGUF by transformers, and the cached folder read by the
+    `tokenizers` library alone (FastTokenizer), both against transformers' own."""
     built = Tokenizer.load(bundled_model_path, cache_root=cache_root)
     assert (cache_dir_for(bundled_model_path, cache_root) / CACHE_TOKENIZER).is_dir()
     cached = Tokenizer.load(bundled_model_path, cache_root=cache_root)
+    assert isinstance(cached, FastTokenizer) and not isinstance(built, FastTokenizer)
     for tok in (built, cached):
         _assert_tokenizer_matches(tok, hf_tokenizer)
+
+
+def test_a_cached_tokenizer_loads_without_transformers(bundled_model_path, cache_root):
+    """A second start reads the cached tokenizer without importing transformers (a second of start-up);
+    the chat template then loads it."""
+    Tokenizer.load(bundled_model_path, cache_root=cache_root)
+    code = ("import sys; from kvserve.model.tokenizer import Tokenizer; "
+            f"t = Tokenizer.load({bundled_model_path!r}, cache_root={str(cache_root)!r}); "
+            "assert t.encode('Hello world') and 'transformers' not in sys.modules, sorted(sys.modules); "
+            "t.apply_chat_template([{'role': 'user', 'content': 'hi'}]); assert 'transformers' in sys.modules")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
 
 
 def _assert_tokenizer_matches(tok: Tokenizer, ref) -> None:
     assert tok.has_chat_template
     assert tok.eos_token_id == ref.eos_token_id == 2
     assert tok.vocab_size == len(ref) == 49152
+    assert tok.bos_token_id == ref.bos_token_id
     for text in TEXTS:
         ids = tok.encode(text)
         assert ids == ref.encode(text)
+        assert tok.encode(text, add_special_tokens=False) == ref.encode(text, add_special_tokens=False)
         assert tok.decode(ids) == ref.decode(ids, skip_special_tokens=True)
+        assert tok.decode(ids, skip_special_tokens=False) == ref.decode(ids, skip_special_tokens=False)
         assert tok.convert_ids_to_tokens(ids) == ref.convert_ids_to_tokens(ids)
+        assert tok.get_vocab() == ref.get_vocab()
+        assert tok.convert_ids_to_tokens(ids[0]) == ref.convert_ids_to_tokens(ids[0]) if ids else True
     assert tok.decode(tok.encode("Hello world")) == "Hello world"
     for messages in CONVERSATIONS:
         for gen in (True, False):
@@ -165,12 +190,16 @@ def _assert_tokenizer_matches(tok: Tokenizer, ref) -> None:
     assert prompt.endswith("<|im_start|>assistant\n")
 
 
-def test_tokenizer_without_chat_template_raises(bundled_model_path, cache_root):
+def test_tokenizer_without_chat_template_raises(bundled_model_path, cache_root, tmp_path):
     tok = Tokenizer.load(bundled_model_path, cache_root=cache_root)
     tok.hf_tokenizer.chat_template = None
-    assert not tok.has_chat_template
-    with pytest.raises(ValueError, match="no chat template"):
-        tok.apply_chat_template(CONVERSATIONS[0])
+    folder = tmp_path / "no-template"
+    shutil.copytree(cache_dir_for(bundled_model_path, cache_root) / CACHE_TOKENIZER, folder)
+    (folder / "chat_template.jinja").unlink()
+    for t in (tok, FastTokenizer(folder)):
+        assert not t.has_chat_template
+        with pytest.raises(ValueError, match="no chat template"):
+            t.apply_chat_template(CONVERSATIONS[0])
 
 
 def test_missing_path_raises_helpful_error(tmp_path):

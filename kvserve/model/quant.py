@@ -524,6 +524,8 @@ def gguf_nibbles(codes: torch.Tensor) -> torch.Tensor:
     """4-bit codes [N, K] (uint8 0..15) in GGUF's nibble order [N, K/2]: per group of 32 inputs, 16
     bytes, input i in byte i's low nibble and input 16 + i in its high nibble."""
     n, k = codes.shape
+    if codes.is_meta:   # a weight-cache build: the shape (the ops' meta path imports torch._dynamo)
+        return torch.empty((n, k // 2), dtype=torch.uint8, device="meta")
     v = codes.view(n, k // GROUP_SIZE, 2, GROUP_SIZE // 2)
     return (v[:, :, 0] | (v[:, :, 1] << 4)).reshape(n, k // 2).contiguous()
 
@@ -885,15 +887,23 @@ def fuse_kept(members: list[KeptTensor]) -> KeptTensor | None:
         parts = [x.regroup(g) for x in layouts]
         mins = None
         if any(p.mins is not None for p in parts):
-            mins = torch.cat([p.mins if p.mins is not None else torch.zeros_like(p.scales) for p in parts])
-        return KeptTensor(types, Int8Groups(torch.cat([p.codes for p in parts]),
-                                            torch.cat([p.scales for p in parts]), mins, g))
+            mins = _rows([p.mins if p.mins is not None else torch.zeros_like(p.scales) for p in parts])
+        return KeptTensor(types, Int8Groups(_rows([p.codes for p in parts]),
+                                            _rows([p.scales for p in parts]), mins, g))
     if kinds == {"int4"}:
-        return KeptTensor(types, Int4Groups(*(torch.cat([getattr(x, f) for x in layouts])
+        return KeptTensor(types, Int4Groups(*(_rows([getattr(x, f) for x in layouts])
                                               for f in ("codes", "scales", "lows"))))
     if kinds == {"float"} and len({x.dtype for x in layouts}) == 1:
-        return KeptTensor(types, torch.cat(layouts))
+        return KeptTensor(types, _rows(layouts))
     return None
+
+
+def _rows(parts: list[torch.Tensor]) -> torch.Tensor:
+    """The parts' rows in one tensor; on the meta device (a weight-cache build) only the shape:
+    torch.cat's meta path imports torch._dynamo, a second of start-up before the first token."""
+    if parts[0].is_meta:
+        return torch.empty((sum(p.shape[0] for p in parts), *parts[0].shape[1:]), dtype=parts[0].dtype, device="meta")
+    return torch.cat(parts)
 
 
 def quant_layers(model: nn.Module) -> list[KeptLinear]:

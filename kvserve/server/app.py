@@ -227,6 +227,8 @@ def build_app(engine: LLMEngine, *, served_model_name: str | None = None,
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         state.byte_limit = await state.tokenize(inputs.prompt_byte_limit, engine.tokenizer, engine.max_model_len)
+        if engine.tokenizer is not None:
+            engine.tokenizer.preload()   # transformers' tokenizer for chat templates, off the first request
         aengine.start()
         hub.start()
         yield

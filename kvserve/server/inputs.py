@@ -17,7 +17,7 @@ def prompt_byte_limit(tokenizer: Tokenizer | None, max_model_len: int) -> int | 
     """Bytes beyond which a text cannot fit in max_model_len tokens (no token is longer)."""
     if tokenizer is None:
         return None
-    longest = max(len(t.encode("utf-8", "surrogatepass")) for t in tokenizer.hf_tokenizer.get_vocab())
+    longest = max(len(t.encode("utf-8", "surrogatepass")) for t in tokenizer.get_vocab())
     return longest * max_model_len
 
 
