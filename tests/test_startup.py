@@ -130,8 +130,11 @@ def test_switching_to_compiled_between_steps_decodes_like_blocking(tiny, gated, 
     engine = llm.engine
     assert engine.startup.mode == "background" and not engine.compiled
     assert engine.model.model.regions is EAGER
+    assert not startup.compiling()   # the thread waits for the first step: its first token comes first
     rid = engine.add_request(PROMPT, GREEDY)
-    for _ in range(4):
+    engine.step()
+    assert startup.compiling()
+    for _ in range(3):
         engine.step()
     assert not engine.compiled and engine.model.model.regions is EAGER
     gated.set()
@@ -153,6 +156,19 @@ def test_switching_to_compiled_between_steps_decodes_like_blocking(tiny, gated, 
         logits = _recomputed_logits(eager, PROMPT + tokens[:-1])[len(PROMPT) - 1:]
         picked = logits.gather(1, torch.tensor(tokens)[:, None])[:, 0]
         assert (picked >= logits.max(dim=1).values - ARGMAX_TOL).all(), (tokens, logits.argmax(dim=1).tolist())
+
+
+def test_an_engine_without_steps_starts_compiling_when_idle(tiny, gated, monkeypatch):
+    """No step within IDLE_START seconds (a server waiting for its first request): the background
+    compile starts anyway."""
+    monkeypatch.setattr(startup, "IDLE_START", 0.2)
+    llm = LLM(tiny, **TINY)
+    deadline = time.monotonic() + 30
+    while not startup.compiling() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert startup.compiling() and not llm.engine.compiled
+    gated.set()
+    assert llm.wait_compiled(600)
 
 
 ARGMAX_TOL = 0.05

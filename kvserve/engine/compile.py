@@ -4,6 +4,9 @@ An engine starts with the model eager (the same weights, the C++ GEMVs). `Startu
 the dense regions and the one-token graphs (model/regions.py) and the LM head's one-row kernel,
 either before the engine serves (compile_mode="blocking") or on a thread while the engine serves
 eagerly (compile_mode="background"); the engine puts the compiled parts in place between two steps.
+The thread starts once the first step has run (or after IDLE_START seconds without one, or when
+someone waits for it): importing and tracing is Python work that would share the interpreter with
+the first request's prefill and first token.
 The warm-up runs through copies of the layers and over pools shaped like the engine's, so it never
 writes what the engine's steps read.
 
@@ -40,6 +43,7 @@ log = logging.getLogger("kvserve")
 
 SOURCES = Path(__file__).resolve().parents[1]       # the kvserve package
 THREAD_NAME = "kvserve-compile"
+IDLE_START = 2.0   # seconds after start-up without a step at which a background compile starts anyway
 # the resolved model file is keyed instead; both modes build the same graphs; a tier key is a secret
 # that changes no graph
 KEY_EXCLUDED = ("model", "compile_mode", "kv_tier_key", "kv_tier_key_file")
@@ -123,6 +127,7 @@ class StartupCompile:
         self._ready: CompiledParts | None = None   # set by the compile thread, installed by the step thread
         self._done = threading.Event()
         self._thread: threading.Thread | None = None
+        self._launching = threading.Lock()
 
     @classmethod
     def eager(cls, engine) -> StartupCompile:
@@ -140,9 +145,19 @@ class StartupCompile:
             self._run()
             self.at_step_boundary()
             return
-        log.info("compiling the model in the background; steps run eagerly until it is done")
-        self._thread = threading.Thread(target=self._run, name=THREAD_NAME, daemon=True)
-        self._thread.start()
+        log.info("compiling the model in the background from the first step on; steps run eagerly until it is done")
+        timer = threading.Timer(IDLE_START, self.launch)
+        timer.daemon = True
+        timer.start()
+
+    def launch(self) -> None:
+        """Start the background compile thread, once (after the first step, when idle, or on wait)."""
+        if self._thread is not None:
+            return
+        with self._launching:
+            if self._thread is None and self.mode == "background" and self.state == "compiling":
+                self._thread = threading.Thread(target=self._run, name=THREAD_NAME, daemon=True)
+                self._thread.start()
 
     @property
     def compiled(self) -> bool:
@@ -151,6 +166,7 @@ class StartupCompile:
     def wait(self, timeout: float | None = None) -> bool:
         """Wait until compiling has finished (or failed), then install the result if it is pending;
         True when the engine now runs compiled. Call from the thread that steps the engine."""
+        self.launch()
         self._done.wait(timeout)
         self.at_step_boundary()
         return self.compiled

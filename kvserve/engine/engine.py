@@ -247,7 +247,9 @@ class LLMEngine:
         else:
             sample(batch.logits, batch.requests)
         self.evictor.after_step(batch.scheduled)
-        return self.output_processor.outputs({r.group_id for r, _ in batch.scheduled})
+        outputs = self.output_processor.outputs({r.group_id for r, _ in batch.scheduled})
+        self.startup.launch()   # a background compile starts once a step has given its tokens
+        return outputs
 
     def _run_model(self) -> ModelStep | None:
         """Schedule and run the model; the scheduled requests advance by the tokens they ran."""
