@@ -14,9 +14,9 @@ its GEMVs are switched (`use_gemv`). `make_linear` picks the class from the form
   GEMV (with `_weight_int8pack_mm`'s roundings: bfloat16 activations), else `_weight_int8pack_mm`;
   more rows widen the weight inside the matmul (`F.linear(x, q) * scale`, also the CUDA path).
 - `Int4GroupLinear` (int4 on a CPU with kvserve's ops: GGUF's nibble order, a float16 scale and min
-  per group of GROUP_SIZE inputs: Q4_0 / Q4_1 exactly, Q4_K's sub-blocks rounded): the C++ `q4g_gemv` (rows quantized
-  to int16 per group, integer dot products, row results independent of the row count) up to
-  INT4_WIDE_ROWS rows, then the weight dequantized for a float32 matmul.
+  per group of GROUP_SIZE inputs: Q4_0 / Q4_1 exactly, Q4_K's sub-blocks rounded): the C++
+  `q4g_gemv` (rows quantized to int16 per group, integer dot products, row results independent of
+  the row count) up to INT4_WIDE_ROWS rows, then the weight dequantized for a float32 matmul.
 - `Int4PackedLinear` / `Int4NibbleLinear` (`Int4Linear`: bfloat16 scale and zero per group): on a
   CPU without kvserve's ops torch's packed layout (`_weight_int4pack_mm_for_cpu` up to
   INT4_WIDE_ROWS, then the unpacked weight); off the CPU nibbles unpacked inside the matmul.
@@ -465,8 +465,9 @@ class Int4NibbleLinear(Int4Linear):
 class Int4GroupLinear(KeptLinear):
     """int4 on a CPU with kvserve's C++ ops: the codes in GGUF's own nibble order ([N, K/2]: per group
     of 32 inputs, input i's code in byte i's low nibble, input 16 + i's in its high), a float16 scale
-    ([N, K/32]) and min ([K/32, N]: the GEMV sums eight channels' at once) per group (w = code * scale + min: Q4_0 and Q4_1 exactly, as the file stores them; Q4_K's
-    sub-block scale and min, d * scale6, rounded to float16).
+    ([N, K/32]) and min ([K/32, N]: the GEMV sums eight channels' at once) per group: w = code *
+    scale + min (Q4_0 and Q4_1 exactly as the file stores them; Q4_K's sub-block scale and min,
+    d * scale6, rounded to float16).
     - up to INT4_WIDE_ROWS rows (float32 or bfloat16 activations): the C++ `q4g_gemv`, which
       quantizes each row to int16 per group of 32 (llama.cpp's Q8_1 with 16-bit codes: an error of
       1/65534 of the group's largest value) and takes integer dot products; a row's result does not
