@@ -36,7 +36,7 @@ def calls(n: int, k: int, m: int) -> dict:
     g = torch.Generator().manual_seed(0)
     codes = torch.randint(-128, 128, (n, k), dtype=torch.int8, generator=g)
     s32, s16 = torch.rand(n, k // 32, generator=g), torch.rand(n, k // 16, generator=g)
-    mins = torch.randn(n, k // 32, generator=g)
+    mins = torch.randn(k // 32, n, generator=g)   # [K/32, N], the op's layout
     scale = torch.rand(n, generator=g).bfloat16()
     dense = (codes.view(n, -1, 32).float() * s32[..., None]).view(n, k)
     x = torch.randn(m, k, generator=g)

@@ -96,3 +96,21 @@ def serving(app, **options):
     finally:
         server.should_exit = True
         thread.join(30)
+
+
+def int16_rows(x):
+    """x's rows as the CPU GEMVs for GGUF codes multiply them (q4g_gemv, q8g_gemv): int16 codes per
+    block of 32 (d = max|x| / 32767), widened back: codes * d."""
+    import torch
+    m, k = x.shape
+    xb = x.float().view(m, k // 32, 32)
+    d = xb.abs().amax(-1) * torch.tensor(1 / 32767, dtype=torch.float32)
+    inv = torch.where(d > 0, 1 / d, torch.zeros_like(d))
+    return (torch.round(xb * inv[..., None]).clamp(-32767, 32767) * d[..., None]).view(m, k)
+
+
+def int16_row_error(x, w):
+    """The most int16_rows can move x W^T (w [N, K]): per value half a step, d / 2."""
+    m, k = x.shape
+    half_step = (x.double().view(m, k // 32, 32).abs().amax(-1) / 65534).repeat_interleave(32, 1)
+    return half_step @ w.double().abs().t()

@@ -21,7 +21,8 @@ its GEMVs are switched (`use_gemv`). `make_linear` picks the class from the form
   CPU without kvserve's ops torch's packed layout (`_weight_int4pack_mm_for_cpu` up to
   INT4_WIDE_ROWS, then the unpacked weight); off the CPU nibbles unpacked inside the matmul.
 - `Int8GroupLinear` (int8 codes in groups of 32 or 16 with float32 scales and mins: GGUF's Q8_0 /
-  Q5_* / Q6_K, exact): the C++ `q8g_gemv` up to SMALL_ROWS rows, then widened.
+  Q5_* / Q6_K, exact): the C++ `q8g_gemv` (integer products, as q4g) up to SMALL_ROWS rows, then
+  widened.
 With a bfloat16 copy (the engine's bf16_weight_copy) int8 / int4 steps of more than COPY_ROWS rows,
 int8-group steps of more than SMALL_ROWS, run one bfloat16 GEMM on it.
 `keep_formats` gives a meta-built model each GGUF tensor in its own layout (`weights="gguf"`, the
@@ -570,8 +571,10 @@ class Int8GroupLinear(KeptLinear):
     """W as int8 codes in groups along the input channels, a float32 scale per group (and a float32
     minimum where the GGUF type has one): GGUF's Q8_0 / Q5_0 / Q5_1 / Q5_K (groups of 32) and Q6_K
     (16), held exactly (gguf_blocks.py).
-    - up to SMALL_ROWS rows (float32 or bfloat16 activations): kvserve's C++ GEMV `q8g_gemv` (float32
-      sums) on CPU, else the same formula in torch;
+    - up to SMALL_ROWS rows (float32 or bfloat16 activations): kvserve's C++ GEMV `q8g_gemv` on CPU
+      (the rows quantized to int16 per block of 32 and multiplied in integers, as `q4g_gemv`: a row's
+      result does not depend on the rows beside it; in_features a multiple of 32), else the same
+      formula in torch;
     - more rows: one bfloat16 GEMM on the bfloat16 copy when the engine keeps one (add_bf16_copy),
       else the weight widened to float32 (the activations' dtype off the CPU) inside the matmul,
       WIDE_CHUNK weights at a time.
@@ -589,12 +592,18 @@ class Int8GroupLinear(KeptLinear):
         self.group = groups.group
         self.register_buffer("codes", groups.codes.contiguous())
         self.register_buffer("scales", groups.scales.float().contiguous())
-        self.register_buffer("mins", None if groups.mins is None else groups.mins.float().contiguous())
-        self.gemv = q8g_kernel(self.device)
+        # [K/G, N]: the GEMV sums eight channels' mins at once
+        self.register_buffer("mins_t", None if groups.mins is None else groups.mins.float().t().contiguous())
+        self.gemv = q8g_kernel(self.device) and self.in_features % GROUP_SIZE == 0
         self.pick_kernels()
 
+    @property
+    def mins(self) -> torch.Tensor | None:
+        """The mins [N, K/G] (a view of mins_t), or None."""
+        return None if self.mins_t is None else self.mins_t.t()
+
     def use_gemv(self, on: bool) -> None:
-        self.gemv = on and q8g_kernel(self.device)
+        self.gemv = on and q8g_kernel(self.device) and self.in_features % GROUP_SIZE == 0
         self.pick_kernels()
 
     def table(self):
@@ -616,13 +625,10 @@ class Int8GroupLinear(KeptLinear):
     def q8g_gemv(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype not in GEMV_DTYPES:
             return self.kernels[-1][1](self, x)   # the many-row kernel
-        return _q8g_gemv(x.contiguous(), self.codes, self.scales, self.mins, self.group)
+        return _q8g_gemv(x.contiguous(), self.codes, self.scales, self.mins_t, self.group)
 
     def invariant_gemv(self):
-        return Int8GroupLinear.q8g_invariant if self.gemv else None
-
-    def q8g_invariant(self, x: torch.Tensor) -> torch.Tensor:
-        return _q8g_gemv(x.contiguous(), self.codes, self.scales, self.mins, self.group, True)
+        return Int8GroupLinear.q8g_gemv if self.gemv else None   # its rows are independent already
 
     def q8g_torch(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype not in GEMV_DTYPES:
@@ -633,7 +639,7 @@ class Int8GroupLinear(KeptLinear):
         """SMALL_ROWS rows at a time on the GEMV (eager callers only: the chunk count follows the rows)."""
         if x.dtype not in GEMV_DTYPES:
             return self.widened(x)
-        return torch.cat([_q8g_gemv(part.contiguous(), self.codes, self.scales, self.mins, self.group)
+        return torch.cat([_q8g_gemv(part.contiguous(), self.codes, self.scales, self.mins_t, self.group)
                           for part in x.split(SMALL_ROWS)])
 
     def widened(self, x: torch.Tensor) -> torch.Tensor:
@@ -715,8 +721,8 @@ def _native_half_cpu() -> bool:
     return bool(torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
 
 
-def _q8g_gemv(x, codes, scales, mins, group, invariant=False):
-    return torch.ops.kvserve_cpu.q8g_gemv(x, codes, scales, mins, group, invariant)
+def _q8g_gemv(x, codes, scales, mins_t, group):
+    return torch.ops.kvserve_cpu.q8g_gemv(x, codes, scales, mins_t, group)
 
 
 def _q8g_torch(x, codes, scales, mins, group):

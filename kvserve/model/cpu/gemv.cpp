@@ -6,21 +6,21 @@
 //     rounded to bfloat16.
 //   bf16_gemv(x [M, K] bfloat16, w [N, K] bfloat16) -> [M, N] bfloat16, sums in float32.
 //   q8g_gemv(x [M, K] float32|bfloat16, codes [N, K] int8, scales [N, K/group] float32,
-//            mins [N, K/group] float32 or None, group 16|32) -> [M, N] in x's dtype:
+//            mins [K/group, N] float32 or None, group 16|32) -> [M, N] in x's dtype:
 //     y[m, n] = sum over groups g of scales[n, g] * sum_{k in g} x[m, k] codes[n, k]
-//               + mins[n, g] * sum_{k in g} x[m, k]
+//               + mins[g, n] * sum_{k in g} x[m, k]
 //     (a GGUF block's codes as the format stores them: Q8_0, Q5_0, Q6_K signed, Q5_1 / Q5_K
-//     unsigned with mins), x as given, float32 sums, a bfloat16 result rounded once.
+//     unsigned with mins).
 //   q4g_gemv(x [M, K] float32|bfloat16, codes [N, K/2] uint8, scales [N, K/32], mins [K/32, N]
-//            float16)
-//     -> [M, N] in x's dtype: 4-bit codes in GGUF's nibble order, w = code * scale + min; x
-//     quantized to int16 per group of 32 and multiplied in integers (below).
+//            float16) -> [M, N] in x's dtype: 4-bit codes in GGUF's nibble order, w = code * scale
+//     + min.
 //   q4g_dequantize(codes, scales, mins) -> W [N, K] float32.
-// Sixteen output channels at a time: each channel's dot product runs along K with several
-// accumulators, the 16 partial vectors are reduced together (a transpose), weights are prefetched
-// a few KiB ahead (one core alone does not keep enough loads in flight to fill the memory bus).
-// `invariant` (int8, bfloat16, float16, q8g): a lone row is summed as a row of a group is, so each
-// row's result is the same whatever the call's row count (q4g's rows are so already).
+// q8g and q4g quantize x to int16 per block of 32 and multiply in integers ("Integer products"
+// below); their rows never depend on the call's row count. int8, bfloat16 and float16: sixteen
+// output channels at a time: each channel's dot product runs along K with several accumulators,
+// the 16 partial vectors are reduced together (a transpose), weights are prefetched a few KiB ahead
+// (one core alone does not keep enough loads in flight to fill the memory bus); `invariant`: a lone
+// row is summed as a row of a group is, so each row's result is the same whatever the row count.
 // Output channel blocks are split over torch's threads (at::parallel_for, torch's OpenMP runtime).
 // Vectors are simd.h's `vf`, one register wide (16 floats under AVX-512, 8 under AVX2, 4 else);
 // AVX-512 and AVX2 (+F16C) intrinsics appear only under #if beside a portable path (tests build
@@ -207,103 +207,6 @@ void bf16_rows(const uint16_t* x, const Bf16* w, int64_t k, vf (*part)[16]) {
 }
 #endif
 
-// ---- q8g: int8 codes [N, K] with a float32 scale, and optionally a min, per output channel and
-// group of G (16 or 32) inputs: w = code * scale + min. A channel's scales (and mins) are its
-// `groups` consecutive floats, read along with its codes. One row: each group's dot product with
-// the codes is scaled once, and the mins meet the row's group sums of x; several rows: each kLanes
-// codes are dequantized once (code * scale + min, as floats) and serve every row.
-#ifdef __AVX512F__
-constexpr int kQ8gTile = 8;  // rows per pass over a block: 2 x 8 accumulators in 32 registers
-#else
-constexpr int kQ8gTile = 4;  // 2 x 4 accumulators and a step's weights in 16 registers
-#endif
-
-struct Q8gBlock {     // one block of 16 output channels and the rows of x it meets
-  const float* x;     // the rows, stride k
-  const float* xsum;  // their sums per group (stride k / G), where there are mins
-  const int8_t* w;    // the block's codes [16, k]
-  const float* s;     // its scales [16, k / G]
-  const float* mn;    // its mins [16, k / G], or null
-  int64_t k;
-};
-
-template <int G>
-inline vf group_dot(const int8_t* w, const float* x) {  // G codes times G inputs, kLanes partial sums
-  vf a = widen(w) * loadv(x);
-  for (int c = kLanes; c < G; c += kLanes) a += widen(w + c) * loadv(x + c);
-  return a;
-}
-
-inline vf mins_dot(const float* mn, const float* xsum, int64_t groups) {  // sum of mn * xsum, in lanes
-  vf a = {0};
-  int64_t g = 0;
-  for (; g + kLanes <= groups; g += kLanes) a += loadv(mn + g) * loadv(xsum + g);
-  float tail = 0.0f;
-  for (; g < groups; ++g) tail += mn[g] * xsum[g];
-  a[0] += tail;
-  return a;
-}
-
-// As widened_block for one row of q8g codes: part[t] holds kLanes partial sums of channel t.
-template <int G, bool Mins>
-void q8g_block(const Q8gBlock& b, vf* part) {
-  const int64_t k = b.k, groups = k / G;
-  for (int t = 0; t < 16; ++t) {
-    const int8_t* wr = b.w + t * k;
-    const float* sr = b.s + t * groups;
-    vf acc[4] = {};
-    int64_t g = 0;
-    for (; g + 4 <= groups; g += 4) {
-      for (int p = 0; p < 4 * G; p += 64) prefetch(wr + g * G + p + kPrefetch);
-      for (int j = 0; j < 4; ++j) acc[j] += group_dot<G>(wr + (g + j) * G, b.x + (g + j) * G) * sr[g + j];
-    }
-    for (; g < groups; ++g) acc[0] += group_dot<G>(wr + g * G, b.x + g * G) * sr[g];
-    part[t] = (acc[0] + acc[1]) + (acc[2] + acc[3]);
-    if (Mins) part[t] += mins_dot(b.mn + t * groups, b.xsum, groups);
-  }
-}
-
-// kLanes codes dequantized. The empty asm keeps them a value of their own: with one row the
-// compiler would otherwise fold the scale into the row's products (reassociation), and a lone
-// row's sums would differ from the same row's in a group.
-template <int G, bool Mins>
-inline vf q8g_weights(const int8_t* w, const float* s, const float* mn, int64_t i) {
-  const vf c = widen(w + i);
-  vf out = Mins ? c * s[i / G] + mn[i / G] : c * s[i / G];
-#if defined(__SSE__)
-  asm("" : "+v"(out));   // one vector register
-#else
-  asm("" : "+m"(out));
-#endif
-  return out;
-}
-
-// The same for R rows of x at once (two accumulators a row, as widened_rows).
-template <int R, int G, bool Mins>
-void q8g_rows(const Q8gBlock& b, vf (*part)[16]) {
-  const int64_t k = b.k, groups = k / G;
-  for (int t = 0; t < 16; ++t) {
-    const int8_t* wr = b.w + t * k;
-    const float* sr = b.s + t * groups;
-    const float* mr = Mins ? b.mn + t * groups : nullptr;
-    vf a[R] = {}, c[R] = {};
-    int64_t i = 0;
-    for (; i + 2 * kLanes <= k; i += 2 * kLanes) {
-      prefetch(wr + i + kPrefetch);
-      const vf w0 = q8g_weights<G, Mins>(wr, sr, mr, i), w1 = q8g_weights<G, Mins>(wr, sr, mr, i + kLanes);
-      for (int r = 0; r < R; ++r) {
-        a[r] += w0 * loadv(b.x + r * k + i);
-        c[r] += w1 * loadv(b.x + r * k + i + kLanes);
-      }
-    }
-    for (; i < k; i += kLanes) {
-      const vf w0 = q8g_weights<G, Mins>(wr, sr, mr, i);
-      for (int r = 0; r < R; ++r) a[r] += w0 * loadv(b.x + r * k + i);
-    }
-    for (int r = 0; r < R; ++r) part[r][t] = a[r] + c[r];
-  }
-}
-
 // Calls block(r, rows, n0) for every block of 16 output channels starting at n0 (the last block
 // overlaps its neighbour when N % 16 != 0) and every group of up to Tile rows from r; blocks are
 // split over torch's threads.
@@ -345,12 +248,6 @@ struct Bf16Pairs {
 };
 #endif
 
-template <int G, bool Mins>
-struct Q8g {
-  static constexpr int kTile = kQ8gTile;
-  static void one(const Q8gBlock& b, vf* part) { q8g_block<G, Mins>(b, part); }
-  template <int R> static void many(const Q8gBlock& b, vf (*part)[16]) { q8g_rows<R, G, Mins>(b, part); }
-};
 
 void check_shapes(const at::Tensor& x, const at::Tensor& w, int64_t k_multiple, const char* name) {
   TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), name, ": x [M, K] and w [N, K] expected");
@@ -458,79 +355,24 @@ at::Tensor f16_gemv_meta(const at::Tensor& x, const at::Tensor& w, bool invarian
   return at::empty_symint({x.sym_size(0), w.sym_size(0)}, x.options());
 }
 
-// y [M, N] = the q8g product of x [M, K] (float32) with the codes w, scales s and mins mn (or null),
-// the rows' group sums of x first where there are mins.
-template <int G, bool Mins>
-void q8g_run(const float* x, const int8_t* w, const float* s, const float* mn, int64_t k, bool invariant,
-             at::Tensor& y) {
-  const int64_t m = y.size(0), n = y.size(1), groups = k / G;
-  std::vector<float> xsum(Mins ? m * groups : 0, 0.0f);
-  for (int64_t i = 0; i < static_cast<int64_t>(xsum.size()) * G; ++i) xsum[i / G] += x[i];
-  const bool f32 = y.scalar_type() == at::kFloat;
-  void* yp = y.data_ptr();
-  for_blocks<Q8g<G, Mins>::kTile>(m, n, [&](int64_t r0, int64_t rows, int64_t n0) {
-    const Q8gBlock b{x + r0 * k, xsum.data() + r0 * groups, w + n0 * k, s + n0 * groups,
-                     Mins ? mn + n0 * groups : nullptr, k};
-    vf part[Q8g<G, Mins>::kTile][16];
-    row_group<Q8g<G, Mins>>(rows, invariant, part, b);
-    for (int64_t i = 0; i < rows; ++i) {
-      float sums[16];
-      transpose_sum(part[i], sums);
-      const int64_t at = (r0 + i) * n + n0;
-      if (f32) std::memcpy(static_cast<float*>(yp) + at, &sums, 64);
-      else
-        for (int t = 0; t < 16; ++t) static_cast<uint16_t*>(yp)[at + t] = float_to_bf16(sums[t]);
-    }
-  });
-}
 
-void check_q8g_operand(const at::Tensor& t, const char* name, int64_t n, int64_t groups) {
-  TORCH_CHECK(t.scalar_type() == at::kFloat && t.dim() == 2 && t.size(0) == n && t.size(1) == groups &&
-                  t.is_contiguous(),
-              "q8g_gemv: contiguous float32 ", name, " [N, K/group] = [", n, ", ", groups, "] expected, got ",
-              t.scalar_type(), " ", t.sizes(), t.is_contiguous() ? "" : " (not contiguous)");
-}
+// ---- Integer products of GGUF block codes: q4g (4-bit codes in GGUF's own order: per output
+// channel and group of 32 inputs, 16 bytes, input i's code in byte i's low nibble and input 16 +
+// i's in its high nibble; a float16 scale and min per group: Q4_0 / Q4_1 as the file stores them,
+// Q4_K's sub-blocks) and q8g (int8 codes [N, K] as GGUF's Q8_0 / Q5_0 / Q6_K store them, signed,
+// or Q5_1 / Q5_K's unsigned ones with mins; a float32 scale, and min, per group of 16 or 32).
+// w = code * scale + min. The rows of x are quantized to int16 per block of 32 first (d = max|x| /
+// 32767, q = round(x / d): llama.cpp's Q8_1 with 16-bit codes, an error of at most 1/65534 of the
+// block's largest value, where bfloat16 rounds at 1/512 of each value), so a group's product is an
+// integer dot product (exact): y = sum_g scale_g * d * dot(code_g, q_g) + min_g * s_g, s_g = d *
+// sum(q_g). Mins are laid out [groups, N]: their term runs for eight channels in a vector's lanes.
+// Every row is computed alone (its float sums run in one order whatever the tile), so a row's result
+// does not depend on how many rows share the call.
+constexpr int64_t kQBlock = 32;   // inputs per block of x's int16 codes (and per q4g group)
+constexpr int64_t kQChunk = 16;   // output channels a thread takes at a time
 
-at::Tensor q8g_gemv(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
-                    const std::optional<at::Tensor>& mins, int64_t group, bool invariant) {
-  TORCH_CHECK(group == 16 || group == 32, "q8g_gemv: group must be 16 or 32, got ", group);
-  check_shapes(x, codes, group, "q8g_gemv");
-  TORCH_CHECK(codes.scalar_type() == at::kChar, "q8g_gemv: int8 codes expected, got ", codes.scalar_type());
-  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,
-              "q8g_gemv: float32 or bfloat16 x expected, got ", x.scalar_type());
-  const int64_t m = x.size(0), k = x.size(1), n = codes.size(0);
-  check_q8g_operand(scales, "scales", n, k / group);
-  if (mins) check_q8g_operand(*mins, "mins", n, k / group);
-  at::Tensor y = at::empty({m, n}, x.options());
-  if (m == 0) return y;
-  const at::Tensor xf = float_rows(x, false);
-  const float* xp = xf.const_data_ptr<float>();
-  const int8_t* wp = codes.const_data_ptr<int8_t>();
-  const float* sp = scales.const_data_ptr<float>();
-  const float* mp = mins ? mins->const_data_ptr<float>() : nullptr;
-  using Run = void (*)(const float*, const int8_t*, const float*, const float*, int64_t, bool, at::Tensor&);
-  const Run runs[2][2] = {{q8g_run<16, false>, q8g_run<16, true>}, {q8g_run<32, false>, q8g_run<32, true>}};
-  runs[group == 32][mins.has_value()](xp, wp, sp, mp, k, invariant, y);
-  return y;
-}
-
-at::Tensor q8g_gemv_meta(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
-                         const std::optional<at::Tensor>& mins, int64_t group, bool invariant) {
-  return at::empty_symint({x.sym_size(0), codes.sym_size(0)}, x.options());
-}
-
-// ---- q4g: 4-bit codes in GGUF's own order (per output channel, per group of 32 inputs, 16 bytes:
-// input i's code in byte i's low nibble, input 16 + i's in its high nibble), a float16 scale and
-// min per channel and group (GGUF's own for Q4_0 / Q4_1; scales [N, K/32], mins [K/32, N]):
-// w = code * scale + min (Q4_0: min = -8 scale; Q4_1; Q4_K's sub-blocks). The rows of x are quantized to int16 per group of 32 first
-// (d = max|x| / 32767, q = round(x / d), s = d * sum(q): llama.cpp's Q8_1 with 16-bit codes, an
-// error of 1/65534 of the group's largest value where bfloat16 rounds at 1/512 of each value), so
-// a group's product is an integer dot product: y = sum_g scale * d_g * dot(code_g, q_g) + min * s_g.
-// Every row is computed alone (its integer sums are exact; its float sums run in one order whatever
-// the tile), so a row's result does not depend on how many rows share the call.
-constexpr int64_t kQ4Group = 32;
-
-inline float f16_value(uint16_t bits) {  // one float16 scale or min (F16C's conversion, not a library call)
+inline float scale_value(float s) { return s; }
+inline float scale_value(uint16_t bits) {  // a float16 scale or min (F16C's conversion, not a library call)
 #if defined(__F16C__)
   return _cvtsh_ss(bits);
 #else
@@ -538,79 +380,148 @@ inline float f16_value(uint16_t bits) {  // one float16 scale or min (F16C's con
 #endif
 }
 
-template <typename Q>
-struct QRows {              // x's rows quantized per group of 32 to Q
-  std::vector<Q> q;         // [M, K]
-  std::vector<float> d, s;  // [M, K/32]: the group's scale; scale * the sum of its codes
+struct QRows {                // x's rows as int16 per block of 32
+  std::vector<int16_t> q;     // [M, K]
+  std::vector<float> d, s;    // d [M, K/32]: the block's scale; s [M, K/G]: d * the sum of a group's codes
 };
 
-template <typename Q>
-QRows<Q> quantize_rows(const float* x, int64_t m, int64_t k) {
-  constexpr int32_t kMax = (1 << (8 * sizeof(Q) - 1)) - 1;
-  const int64_t groups = k / kQ4Group;
-  QRows<Q> out{std::vector<Q>(m * k), std::vector<float>(m * groups), std::vector<float>(m * groups)};
-  for (int64_t g = 0; g < m * groups; ++g) {
-    const float* xg = x + g * kQ4Group;
+QRows quantize_rows(const float* x, int64_t m, int64_t k, int64_t group) {
+  const int64_t blocks = k / kQBlock, per = kQBlock / group;
+  QRows out{std::vector<int16_t>(m * k), std::vector<float>(m * blocks), std::vector<float>(m * k / group)};
+  for (int64_t b = 0; b < m * blocks; ++b) {
+    const float* xb = x + b * kQBlock;
     float amax = 0.0f;
-    for (int i = 0; i < kQ4Group; ++i) amax = std::max(amax, std::fabs(xg[i]));
-    const float d = amax * (1.0f / kMax);
+    for (int i = 0; i < kQBlock; ++i) amax = std::max(amax, std::fabs(xb[i]));
+    const float d = amax * (1.0f / 32767.0f);
     const float inv = d > 0.0f ? 1.0f / d : 0.0f;
-    int32_t sum = 0;
-    for (int i = 0; i < kQ4Group; ++i) {
-      const int32_t v = std::min(kMax, std::max(-kMax, static_cast<int32_t>(std::nearbyint(xg[i] * inv))));
-      out.q[g * kQ4Group + i] = static_cast<Q>(v);
-      sum += v;
+    for (int64_t j = 0; j < per; ++j) {
+      int32_t sum = 0;
+      for (int64_t i = j * group; i < (j + 1) * group; ++i) {
+        const int32_t v = std::min(32767, std::max(-32767, static_cast<int32_t>(std::nearbyint(xb[i] * inv))));
+        out.q[b * kQBlock + i] = static_cast<int16_t>(v);
+        sum += v;
+      }
+      out.s[b * per + j] = d * static_cast<float>(sum);
     }
-    out.d[g] = d;
-    out.s[g] = d * static_cast<float>(sum);
+    out.d[b] = d;
   }
   return out;
 }
 
-template <typename Q>
-struct Q4gArgs {
-  const uint8_t* w;        // codes [N, K/2]
-  const uint16_t* scales;  // [N, K/32] float16
-  const uint16_t* mins;    // [K/32, N] float16
-  const QRows<Q>* x;
-  int64_t k, groups, n;
-  float* y;                // [M, N]
-};
-
+// The two code layouts: a block of 32 inputs' codes as 2 x 16 int16 lanes (inputs 0-15, 16-31).
+struct Nibbles {
+  static constexpr int64_t kBytes = 16;   // per block of 32 inputs
+  static int32_t code(const uint8_t* p, int i) { return i < 16 ? p[i] & 15 : p[i - 16] >> 4; }
 #if defined(__AVX2__)
-// A group's 32 codes, unpacked for rows of Q: 2 x 16 16-bit lanes for int16 rows (madd).
-template <typename Q>
-struct Q4Codes;
-
-template <>
-struct Q4Codes<int16_t> {
-  __m256i lo, hi;  // inputs 0-15, 16-31
-  explicit Q4Codes(const uint8_t* p) {
+  static void unpack(const uint8_t* p, __m256i& lo, __m256i& hi) {
     const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
     const __m128i mask = _mm_set1_epi8(15);
     lo = _mm256_cvtepu8_epi16(_mm_and_si128(raw, mask));
     hi = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(raw, 4), mask));
   }
-  __m256 dot(const int16_t* q) const {
-    const __m256i a = _mm256_madd_epi16(lo, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q)));
-    const __m256i b = _mm256_madd_epi16(hi, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + 16)));
-    return _mm256_cvtepi32_ps(_mm256_add_epi32(a, b));
-  }
+#endif
 };
+
+struct Bytes {
+  static constexpr int64_t kBytes = 32;
+  static int32_t code(const uint8_t* p, int i) { return static_cast<int8_t>(p[i]); }
+#if defined(__AVX2__)
+  static void unpack(const uint8_t* p, __m256i& lo, __m256i& hi) {
+    lo = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    hi = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16)));
+  }
+#endif
+};
+
+template <typename S>
+struct IntArgs {
+  const uint8_t* w;      // codes, a channel's K / 32 blocks of Codes::kBytes
+  const S* scales;       // [N, K/G]
+  const S* mins;         // [K/G, N], or null
+  const QRows* x;
+  int64_t k, n, group;
+  float* y;              // [M, N]
+};
+
+#if defined(__AVX2__)
+inline __m256 madd_float(__m256i codes, const int16_t* q) {  // 16 codes . q as 8 exact pair sums, in floats
+  return _mm256_cvtepi32_ps(_mm256_madd_epi16(codes, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q))));
+}
 
 inline float sum8(__m256 v) {
   __m128 a = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   a = _mm_add_ps(a, _mm_movehl_ps(a, a));
   return _mm_cvtss_f32(_mm_add_ss(a, _mm_movehdup_ps(a)));
 }
+#else
+// One channel's sum_g scale_g * d * dot(code_g, q_g) for one row (not inlined: one summation order).
+template <typename Codes, int G, typename S>
+__attribute__((noinline)) float int_row(const uint8_t* w, const S* scales, const int16_t* q, const float* d,
+                                        int64_t blocks) {
+  float sum = 0.0f;
+  for (int64_t b = 0; b < blocks; ++b)
+    for (int64_t j = 0; j < kQBlock / G; ++j) {
+      int32_t dot = 0;
+      for (int i = j * G; i < (j + 1) * G; ++i) dot += Codes::code(w + b * Codes::kBytes, i) * q[b * kQBlock + i];
+      sum += static_cast<float>(dot) * (scale_value(scales[b * (kQBlock / G) + j]) * d[b]);
+    }
+  return sum;
+}
 #endif
 
-// y[r, n] += sum_g mins[g, n] * s[r, g] for channels n0..n1 of every row: mins are [K/32, N], so
-// eight channels run in a vector's lanes, each lane summing its groups in order with one rounding a
-// step (fma), as a lone channel does: a row's sums do not depend on the tile or the row count.
-template <typename Q>
-void q4g_add_mins(const Q4gArgs<Q>& a, int64_t n0, int64_t n1, int64_t m) {
-  const int64_t groups = a.groups, n = a.n;
+// y for C channels from n0 and R rows from r0 (without the mins): each block of codes is unpacked
+// once and meets every row.
+template <typename Codes, int G, typename S, int C, int R>
+void int_tile(const IntArgs<S>& a, int64_t n0, int64_t r0) {
+  const int64_t k = a.k, blocks = k / kQBlock, groups = k / G, row_bytes = blocks * Codes::kBytes;
+  const int16_t* q = a.x->q.data() + r0 * k;
+  const float* d = a.x->d.data() + r0 * blocks;
+  const uint8_t* w = a.w + n0 * row_bytes;
+  const S* sc = a.scales + n0 * groups;
+#if defined(__AVX2__)
+  __m256 acc[R][C];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) acc[r][c] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < blocks; ++b) {
+    for (int c = 0; c < C; ++c) {
+      __m256i lo, hi;
+      Codes::unpack(w + c * row_bytes + b * Codes::kBytes, lo, hi);
+      if constexpr (G == kQBlock) {
+        const float scale = scale_value(sc[c * groups + b]);
+        for (int r = 0; r < R; ++r) {
+          const int16_t* qb = q + r * k + b * kQBlock;
+          const __m256i sums = _mm256_add_epi32(
+              _mm256_madd_epi16(lo, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qb))),
+              _mm256_madd_epi16(hi, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qb + 16))));
+          acc[r][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), _mm256_set1_ps(scale * d[r * blocks + b]), acc[r][c]);
+        }
+      } else {   // groups of 16: a scale for each half of the block
+        const float s0 = scale_value(sc[c * groups + 2 * b]), s1 = scale_value(sc[c * groups + 2 * b + 1]);
+        for (int r = 0; r < R; ++r) {
+          const int16_t* qb = q + r * k + b * kQBlock;
+          const float db = d[r * blocks + b];
+          acc[r][c] = _mm256_fmadd_ps(madd_float(lo, qb), _mm256_set1_ps(s0 * db), acc[r][c]);
+          acc[r][c] = _mm256_fmadd_ps(madd_float(hi, qb + 16), _mm256_set1_ps(s1 * db), acc[r][c]);
+        }
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) a.y[(r0 + r) * a.n + n0 + c] = sum8(acc[r][c]);
+#else
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c)
+      a.y[(r0 + r) * a.n + n0 + c] = int_row<Codes, G>(w + c * row_bytes, sc + c * groups, q + r * k,
+                                                        d + r * blocks, blocks);
+#endif
+}
+
+// y[r, n] += sum_g mins[g, n] * s[r, g] for channels n0..n1 of every row: eight channels in a
+// vector's lanes, each lane summing its groups in order with one rounding a step (fma), as a lone
+// channel does.
+template <typename S>
+void add_mins(const IntArgs<S>& a, int64_t n0, int64_t n1, int64_t m) {
+  const int64_t groups = a.k / a.group, n = a.n;
   for (int64_t r = 0; r < m; ++r) {
     const float* s = a.x->s.data() + r * groups;
     float* y = a.y + r * n;
@@ -619,7 +530,11 @@ void q4g_add_mins(const Q4gArgs<Q>& a, int64_t n0, int64_t n1, int64_t m) {
     for (; c + 8 <= n1; c += 8) {
       __m256 low = _mm256_setzero_ps();
       for (int64_t g = 0; g < groups; ++g) {
-        const __m256 mins = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(a.mins + g * n + c)));
+        __m256 mins;
+        if constexpr (sizeof(S) == 2)
+          mins = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(a.mins + g * n + c)));
+        else
+          mins = _mm256_loadu_ps(reinterpret_cast<const float*>(a.mins + g * n + c));
         low = _mm256_fmadd_ps(mins, _mm256_set1_ps(s[g]), low);
       }
       _mm256_storeu_ps(y + c, _mm256_add_ps(_mm256_loadu_ps(y + c), low));
@@ -627,122 +542,78 @@ void q4g_add_mins(const Q4gArgs<Q>& a, int64_t n0, int64_t n1, int64_t m) {
 #endif
     for (; c < n1; ++c) {
       float low = 0.0f;
-      for (int64_t g = 0; g < groups; ++g) low = std::fma(f16_value(a.mins[g * n + c]), s[g], low);
+      for (int64_t g = 0; g < groups; ++g) low = std::fma(scale_value(a.mins[g * n + c]), s[g], low);
       y[c] += low;
     }
   }
 }
 
-#if !defined(__AVX2__)
-// One channel's sum_g scale_g * d_g * dot(code_g, q_g) for one row (not inlined: one summation order).
-template <typename Q>
-__attribute__((noinline)) float q4g_portable(const uint8_t* w, const uint16_t* scales, const Q* q, const float* d,
-                                             int64_t groups) {
-  float sum = 0.0f;
-  for (int64_t g = 0; g < groups; ++g) {
-    const uint8_t* p = w + g * 16;
-    const Q* qg = q + g * kQ4Group;
-    int32_t dot = 0;
-    for (int i = 0; i < 16; ++i) dot += (p[i] & 15) * qg[i] + (p[i] >> 4) * qg[16 + i];
-    sum += static_cast<float>(dot) * (f16_value(scales[g]) * d[g]);
-  }
-  return sum;
-}
-#endif
-
-// y for C channels from n0 and R rows from r0: each code group is unpacked once and meets every row
-// (the portable path: row by row).
-template <typename Q, int C, int R>
-void q4g_tile(const Q4gArgs<Q>& a, int64_t n0, int64_t r0) {
-  const int64_t k = a.k, groups = a.groups;
-  const Q* q = a.x->q.data() + r0 * k;
-  const float* d = a.x->d.data() + r0 * groups;
-  const uint8_t* w = a.w + n0 * (k / 2);
-  const uint16_t* sc = a.scales + n0 * groups;
-#if defined(__AVX2__)
-  __m256 acc[R][C];
-  for (int r = 0; r < R; ++r)
-    for (int c = 0; c < C; ++c) acc[r][c] = _mm256_setzero_ps();
-  for (int64_t g = 0; g < groups; ++g) {
-    for (int c = 0; c < C; ++c) {
-      const Q4Codes<Q> codes(w + c * (k / 2) + g * 16);
-      const float scale = f16_value(sc[c * groups + g]);
-      for (int r = 0; r < R; ++r) {
-        const __m256 dot = codes.dot(q + r * k + g * kQ4Group);
-        acc[r][c] = _mm256_fmadd_ps(dot, _mm256_set1_ps(scale * d[r * groups + g]), acc[r][c]);
-      }
-    }
-  }
-  for (int r = 0; r < R; ++r)
-    for (int c = 0; c < C; ++c)
-      a.y[(r0 + r) * a.n + n0 + c] = sum8(acc[r][c]);
-#else
-  for (int r = 0; r < R; ++r)
-    for (int c = 0; c < C; ++c)
-      a.y[(r0 + r) * a.n + n0 + c] = q4g_portable(w + c * (k / 2), sc + c * groups, q + r * k, d + r * groups, groups);
-#endif
-}
-
-template <typename Q, int C>
-void q4g_rows(const Q4gArgs<Q>& a, int64_t n0, int64_t m) {  // C channels, every row in tiles of up to 4
+template <typename Codes, int G, typename S, int C>
+void int_rows(const IntArgs<S>& a, int64_t n0, int64_t m) {  // C channels, every row in tiles of up to 4
   constexpr int C2 = C > 2 ? 2 : C;  // three or four rows: two channels a tile (16 registers)
   int64_t r = 0;
   for (; r + 4 <= m; r += 4)
-    for (int c = 0; c < C; c += C2) q4g_tile<Q, C2, 4>(a, n0 + c, r);
+    for (int c = 0; c < C; c += C2) int_tile<Codes, G, S, C2, 4>(a, n0 + c, r);
   if (m - r == 3)
-    for (int c = 0; c < C; c += C2) q4g_tile<Q, C2, 3>(a, n0 + c, r);
-  else if (m - r == 2) q4g_tile<Q, C, 2>(a, n0, r);
-  else if (m - r == 1) q4g_tile<Q, C, 1>(a, n0, r);
+    for (int c = 0; c < C; c += C2) int_tile<Codes, G, S, C2, 3>(a, n0 + c, r);
+  else if (m - r == 2) int_tile<Codes, G, S, C, 2>(a, n0, r);
+  else if (m - r == 1) int_tile<Codes, G, S, C, 1>(a, n0, r);
 }
 
-constexpr int64_t kQ4Chunk = 16;  // output channels a thread takes at a time
-
-template <typename Q>
-void q4g_run(const float* x, const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& mins, at::Tensor& y) {
-  const int64_t m = y.size(0), n = y.size(1), k = codes.size(1) * 2;
-  const QRows<Q> xq = quantize_rows<Q>(x, m, k);
-  const Q4gArgs<Q> a{codes.const_data_ptr<uint8_t>(), static_cast<const uint16_t*>(scales.const_data_ptr()),
-                     static_cast<const uint16_t*>(mins.const_data_ptr()), &xq, k, k / kQ4Group, n, y.data_ptr<float>()};
-  at::parallel_for(0, (n + kQ4Chunk - 1) / kQ4Chunk, 1, [&](int64_t c0, int64_t c1) {
-    const int64_t start = c0 * kQ4Chunk, end = std::min(n, c1 * kQ4Chunk);
+// y [M, N] (float32) = x (float32 rows) times the codes, chunks of channels split over torch's threads.
+template <typename Codes, int G, typename S>
+void int_run(const float* x, const uint8_t* w, const S* scales, const S* mins, int64_t k, at::Tensor& y) {
+  const int64_t m = y.size(0), n = y.size(1);
+  const QRows xq = quantize_rows(x, m, k, G);
+  const IntArgs<S> a{w, scales, mins, &xq, k, n, G, y.data_ptr<float>()};
+  at::parallel_for(0, (n + kQChunk - 1) / kQChunk, 1, [&](int64_t c0, int64_t c1) {
+    const int64_t start = c0 * kQChunk, end = std::min(n, c1 * kQChunk);
     for (int64_t n0 = start; n0 < end;) {
       if (n0 + 4 <= end) {
-        q4g_rows<Q, 4>(a, n0, m);
+        int_rows<Codes, G, S, 4>(a, n0, m);
         n0 += 4;
       } else {
-        q4g_rows<Q, 1>(a, n0, m);
+        int_rows<Codes, G, S, 1>(a, n0, m);
         n0 += 1;
       }
     }
-    q4g_add_mins(a, start, end, m);
+    if (mins != nullptr) add_mins(a, start, end, m);
   });
 }
 
-// scales [N, K/32], mins [K/32, N]: float16, contiguous.
-void check_q4g_operands(const at::Tensor& scales, const at::Tensor& mins, int64_t n, int64_t groups) {
+// scales [N, groups] and mins [groups, N] (when given), of `dtype`, contiguous.
+void check_group_operands(const char* op, const at::Tensor& scales, const at::Tensor* mins, int64_t n,
+                          int64_t groups, at::ScalarType dtype) {
   for (const bool is_min : {false, true}) {
-    const at::Tensor& t = is_min ? mins : scales;
+    if (is_min && mins == nullptr) continue;
+    const at::Tensor& t = is_min ? *mins : scales;
     const int64_t rows = is_min ? groups : n, cols = is_min ? n : groups;
-    TORCH_CHECK(t.scalar_type() == at::kHalf && t.dim() == 2 && t.size(0) == rows && t.size(1) == cols &&
-                    t.is_contiguous(),
-                "q4g: contiguous float16 ", is_min ? "mins [K/32, N]" : "scales [N, K/32]", " = [", rows, ", ", cols,
-                "] expected, got ", t.scalar_type(), " ", t.sizes(), t.is_contiguous() ? "" : " (not contiguous)");
+    TORCH_CHECK(t.scalar_type() == dtype && t.dim() == 2 && t.size(0) == rows && t.size(1) == cols && t.is_contiguous(),
+                op, ": contiguous ", dtype, is_min ? " mins [K/group, N]" : " scales [N, K/group]", " = [", rows,
+                ", ", cols, "] expected, got ", t.scalar_type(), " ", t.sizes(),
+                t.is_contiguous() ? "" : " (not contiguous)");
   }
 }
 
+void check_rows(const char* op, const at::Tensor& x, const at::Tensor& codes, int64_t k) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && codes.dim() == 2 && codes.is_contiguous(), op,
+              ": contiguous x [M, K] and codes expected");
+  TORCH_CHECK(k % kQBlock == 0, op, ": K must be a multiple of 32, got ", k);
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, op,
+              ": float32 or bfloat16 x expected, got ", x.scalar_type());
+}
+
 at::Tensor q4g_gemv(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& mins) {
-  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && codes.dim() == 2 && codes.is_contiguous(),
-              "q4g_gemv: contiguous x [M, K] and codes [N, K/2] expected");
-  const int64_t m = x.size(0), k = x.size(1), n = codes.size(0), groups = k / kQ4Group;
-  TORCH_CHECK(k % kQ4Group == 0, "q4g_gemv: K must be a multiple of 32, got ", k);
+  const int64_t m = x.size(0), k = x.size(1), n = codes.size(0);
+  check_rows("q4g_gemv", x, codes, k);
   TORCH_CHECK(codes.scalar_type() == at::kByte && codes.size(1) * 2 == k, "q4g_gemv: uint8 codes [N, K/2] expected");
-  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,
-              "q4g_gemv: float32 or bfloat16 x expected, got ", x.scalar_type());
-  check_q4g_operands(scales, mins, n, groups);
+  check_group_operands("q4g", scales, &mins, n, k / kQBlock, at::kHalf);
   at::Tensor y = at::empty({m, n}, x.options().dtype(at::kFloat));
   if (m == 0 || n == 0) return y.to(x.scalar_type());
   const at::Tensor xf = float_rows(x, false);
-  q4g_run<int16_t>(xf.const_data_ptr<float>(), codes, scales, mins, y);
+  int_run<Nibbles, 32, uint16_t>(xf.const_data_ptr<float>(), codes.const_data_ptr<uint8_t>(),
+                                 static_cast<const uint16_t*>(scales.const_data_ptr()),
+                                 static_cast<const uint16_t*>(mins.const_data_ptr()), k, y);
   return x.scalar_type() == at::kFloat ? y : y.to(x.scalar_type());
 }
 
@@ -755,9 +626,9 @@ at::Tensor q4g_gemv_meta(const at::Tensor& x, const at::Tensor& codes, const at:
 at::Tensor q4g_dequantize(const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& mins) {
   TORCH_CHECK(codes.dim() == 2 && codes.is_contiguous() && codes.scalar_type() == at::kByte,
               "q4g_dequantize: contiguous uint8 codes [N, K/2] expected");
-  const int64_t n = codes.size(0), k = codes.size(1) * 2, groups = k / kQ4Group;
-  TORCH_CHECK(k % kQ4Group == 0, "q4g_dequantize: K must be a multiple of 32, got ", k);
-  check_q4g_operands(scales, mins, n, groups);
+  const int64_t n = codes.size(0), k = codes.size(1) * 2, groups = k / kQBlock;
+  TORCH_CHECK(k % kQBlock == 0, "q4g_dequantize: K must be a multiple of 32, got ", k);
+  check_group_operands("q4g", scales, &mins, n, groups, at::kHalf);
   at::Tensor w = at::empty({n, k}, codes.options().dtype(at::kFloat));
   const uint8_t* cp = codes.const_data_ptr<uint8_t>();
   const uint16_t* sp = static_cast<const uint16_t*>(scales.const_data_ptr());
@@ -766,12 +637,9 @@ at::Tensor q4g_dequantize(const at::Tensor& codes, const at::Tensor& scales, con
   at::parallel_for(0, n * groups, 256, [&](int64_t g0, int64_t g1) {
     for (int64_t g = g0; g < g1; ++g) {
       const uint8_t* p = cp + g * 16;
-      float* out = wp + g * kQ4Group;
-      const float scale = f16_value(sp[g]), min = f16_value(mp[g % groups * n + g / groups]);
-      for (int i = 0; i < 16; ++i) {
-        out[i] = static_cast<float>(p[i] & 15) * scale + min;
-        out[16 + i] = static_cast<float>(p[i] >> 4) * scale + min;
-      }
+      float* out = wp + g * kQBlock;
+      const float scale = scale_value(sp[g]), min = scale_value(mp[g % groups * n + g / groups]);
+      for (int i = 0; i < 32; ++i) out[i] = static_cast<float>(Nibbles::code(p, i)) * scale + min;
     }
   });
   return w;
@@ -779,6 +647,31 @@ at::Tensor q4g_dequantize(const at::Tensor& codes, const at::Tensor& scales, con
 
 at::Tensor q4g_dequantize_meta(const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& mins) {
   return at::empty_symint({codes.sym_size(0), codes.sym_size(1) * 2}, codes.options().dtype(at::kFloat));
+}
+
+at::Tensor q8g_gemv(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
+                    const std::optional<at::Tensor>& mins, int64_t group) {
+  TORCH_CHECK(group == 16 || group == 32, "q8g_gemv: group must be 16 or 32, got ", group);
+  const int64_t m = x.size(0), k = x.size(1), n = codes.size(0);
+  check_rows("q8g_gemv", x, codes, k);
+  TORCH_CHECK(codes.scalar_type() == at::kChar && codes.size(1) == k, "q8g_gemv: int8 codes [N, K] expected, got ",
+              codes.scalar_type(), " ", codes.sizes());
+  check_group_operands("q8g_gemv", scales, mins ? &*mins : nullptr, n, k / group, at::kFloat);
+  at::Tensor y = at::empty({m, n}, x.options().dtype(at::kFloat));
+  if (m == 0 || n == 0) return y.to(x.scalar_type());
+  const at::Tensor xf = float_rows(x, false);
+  const float* xp = xf.const_data_ptr<float>();
+  const uint8_t* wp = static_cast<const uint8_t*>(codes.const_data_ptr());
+  const float* sp = scales.const_data_ptr<float>();
+  const float* mp = mins ? mins->const_data_ptr<float>() : nullptr;
+  if (group == 32) int_run<Bytes, 32, float>(xp, wp, sp, mp, k, y);
+  else int_run<Bytes, 16, float>(xp, wp, sp, mp, k, y);
+  return x.scalar_type() == at::kFloat ? y : y.to(x.scalar_type());
+}
+
+at::Tensor q8g_gemv_meta(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
+                         const std::optional<at::Tensor>& mins, int64_t group) {
+  return at::empty_symint({x.sym_size(0), codes.sym_size(0)}, x.options());
 }
 
 at::Tensor int8_gemv_meta(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale, bool invariant) {
@@ -795,7 +688,7 @@ TORCH_LIBRARY(kvserve_cpu, m) {
   m.def("int8_gemv(Tensor x, Tensor w, Tensor scale, bool invariant=False) -> Tensor");
   m.def("bf16_gemv(Tensor x, Tensor w, bool invariant=False) -> Tensor");
   m.def("f16_gemv(Tensor x, Tensor w, bool invariant=False) -> Tensor");
-  m.def("q8g_gemv(Tensor x, Tensor codes, Tensor scales, Tensor? mins, int group, bool invariant=False) -> Tensor");
+  m.def("q8g_gemv(Tensor x, Tensor codes, Tensor scales, Tensor? mins, int group) -> Tensor");
   m.def("q4g_gemv(Tensor x, Tensor codes, Tensor scales, Tensor mins) -> Tensor");
   m.def("q4g_dequantize(Tensor codes, Tensor scales, Tensor mins) -> Tensor");
 }
