@@ -484,8 +484,10 @@ void int_tile(const IntArgs<S>& a, int64_t n0, int64_t r0) {
     for (int c = 0; c < C; ++c) acc[r][c] = _mm256_setzero_ps();
   for (int64_t b = 0; b < blocks; ++b) {
     for (int c = 0; c < C; ++c) {
+      const uint8_t* wb = w + c * row_bytes + b * Codes::kBytes;
+      if ((b * Codes::kBytes) % 64 == 0) prefetch(wb + kPrefetch);   // a cache line a step, 4 KiB ahead
       __m256i lo, hi;
-      Codes::unpack(w + c * row_bytes + b * Codes::kBytes, lo, hi);
+      Codes::unpack(wb, lo, hi);
       if constexpr (G == kQBlock) {
         const float scale = scale_value(sc[c * groups + b]);
         for (int r = 0; r < R; ++r) {
@@ -548,15 +550,17 @@ void add_mins(const IntArgs<S>& a, int64_t n0, int64_t n1, int64_t m) {
   }
 }
 
+// C channels, every row in tiles of up to 4 rows; a tile keeps at most 8 accumulators (16 registers).
 template <typename Codes, int G, typename S, int C>
-void int_rows(const IntArgs<S>& a, int64_t n0, int64_t m) {  // C channels, every row in tiles of up to 4
-  constexpr int C2 = C > 2 ? 2 : C;  // three or four rows: two channels a tile (16 registers)
+void int_rows(const IntArgs<S>& a, int64_t n0, int64_t m) {
+  constexpr int C2 = C > 4 ? 4 : C, C4 = C > 2 ? 2 : C;   // channels a tile of two rows, of 3-4
   int64_t r = 0;
   for (; r + 4 <= m; r += 4)
-    for (int c = 0; c < C; c += C2) int_tile<Codes, G, S, C2, 4>(a, n0 + c, r);
+    for (int c = 0; c < C; c += C4) int_tile<Codes, G, S, C4, 4>(a, n0 + c, r);
   if (m - r == 3)
-    for (int c = 0; c < C; c += C2) int_tile<Codes, G, S, C2, 3>(a, n0 + c, r);
-  else if (m - r == 2) int_tile<Codes, G, S, C, 2>(a, n0, r);
+    for (int c = 0; c < C; c += C4) int_tile<Codes, G, S, C4, 3>(a, n0 + c, r);
+  else if (m - r == 2)
+    for (int c = 0; c < C; c += C2) int_tile<Codes, G, S, C2, 2>(a, n0 + c, r);
   else if (m - r == 1) int_tile<Codes, G, S, C, 1>(a, n0, r);
 }
 
@@ -569,7 +573,10 @@ void int_run(const float* x, const uint8_t* w, const S* scales, const S* mins, i
   at::parallel_for(0, (n + kQChunk - 1) / kQChunk, 1, [&](int64_t c0, int64_t c1) {
     const int64_t start = c0 * kQChunk, end = std::min(n, c1 * kQChunk);
     for (int64_t n0 = start; n0 < end;) {
-      if (n0 + 4 <= end) {
+      if (n0 + 8 <= end) {
+        int_rows<Codes, G, S, 8>(a, n0, m);
+        n0 += 8;
+      } else if (n0 + 4 <= end) {
         int_rows<Codes, G, S, 4>(a, n0, m);
         n0 += 4;
       } else {
