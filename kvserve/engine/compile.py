@@ -151,8 +151,9 @@ class StartupCompile:
         timer.start()
 
     def launch(self) -> None:
-        """Start the background compile thread, once (after the first step, when idle, or on wait)."""
-        if self._thread is not None:
+        """Start the background compile thread, once (after the first step, when idle, or on wait);
+        never while the interpreter exits (no new threads then)."""
+        if self._thread is not None or _EXITING.is_set():
             return
         with self._launching:
             if self._thread is None and self.mode == "background" and self.state == "compiling":
