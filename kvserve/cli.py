@@ -6,6 +6,7 @@ import argparse
 import logging
 import os
 import sys
+import time
 
 from kvserve.engine_args import add_engine_args, make_llm
 
@@ -104,8 +105,25 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(chat)
     _sampling_args(chat)
     chat.set_defaults(func=cmd_chat, max_tokens=256)
+    kernels = sub.add_parser("build-kernels", help="compile the C++ kernels for this CPU into the installed package "
+                             "(what `make install` runs; otherwise the first start builds them)")
+    kernels.set_defaults(func=cmd_build_kernels)
     _register_tools(sub)
     return parser
+
+
+def cmd_build_kernels(args) -> int:
+    from kvserve import native
+    t0 = time.perf_counter()
+    try:
+        paths = native.build_installed()
+    except (native.BuildError, OSError) as exc:
+        print(f"error: kernels not built ({exc}); kvserve runs without them, slower", file=sys.stderr)
+        return 1
+    for path in paths:
+        print(path)
+    print(f"built in {time.perf_counter() - t0:.1f} s")
+    return 0
 
 
 def _register_tools(sub) -> None:

@@ -1,10 +1,11 @@
-"""Building the C++ kernels on first use: the system compiler, for this CPU, cached on disk.
+"""Building the C++ kernels: the system compiler, for this CPU, once per source.
 
-Each kernel source compiles once into ~/.cache/kvserve/kernels ($XDG_CACHE_HOME/kvserve/kernels where
-that is set, or $KVSERVE_KERNEL_CACHE), under a
-name keyed by the source, the shared headers (kvserve/csrc), the compiler, the flags and the CPU's
-feature flags; the build writes a temporary file and renames it, so processes building at the
-same time do not clash.
+`kvserve build-kernels` (run by `make install`) compiles every kernel into the installed package
+(kvserve/_kernels); a kernel not found there compiles on first use into ~/.cache/kvserve/kernels
+($XDG_CACHE_HOME/kvserve/kernels where that is set). $KVSERVE_KERNEL_CACHE names the one folder to
+use instead of both. A library is named by a key of the source, the shared headers (kvserve/csrc),
+the compiler, the flags and the CPU's feature flags, so a different CPU or compiler builds its own;
+a build writes a temporary file and renames it, so processes building at the same time do not clash.
 """
 
 from __future__ import annotations
@@ -32,9 +33,18 @@ class BuildError(RuntimeError):
     """The kernel could not be built; the message says why (the compiler's last line)."""
 
 
+INSTALLED = Path(__file__).with_name("_kernels")   # what `kvserve build-kernels` writes
+
+
 def cache_dir() -> Path:
+    """Where a kernel missing from the installed package is built on first use."""
     from kvserve.paths import default_cache_root
     return Path(os.environ.get(CACHE_ENV) or default_cache_root() / "kernels")
+
+
+def search_dirs() -> list[Path]:
+    """Folders a built kernel is looked up in, in order."""
+    return [cache_dir()] if os.environ.get(CACHE_ENV) else [INSTALLED, cache_dir()]
 
 
 def cpu_flags() -> str:
@@ -65,18 +75,21 @@ def compiler() -> str | None:
     return os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
 
 
-def build(source: Path, flags: tuple[str, ...] | list[str], libs: tuple[str, ...] | list[str] = ()) -> Path:
-    """Compile `source` into a shared library (or find it built) and return its path."""
+def build(source: Path, flags: tuple[str, ...] | list[str], libs: tuple[str, ...] | list[str] = (),
+          into: Path | None = None) -> Path:
+    """Compile `source` into a shared library (or find it built) and return its path; `into` builds
+    in that folder (the installed one) instead of the first-use cache."""
     cxx = compiler()
     if cxx is None:
         raise BuildError("no C++ compiler found (install g++ or set CXX)")
     args = [*OPT_FLAGS, f"-I{HEADERS}", *flags]
     headers = [h.read_text() for h in sorted(HEADERS.glob("*.h"))]
     text = "\0".join([source.read_text(), *headers, cxx, *args, *libs, cpu_flags()])
-    key = hashlib.sha256(text.encode()).hexdigest()[:16]
-    out = cache_dir() / f"{source.stem}-{key}.so"
-    if out.exists():
-        return out
+    name = f"{source.stem}-{hashlib.sha256(text.encode()).hexdigest()[:16]}.so"
+    for folder in [into] if into is not None else search_dirs():
+        if (folder / name).exists():
+            return folder / name
+    out = (into or cache_dir()) / name
     t0 = time.perf_counter()
     out.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
@@ -95,3 +108,18 @@ def build(source: Path, flags: tuple[str, ...] | list[str], libs: tuple[str, ...
         if os.path.exists(tmp):
             os.unlink(tmp)
     return out
+
+
+# Modules whose SOURCE is a kernel `kvserve build-kernels` builds (every .cpp in the package)
+KERNEL_MODULES = ("kvserve.model.cpu", "kvserve.attention.cpu")
+
+
+def build_installed(into: Path | None = None) -> list[Path]:
+    """Build every kernel into the installed package (or `into`), the compilers running side by side."""
+    import importlib
+    from concurrent.futures import ThreadPoolExecutor
+
+    sources = [importlib.import_module(name).SOURCE for name in KERNEL_MODULES]
+    flags, libs = torch_op_flags()
+    with ThreadPoolExecutor(len(sources)) as pool:
+        return list(pool.map(lambda source: build(source, flags, libs, into=into or INSTALLED), sources))

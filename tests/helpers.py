@@ -114,3 +114,16 @@ def int16_row_error(x, w):
     m, k = x.shape
     half_step = (x.double().view(m, k // 32, 32).abs().amax(-1) / 65534).repeat_interleave(32, 1)
     return half_step @ w.double().abs().t()
+
+
+def assert_saved_alike(tokenizer_folder, reference) -> None:
+    """The files a cached tokenizer folder holds equal those transformers' `reference` tokenizer saves."""
+    import tempfile
+    from pathlib import Path
+
+    with tempfile.TemporaryDirectory() as ref_folder:
+        reference.save_pretrained(ref_folder)
+        names = sorted(p.name for p in Path(ref_folder).iterdir())
+        assert names == sorted(p.name for p in Path(tokenizer_folder).iterdir())
+        for name in names:
+            assert (Path(tokenizer_folder) / name).read_text() == (Path(ref_folder) / name).read_text(), name

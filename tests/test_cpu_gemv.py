@@ -1,6 +1,8 @@
 """The C++ few-row GEMVs (kvserve/model/cpu/gemv.cpp) against torch's kernels and a float64 oracle."""
 
+import importlib
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -9,6 +11,7 @@ import pytest
 import torch
 from helpers import int16_row_error, int16_rows
 
+from kvserve import native
 from kvserve.model import cpu
 from kvserve.model.quant import (
     GEMV_ROWS,
@@ -444,3 +447,32 @@ def test_an_engine_on_the_gemv_is_as_close_to_float32_as_on_torchs_kernels(llm, 
         q.use_gemv(False)
     slow = (_scores(eng, ids) - want).abs().mean().item()
     assert 0 < fast < bound and fast < 1.25 * slow + 0.005, (fast, slow)
+
+
+def test_build_kernels_covers_every_source_and_the_engine_looks_there_first(tmp_path, monkeypatch, capsys):
+    """`kvserve build-kernels` writes every .cpp of the package into the installed folder, which a start
+    reads before the first-use cache: with the libraries there (copied from this run's builds), the
+    command and the engine's lookup find them without running the compiler."""
+    from kvserve import cli
+    from kvserve.attention import cpu as attention
+
+    package = Path(native.__file__).parent
+    sources = {importlib.import_module(m).SOURCE for m in native.KERNEL_MODULES}
+    assert sources == set(package.rglob("*.cpp"))
+    built = [cpu.library(), native.build(attention.SOURCE, *native.torch_op_flags())]
+    installed = tmp_path / "installed"
+    installed.mkdir()
+    for library in built:
+        shutil.copy(library, installed / library.name)
+    monkeypatch.delenv(native.CACHE_ENV, raising=False)
+    monkeypatch.setattr(native, "INSTALLED", installed)
+    monkeypatch.setattr(native, "cache_dir", lambda: tmp_path / "empty-cache")
+
+    def no_compiler(*args, **kwargs):
+        raise AssertionError("compiled although the library is installed")
+
+    monkeypatch.setattr(native.subprocess, "run", no_compiler)
+    assert native.search_dirs()[0] == installed
+    assert cpu.library() == installed / built[0].name
+    assert cli.main(["build-kernels"]) == 0
+    assert capsys.readouterr().out.splitlines()[:2] == [str(installed / b.name) for b in built]

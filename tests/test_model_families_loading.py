@@ -21,12 +21,13 @@ from family_checkpoints import (
     tiny_config,
     tiny_model,
 )
+from helpers import assert_saved_alike
 from safetensors.torch import load_file, save_file
 
 from kvserve.model import loader
 from kvserve.model.config import GEMMA3_TEXT_DEFAULTS, ModelConfig
-from kvserve.model.loader import fuse_experts, load_weights, resolve_model_path
-from kvserve.model.tokenizer import Tokenizer
+from kvserve.model.loader import cache_dir_for, fuse_experts, load_weights, resolve_model_path
+from kvserve.model.tokenizer import CACHE_TOKENIZER, Tokenizer
 
 GEMMA_ALIAS = "gemma3-270m"
 GEMMA_TEXTS = ["Hello world", "Unicode: naïve café — 東京 🚀", "def f(x):\n    return x ** 2\n", ""]
@@ -390,6 +391,7 @@ def test_gemma_tokenizer_equals_transformers(gemma_path, gemma_cache_root):
     tokenizer = Tokenizer.load(GEMMA_ALIAS, cache_root=gemma_cache_root)
     folder, name = os.path.split(gemma_path)
     ref = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    assert_saved_alike(cache_dir_for(gemma_path, gemma_cache_root) / CACHE_TOKENIZER, ref)
     cached = Tokenizer.load(gemma_path, cache_root=gemma_cache_root)
     for text in GEMMA_TEXTS:
         ids = tokenizer.encode(text)

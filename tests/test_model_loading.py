@@ -9,6 +9,7 @@ import sys
 import numpy as np
 import pytest
 import torch
+from helpers import assert_saved_alike
 
 from kvserve.model import loader
 from kvserve.model.config import ModelConfig
@@ -146,7 +147,8 @@ def test_tokenizer_matches_transformers_and_survives_cache(
     """The tokenizer built from the GGUF by transformers, and the cached folder read by the
     `tokenizers` library alone (FastTokenizer), both against transformers' own."""
     built = Tokenizer.load(bundled_model_path, cache_root=cache_root)
-    assert (cache_dir_for(bundled_model_path, cache_root) / CACHE_TOKENIZER).is_dir()
+    folder = cache_dir_for(bundled_model_path, cache_root) / CACHE_TOKENIZER
+    assert_saved_alike(folder, hf_tokenizer)   # built without AutoTokenizer's parse of the whole file
     cached = Tokenizer.load(bundled_model_path, cache_root=cache_root)
     assert isinstance(cached, FastTokenizer) and not isinstance(built, FastTokenizer)
     for tok in (built, cached):

@@ -8,6 +8,7 @@ import logging
 import os
 import time
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -109,6 +110,7 @@ def load_model(config: EngineConfig, device: torch.device, dtype: torch.dtype,
     if device.type == "cpu":
         keep_freed_memory(env.malloc_tuning)
     path = resolve_model_path(config.model)
+    tokenizer_future = _start_tokenizer(path)
     weight_format, why = config.weight_format(is_gguf(path))
     digest = ""
     if weight_format == GGUF_FORMAT:
@@ -127,8 +129,8 @@ def load_model(config: EngineConfig, device: torch.device, dtype: torch.dtype,
         del weights
         with phase("bf16 copies"):
             _bf16_copies(config, model, device)
-    with phase("tokenizer"):
-        tokenizer = load_tokenizer(path)
+    with phase("tokenizer (waited for)"):
+        tokenizer = tokenizer_future.result()
     if device.type == "cpu":
         release_freed_memory()
     seconds = time.perf_counter() - t0
@@ -317,6 +319,20 @@ def _max_model_len(config: EngineConfig, mc: ModelConfig) -> int:
     if n > limit:  # a kv_policy stream may run past it (sinks/window re-index positions: docs/EVICTION.md)
         log.warning("max_model_len=%d exceeds the model's context length %d (allowed with kv_policy)", n, limit)
     return n
+
+
+def _start_tokenizer(path: str) -> Future:
+    """The tokenizer's load: beside the weights where it is built (a first start, from the GGUF's
+    vocabulary: seconds of transformers), at once where a cached folder is read."""
+    if Tokenizer.is_quick(path):
+        done = Future()
+        done.set_result(load_tokenizer(path))
+        return done
+    job = ThreadPoolExecutor(1, thread_name_prefix="kvserve-tokenizer")
+    try:
+        return job.submit(load_tokenizer, path)
+    finally:
+        job.shutdown(wait=False)
 
 
 def load_tokenizer(path: str) -> Tokenizer | None:

@@ -18,6 +18,7 @@ from safetensors.torch import load_file, save_file
 
 from kvserve.model.config import ModelConfig
 from kvserve.model.gguf_blocks import Int4Groups, Int8Groups, KeptTensor, decode
+from kvserve.model.gguf_file import GGUFFile
 from kvserve.model.names import model_display_name
 from kvserve.paths import default_cache_root
 
@@ -321,9 +322,7 @@ def _read_gguf_kept(path: str) -> tuple[ModelConfig, dict[str, torch.Tensor], di
 
 
 def _open_gguf(path: str):
-    import gguf
-
-    reader = gguf.GGUFReader(path)
+    reader = GGUFFile(path)
     config = ModelConfig.from_gguf_metadata(reader, model_display_name(path))
     if config.architecture not in GGUF_SUPPORTED_ARCHS:
         raise ValueError(

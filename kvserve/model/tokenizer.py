@@ -22,6 +22,8 @@ from kvserve.model.loader import cache_dir_for, is_gguf, resolve_model_path
 logger = logging.getLogger("kvserve")
 
 CACHE_TOKENIZER = "tokenizer"
+# transformers' model type of each GGUF architecture kvserve loads (the tokenizer class follows from it)
+HF_MODEL_TYPES = {"llama": "llama", "gemma3": "gemma3_text"}
 
 
 class Tokenizer:
@@ -46,6 +48,12 @@ class Tokenizer:
             tokenizer, source = cls(AutoTokenizer.from_pretrained(resolved)), resolved
         logger.info("loaded tokenizer in %.2f s from %s", time.perf_counter() - start, source)
         return tokenizer
+
+    @staticmethod
+    def is_quick(path: str | None, *, cache_root: str | Path | None = None) -> bool:
+        """True when `load` reads a cached folder with the tokenizers library (no transformers, no build)."""
+        resolved = resolve_model_path(path)
+        return is_gguf(resolved) and FastTokenizer.readable(cache_dir_for(resolved, cache_root) / CACHE_TOKENIZER)
 
     def preload(self) -> None:
         """Load what the first chat request would otherwise wait for (nothing here)."""
@@ -111,12 +119,33 @@ def _load_gguf_tokenizer(path: str, target: Path) -> tuple[object, str]:
             return AutoTokenizer.from_pretrained(str(target)), f"cache {target}"
         except Exception as exc:
             logger.warning("ignoring unreadable tokenizer cache %s: %s", target, exc)
-    hf_tokenizer = AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
+    hf_tokenizer = _build_gguf_tokenizer(path)
     try:
         _save_atomically(hf_tokenizer, target)
     except OSError as exc:
         logger.warning("could not write tokenizer cache %s: %s", target, exc)
     return hf_tokenizer, f"GGUF (cache written to {target})"
+
+
+def _build_gguf_tokenizer(path: str):
+    """transformers' tokenizer of a GGUF file, as `AutoTokenizer.from_pretrained(gguf_file=...)` builds
+    it; its tokenizer class is named from the file's architecture (HF_MODEL_TYPES), where AutoTokenizer
+    would first parse the whole file with gguf's reader to build a model config (5-20 s)."""
+    from transformers import AutoTokenizer
+    from transformers.models.auto.tokenization_auto import (
+        TOKENIZER_MAPPING_NAMES,
+        tokenizer_class_from_name,
+    )
+
+    from kvserve.model.gguf_file import GGUFFile
+
+    folder, name = os.path.dirname(path), os.path.basename(path)
+    field = GGUFFile(path).fields.get("general.architecture")
+    model_type = HF_MODEL_TYPES.get(field.contents() if field is not None else None)
+    if model_type is None:
+        return AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    tokenizer_class = tokenizer_class_from_name(TOKENIZER_MAPPING_NAMES.get(model_type) or "TokenizersBackend")
+    return tokenizer_class.from_pretrained(folder, gguf_file=name)
 
 
 class FastTokenizer(Tokenizer):

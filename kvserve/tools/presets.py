@@ -297,11 +297,11 @@ def _mla_params(s: ModelShape, cfg: dict) -> int:
 
 def shape_from_gguf(path: str) -> ModelShape:
     """A ModelShape from a GGUF file's metadata; parameters and weight bytes from its tensors."""
-    import gguf
+    from kvserve.model.gguf_file import GGUFFile
 
     try:
-        reader = gguf.GGUFReader(path)
-    except Exception as e:  # the gguf package raises plain ValueError/struct errors
+        reader = GGUFFile(path)
+    except (OSError, ValueError) as e:
         raise ValueError(f"cannot read {path} as GGUF: {e}") from e
     return shape_from_gguf_reader(reader, path)
 
