@@ -381,11 +381,22 @@ inline float scale_value(uint16_t bits) {  // a float16 scale or min (F16C's con
 }
 
 struct QRows {                // x's rows as int16 per block of 32
-  std::vector<int16_t> q;     // [M, K]
+  std::vector<int16_t> q;     // [M, K], each block in its codes' lane order (lane_of)
   std::vector<float> d, s;    // d [M, K/32]: the block's scale; s [M, K/G]: d * the sum of a group's codes
 };
 
-QRows quantize_rows(const float* x, int64_t m, int64_t k, int64_t group) {
+// Where input i of a block of 32 sits in q: in order, or (codes unpacked by shifts inside 16-bit
+// lanes, `interleaved`, AVX2 only) the even inputs of the block's two halves (0, 2 .. 14 | 16, 18 .. 30)
+// and then the odd ones, the order in which such an unpack leaves the codes in its two registers.
+constexpr int lane_of(int i, bool interleaved) {
+#if defined(__AVX2__)
+  return interleaved ? (i % 2) * 16 + (i / 16) * 8 + (i % 16) / 2 : i;
+#else
+  return i;
+#endif
+}
+
+QRows quantize_rows(const float* x, int64_t m, int64_t k, int64_t group, bool interleaved) {
   const int64_t blocks = k / kQBlock, per = kQBlock / group;
   QRows out{std::vector<int16_t>(m * k), std::vector<float>(m * blocks), std::vector<float>(m * k / group)};
   for (int64_t b = 0; b < m * blocks; ++b) {
@@ -398,7 +409,7 @@ QRows quantize_rows(const float* x, int64_t m, int64_t k, int64_t group) {
       int32_t sum = 0;
       for (int64_t i = j * group; i < (j + 1) * group; ++i) {
         const int32_t v = std::min(32767, std::max(-32767, static_cast<int32_t>(std::nearbyint(xb[i] * inv))));
-        out.q[b * kQBlock + i] = static_cast<int16_t>(v);
+        out.q[b * kQBlock + lane_of(static_cast<int>(i), interleaved)] = static_cast<int16_t>(v);
         sum += v;
       }
       out.s[b * per + j] = d * static_cast<float>(sum);
@@ -408,22 +419,28 @@ QRows quantize_rows(const float* x, int64_t m, int64_t k, int64_t group) {
   return out;
 }
 
-// The two code layouts: a block of 32 inputs' codes as 2 x 16 int16 lanes (inputs 0-15, 16-31).
+// The two code layouts, a block of 32 inputs' codes unpacked into 2 x 16 int16 lanes: nibbles by shifts
+// and masks inside 16-bit lanes (interleaved lane order, no byte shuffles: faster than widening), bytes
+// widened in order (inputs 0-15, 16-31: faster than shifting them).
 struct Nibbles {
-  static constexpr int64_t kBytes = 16;   // per block of 32 inputs
+  static constexpr int64_t kBytes = 16;   // per block of 32 inputs: byte j holds inputs j and j + 16
+  static constexpr bool kInterleaved = true;
   static int32_t code(const uint8_t* p, int i) { return i < 16 ? p[i] & 15 : p[i - 16] >> 4; }
 #if defined(__AVX2__)
-  static void unpack(const uint8_t* p, __m256i& lo, __m256i& hi) {
-    const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-    const __m128i mask = _mm_set1_epi8(15);
-    lo = _mm256_cvtepu8_epi16(_mm_and_si128(raw, mask));
-    hi = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(raw, 4), mask));
+  static void unpack(const uint8_t* p, __m256i& even, __m256i& odd) {
+    // the 16 bytes in both halves; the upper half shifted by a nibble: inputs 16-31 in its low nibbles
+    const __m256i raw = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    const __m256i u = _mm256_srlv_epi32(raw, _mm256_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4));
+    const __m256i mask = _mm256_set1_epi16(15);
+    even = _mm256_and_si256(u, mask);
+    odd = _mm256_and_si256(_mm256_srli_epi16(u, 8), mask);
   }
 #endif
 };
 
 struct Bytes {
-  static constexpr int64_t kBytes = 32;
+  static constexpr int64_t kBytes = 32;   // input i in byte i
+  static constexpr bool kInterleaved = false;
   static int32_t code(const uint8_t* p, int i) { return static_cast<int8_t>(p[i]); }
 #if defined(__AVX2__)
   static void unpack(const uint8_t* p, __m256i& lo, __m256i& hi) {
@@ -486,7 +503,7 @@ void int_tile(const IntArgs<S>& a, int64_t n0, int64_t r0) {
     for (int c = 0; c < C; ++c) {
       const uint8_t* wb = w + c * row_bytes + b * Codes::kBytes;
       if ((b * Codes::kBytes) % 64 == 0) prefetch(wb + kPrefetch);   // a cache line a step, 4 KiB ahead
-      __m256i lo, hi;
+      __m256i lo, hi;   // the block's codes, in q's lane order
       Codes::unpack(wb, lo, hi);
       if constexpr (G == kQBlock) {
         const float scale = scale_value(sc[c * groups + b]);
@@ -497,7 +514,8 @@ void int_tile(const IntArgs<S>& a, int64_t n0, int64_t r0) {
               _mm256_madd_epi16(hi, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qb + 16))));
           acc[r][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), _mm256_set1_ps(scale * d[r * blocks + b]), acc[r][c]);
         }
-      } else {   // groups of 16: a scale for each half of the block
+      } else {   // groups of 16, in order: a scale for each half of the block
+        static_assert(!Codes::kInterleaved, "groups of 16 need the codes in order");
         const float s0 = scale_value(sc[c * groups + 2 * b]), s1 = scale_value(sc[c * groups + 2 * b + 1]);
         for (int r = 0; r < R; ++r) {
           const int16_t* qb = q + r * k + b * kQBlock;
@@ -568,7 +586,7 @@ void int_rows(const IntArgs<S>& a, int64_t n0, int64_t m) {
 template <typename Codes, int G, typename S>
 void int_run(const float* x, const uint8_t* w, const S* scales, const S* mins, int64_t k, at::Tensor& y) {
   const int64_t m = y.size(0), n = y.size(1);
-  const QRows xq = quantize_rows(x, m, k, G);
+  const QRows xq = quantize_rows(x, m, k, G, Codes::kInterleaved);
   const IntArgs<S> a{w, scales, mins, &xq, k, n, G, y.data_ptr<float>()};
   at::parallel_for(0, (n + kQChunk - 1) / kQChunk, 1, [&](int64_t c0, int64_t c1) {
     const int64_t start = c0 * kQChunk, end = std::min(n, c1 * kQChunk);
