@@ -121,5 +121,11 @@ def build_installed(into: Path | None = None) -> list[Path]:
 
     sources = [importlib.import_module(name).SOURCE for name in KERNEL_MODULES]
     flags, libs = torch_op_flags()
+    folder = into or INSTALLED
     with ThreadPoolExecutor(len(sources)) as pool:
-        return list(pool.map(lambda source: build(source, flags, libs, into=into or INSTALLED), sources))
+        built = list(pool.map(lambda source: build(source, flags, libs, into=folder), sources))
+    for source, library in zip(sources, built):   # the libraries of older sources or other flags
+        for old in folder.glob(f"{source.stem}-*.so"):
+            if old != library:
+                old.unlink(missing_ok=True)
+    return built

@@ -452,7 +452,8 @@ def test_an_engine_on_the_gemv_is_as_close_to_float32_as_on_torchs_kernels(llm, 
 def test_build_kernels_covers_every_source_and_the_engine_looks_there_first(tmp_path, monkeypatch, capsys):
     """`kvserve build-kernels` writes every .cpp of the package into the installed folder, which a start
     reads before the first-use cache: with the libraries there (copied from this run's builds), the
-    command and the engine's lookup find them without running the compiler."""
+    command and the engine's lookup find them without running the compiler, and the command removes
+    the libraries of older sources."""
     from kvserve import cli
     from kvserve.attention import cpu as attention
 
@@ -464,6 +465,7 @@ def test_build_kernels_covers_every_source_and_the_engine_looks_there_first(tmp_
     installed.mkdir()
     for library in built:
         shutil.copy(library, installed / library.name)
+    (installed / "gemv-0123456789abcdef.so").write_bytes(b"a library of an older gemv.cpp")
     monkeypatch.delenv(native.CACHE_ENV, raising=False)
     monkeypatch.setattr(native, "INSTALLED", installed)
     monkeypatch.setattr(native, "cache_dir", lambda: tmp_path / "empty-cache")
@@ -476,3 +478,4 @@ def test_build_kernels_covers_every_source_and_the_engine_looks_there_first(tmp_
     assert cpu.library() == installed / built[0].name
     assert cli.main(["build-kernels"]) == 0
     assert capsys.readouterr().out.splitlines()[:2] == [str(installed / b.name) for b in built]
+    assert sorted(p.name for p in installed.iterdir()) == sorted(b.name for b in built)   # the older one removed
