@@ -360,6 +360,7 @@ def _q8g(x=None, codes=None, scales=None, mins=None, group=32, k=64):
     (lambda: _q8g(scales=torch.ones(2, 32)), r"Float scales \[N, K/group\] = \[32, 2\] expected, got Float \[2, 32\]"),
     (lambda: _q8g(mins=torch.ones(2, 32).bfloat16()), r"Float mins \[K/group, N\] = \[2, 32\] expected, got BFloat16"),
     (lambda: _q8g(mins=torch.ones(32, 2)), r"Float mins \[K/group, N\] = \[2, 32\] expected, got Float \[32, 2\]"),
+    (lambda: _q8g(scales=torch.ones(32, 2).half(), mins=torch.ones(2, 32)), r"Half mins \[K/group, N\] = \[2, 32\] expected, got Float"),
     (lambda: torch.ops.kvserve_cpu.q4g_gemv(torch.randn(1, 48), torch.zeros(32, 24, dtype=torch.uint8),
                                             torch.ones(32, 1).half(), torch.ones(32, 1).half()), "K must be a multiple of 32"),
     (lambda: torch.ops.kvserve_cpu.q4g_gemv(torch.randn(1, 64), torch.zeros(32, 64, dtype=torch.uint8),

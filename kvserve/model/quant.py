@@ -20,8 +20,8 @@ its GEMVs are switched (`use_gemv`). `make_linear` picks the class from the form
 - `Int4PackedLinear` / `Int4NibbleLinear` (`Int4Linear`: bfloat16 scale and zero per group): on a
   CPU without kvserve's ops torch's packed layout (`_weight_int4pack_mm_for_cpu` up to
   INT4_WIDE_ROWS, then the unpacked weight); off the CPU nibbles unpacked inside the matmul.
-- `Int8GroupLinear` (int8 codes in groups of 32 or 16 with float32 scales and mins: GGUF's Q8_0 /
-  Q5_* / Q6_K, exact): the C++ `q8g_gemv` (integer products, as q4g) up to SMALL_ROWS rows, then
+- `Int8GroupLinear` (int8 codes in groups of 32 or 16 with float16 scales and mins where the file
+  stores them so, else float32: GGUF's Q8_0 / Q5_* / Q6_K, exact): the C++ `q8g_gemv` (integer products, as q4g) up to SMALL_ROWS rows, then
   widened.
 With a bfloat16 copy (the engine's bf16_weight_copy) int8 / int4 steps of more than COPY_ROWS rows,
 int8-group steps of more than SMALL_ROWS, run one bfloat16 GEMM on it.
@@ -568,9 +568,9 @@ def make_linear(weight: torch.Tensor | Int4Groups | Int8Groups, bias: torch.Tens
 
 
 class Int8GroupLinear(KeptLinear):
-    """W as int8 codes in groups along the input channels, a float32 scale per group (and a float32
-    minimum where the GGUF type has one): GGUF's Q8_0 / Q5_0 / Q5_1 / Q5_K (groups of 32) and Q6_K
-    (16), held exactly (gguf_blocks.py).
+    """W as int8 codes in groups along the input channels, a scale per group (and a minimum where the
+    GGUF type has one), float16 where the file stores them so (Q8_0 / Q5_0 / Q5_1), else float32: GGUF's Q8_0 / Q5_0 / Q5_1 / Q5_K (groups of 32) and Q6_K (16), held exactly
+    (gguf_blocks.py).
     - up to SMALL_ROWS rows (float32 or bfloat16 activations): kvserve's C++ GEMV `q8g_gemv` on CPU
       (the rows quantized to int16 per block of 32 and multiplied in integers, as `q4g_gemv`: a row's
       result does not depend on the rows beside it; in_features a multiple of 32), else the same
@@ -591,9 +591,10 @@ class Int8GroupLinear(KeptLinear):
         self._setup(groups.codes.shape, bias, device or groups.codes.device)
         self.group = groups.group
         self.register_buffer("codes", groups.codes.contiguous())
-        self.register_buffer("scales", groups.scales.float().contiguous())
-        # [K/G, N]: the GEMV sums eight channels' mins at once
-        self.register_buffer("mins_t", None if groups.mins is None else groups.mins.float().t().contiguous())
+        scales = scale_tensor(groups.scales)
+        self.register_buffer("scales", scales.contiguous())
+        # [K/G, N], the scales' dtype: the GEMV sums eight channels' mins at once
+        self.register_buffer("mins_t", None if groups.mins is None else groups.mins.to(scales.dtype).t().contiguous())
         self.gemv = q8g_kernel(self.device) and self.in_features % GROUP_SIZE == 0
         self.pick_kernels()
 
@@ -721,6 +722,12 @@ def _native_half_cpu() -> bool:
     return bool(torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
 
 
+def scale_tensor(scales: torch.Tensor) -> torch.Tensor:
+    """Group scales as kept: float16 as given (Q8_0 / Q5_0 / Q5_1: the file's values, two bytes a group),
+    else float32."""
+    return scales if scales.dtype == torch.float16 else scales.float()
+
+
 def _q8g_gemv(x, codes, scales, mins_t, group):
     return torch.ops.kvserve_cpu.q8g_gemv(x, codes, scales, mins_t, group)
 
@@ -733,9 +740,9 @@ def _q8g_torch(x, codes, scales, mins, group):
     for start in range(0, codes.shape[0], max(1, WIDE_CHUNK // k)):
         rows = slice(start, start + max(1, WIDE_CHUNK // k))
         c = codes[rows].float().view(-1, k // group, group)
-        y = (torch.einsum("mgi,ngi->mng", xg, c) * scales[rows]).sum(-1)
+        y = (torch.einsum("mgi,ngi->mng", xg, c) * scales[rows].float()).sum(-1)
         if mins is not None:
-            y = y + xg.sum(-1) @ mins[rows].t()
+            y = y + xg.sum(-1) @ mins[rows].float().t()
         out.append(y)
     return torch.cat(out, dim=-1).to(x.dtype)
 
@@ -759,8 +766,9 @@ class GroupEmbedding(nn.Module):
         self.num_embeddings, self.embedding_dim = groups.codes.shape
         self.group, self.dtype = groups.group, dtype
         self.register_buffer("codes", groups.codes.contiguous())
-        self.register_buffer("scales", groups.scales.float().contiguous())
-        self.register_buffer("mins", None if groups.mins is None else groups.mins.float().contiguous())
+        scales = scale_tensor(groups.scales)
+        self.register_buffer("scales", scales.contiguous())
+        self.register_buffer("mins", None if groups.mins is None else groups.mins.to(scales.dtype).contiguous())
 
     def groups(self) -> Int8Groups:
         return Int8Groups(self.codes, self.scales, self.mins, self.group)
@@ -907,10 +915,12 @@ def fuse_kept(members: list[KeptTensor]) -> KeptTensor | None:
 
 def _rows(parts: list[torch.Tensor]) -> torch.Tensor:
     """The parts' rows in one tensor; on the meta device (a weight-cache build) only the shape:
-    torch.cat's meta path imports torch._dynamo, a second of start-up before the first token."""
+    torch.cat's meta path imports torch._dynamo, a second of start-up before the first token. Parts
+    of two dtypes (float16 and float32 scales) give the wider."""
+    dtype = functools.reduce(torch.promote_types, (p.dtype for p in parts))
     if parts[0].is_meta:
-        return torch.empty((sum(p.shape[0] for p in parts), *parts[0].shape[1:]), dtype=parts[0].dtype, device="meta")
-    return torch.cat(parts)
+        return torch.empty((sum(p.shape[0] for p in parts), *parts[0].shape[1:]), dtype=dtype, device="meta")
+    return torch.cat([p.to(dtype) for p in parts])
 
 
 def quant_layers(model: nn.Module) -> list[KeptLinear]:

@@ -24,7 +24,7 @@ from kvserve.native import cpu_flags
 
 log = logging.getLogger("kvserve")
 
-FORMAT_VERSION = "1"
+FORMAT_VERSION = "2"
 SOURCES = Path(__file__).parent   # kvserve/model: the code that decides every layout and layer
 
 

@@ -5,8 +5,8 @@
 //     (_weight_int8pack_mm) rounds: x and the scale in bfloat16, sums in float32, the result
 //     rounded to bfloat16.
 //   bf16_gemv(x [M, K] bfloat16, w [N, K] bfloat16) -> [M, N] bfloat16, sums in float32.
-//   q8g_gemv(x [M, K] float32|bfloat16, codes [N, K] int8, scales [N, K/group] float32,
-//            mins [K/group, N] float32 or None, group 16|32) -> [M, N] in x's dtype:
+//   q8g_gemv(x [M, K] float32|bfloat16, codes [N, K] int8, scales [N, K/group] float32 or float16,
+//            mins [K/group, N] of the scales' dtype or None, group 16|32) -> [M, N] in x's dtype:
 //     y[m, n] = sum over groups g of scales[n, g] * sum_{k in g} x[m, k] codes[n, k]
 //               + mins[g, n] * sum_{k in g} x[m, k]
 //     (a GGUF block's codes as the format stores them: Q8_0, Q5_0, Q6_K signed, Q5_1 / Q5_K
@@ -674,6 +674,15 @@ at::Tensor q4g_dequantize_meta(const at::Tensor& codes, const at::Tensor& scales
   return at::empty_symint({codes.sym_size(0), codes.sym_size(1) * 2}, codes.options().dtype(at::kFloat));
 }
 
+template <typename S>
+void q8g_run(const float* x, const uint8_t* w, const at::Tensor& scales, const std::optional<at::Tensor>& mins,
+             int64_t group, int64_t k, at::Tensor& y) {
+  const S* sp = static_cast<const S*>(scales.const_data_ptr());
+  const S* mp = mins ? static_cast<const S*>(mins->const_data_ptr()) : nullptr;
+  if (group == 32) int_run<Bytes, 32, S>(x, w, sp, mp, k, y);
+  else int_run<Bytes, 16, S>(x, w, sp, mp, k, y);
+}
+
 at::Tensor q8g_gemv(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
                     const std::optional<at::Tensor>& mins, int64_t group) {
   TORCH_CHECK(group == 16 || group == 32, "q8g_gemv: group must be 16 or 32, got ", group);
@@ -681,16 +690,15 @@ at::Tensor q8g_gemv(const at::Tensor& x, const at::Tensor& codes, const at::Tens
   check_rows("q8g_gemv", x, codes, k);
   TORCH_CHECK(codes.scalar_type() == at::kChar && codes.size(1) == k, "q8g_gemv: int8 codes [N, K] expected, got ",
               codes.scalar_type(), " ", codes.sizes());
-  check_group_operands("q8g_gemv", scales, mins ? &*mins : nullptr, n, k / group, at::kFloat);
+  const bool half = scales.scalar_type() == at::kHalf;   // float16 scales (and mins): 2 bytes a group
+  check_group_operands("q8g_gemv", scales, mins ? &*mins : nullptr, n, k / group, half ? at::kHalf : at::kFloat);
   at::Tensor y = at::empty({m, n}, x.options().dtype(at::kFloat));
   if (m == 0 || n == 0) return y.to(x.scalar_type());
   const at::Tensor xf = float_rows(x, false);
   const float* xp = xf.const_data_ptr<float>();
   const uint8_t* wp = static_cast<const uint8_t*>(codes.const_data_ptr());
-  const float* sp = scales.const_data_ptr<float>();
-  const float* mp = mins ? mins->const_data_ptr<float>() : nullptr;
-  if (group == 32) int_run<Bytes, 32, float>(xp, wp, sp, mp, k, y);
-  else int_run<Bytes, 16, float>(xp, wp, sp, mp, k, y);
+  if (half) q8g_run<uint16_t>(xp, wp, scales, mins, group, k, y);
+  else q8g_run<float>(xp, wp, scales, mins, group, k, y);
   return x.scalar_type() == at::kFloat ? y : y.to(x.scalar_type());
 }
 
