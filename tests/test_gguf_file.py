@@ -80,9 +80,11 @@ def test_a_bad_file_is_named_with_the_reason(tmp_path, content, says):
         GGUFFile(path)
 
 
-def test_a_truncated_tensor_is_refused(bundled_model_path, tmp_path):
+@pytest.mark.parametrize("keep, says", [(0.5, "past the end of the file"), (200_000, "truncated inside a string array")])
+def test_a_truncated_file_is_refused(bundled_model_path, tmp_path, keep, says):
+    """Cut in its tensor data, or in its vocabulary (the metadata's string arrays)."""
     data = open(bundled_model_path, "rb").read()
     path = tmp_path / "cut.gguf"
-    path.write_bytes(data[: len(data) // 2])
-    with pytest.raises(GGUFFormatError, match="past the end of the file"):
+    path.write_bytes(data[: int(len(data) * keep) if keep < 1 else keep])
+    with pytest.raises(GGUFFormatError, match=says):
         GGUFFile(path)

@@ -130,6 +130,8 @@ class GGUFFile:
         data, pos, out = self._map, self._pos, []
         unpack = struct.Struct("<Q").unpack_from
         for _ in range(count):
+            if pos + 8 > len(data):
+                raise GGUFFormatError(f"{self.path}: truncated inside a string array at byte {pos}")
             (n,) = unpack(data, pos)
             pos += 8
             out.append(data[pos:pos + n].decode("utf-8", errors="replace"))
