@@ -21,8 +21,8 @@ its GEMVs are switched (`use_gemv`). `make_linear` picks the class from the form
   CPU without kvserve's ops torch's packed layout (`_weight_int4pack_mm_for_cpu` up to
   INT4_WIDE_ROWS, then the unpacked weight); off the CPU nibbles unpacked inside the matmul.
 - `Int8GroupLinear` (int8 codes in groups of 32 or 16 with float16 scales and mins where the file
-  stores them so, else float32: GGUF's Q8_0 / Q5_* / Q6_K, exact): the C++ `q8g_gemv` (integer products, as q4g) up to SMALL_ROWS rows, then
-  widened.
+  stores them so, else float32: GGUF's Q8_0 / Q5_* / Q6_K, exact): the C++ `q8g_gemv` (integer
+  products, as q4g) up to SMALL_ROWS rows, then widened.
 With a bfloat16 copy (the engine's bf16_weight_copy) int8 / int4 steps of more than COPY_ROWS rows,
 int8-group steps of more than SMALL_ROWS, run one bfloat16 GEMM on it.
 `keep_formats` gives a meta-built model each GGUF tensor in its own layout (`weights="gguf"`, the
@@ -569,8 +569,8 @@ def make_linear(weight: torch.Tensor | Int4Groups | Int8Groups, bias: torch.Tens
 
 class Int8GroupLinear(KeptLinear):
     """W as int8 codes in groups along the input channels, a scale per group (and a minimum where the
-    GGUF type has one), float16 where the file stores them so (Q8_0 / Q5_0 / Q5_1), else float32: GGUF's Q8_0 / Q5_0 / Q5_1 / Q5_K (groups of 32) and Q6_K (16), held exactly
-    (gguf_blocks.py).
+    GGUF type has one), float16 where the file stores them so (Q8_0 / Q5_0 / Q5_1), else float32:
+    GGUF's Q8_0 / Q5_0 / Q5_1 / Q5_K (groups of 32) and Q6_K (16), held exactly (gguf_blocks.py).
     - up to SMALL_ROWS rows (float32 or bfloat16 activations): kvserve's C++ GEMV `q8g_gemv` on CPU
       (the rows quantized to int16 per block of 32 and multiplied in integers, as `q4g_gemv`: a row's
       result does not depend on the rows beside it; in_features a multiple of 32), else the same
