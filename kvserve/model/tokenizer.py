@@ -37,8 +37,8 @@ class Tokenizer:
         """Load the tokenizer of a GGUF file (cached after the first build) or HF directory."""
         start = time.perf_counter()
         resolved = resolve_model_path(path)
-        cached = cache_dir_for(resolved, cache_root) / CACHE_TOKENIZER if is_gguf(resolved) else None
-        if cached is not None and FastTokenizer.readable(cached):
+        cached = _cache_folder(resolved, cache_root)
+        if cls.is_quick(resolved, cache_root=cache_root):
             tokenizer, source = FastTokenizer(cached), f"cache {cached}"
         elif cached is not None:
             hf_tokenizer, source = _load_gguf_tokenizer(resolved, cached)
@@ -52,8 +52,8 @@ class Tokenizer:
     @staticmethod
     def is_quick(path: str | None, *, cache_root: str | Path | None = None) -> bool:
         """True when `load` reads a cached folder with the tokenizers library (no transformers, no build)."""
-        resolved = resolve_model_path(path)
-        return is_gguf(resolved) and FastTokenizer.readable(cache_dir_for(resolved, cache_root) / CACHE_TOKENIZER)
+        cached = _cache_folder(resolve_model_path(path), cache_root)
+        return cached is not None and FastTokenizer.readable(cached)
 
     def preload(self) -> None:
         """Load what the first chat request would otherwise wait for (nothing here)."""
@@ -109,6 +109,11 @@ class Tokenizer:
             messages, tokenize=True, add_generation_prompt=add_generation_prompt, return_dict=False
         )
         return list(ids)
+
+
+def _cache_folder(resolved: str, cache_root: str | Path | None) -> Path | None:
+    """Where a GGUF's built tokenizer is cached (None for a HF directory, which ships its own)."""
+    return cache_dir_for(resolved, cache_root) / CACHE_TOKENIZER if is_gguf(resolved) else None
 
 
 def _load_gguf_tokenizer(path: str, target: Path) -> tuple[object, str]:
