@@ -17,6 +17,7 @@ import pytest
 from test_server import Server
 
 import kvserve
+from kvserve import native
 
 ROOT = Path(__file__).resolve().parent.parent
 ENGINE_ARGS = ["--kv-cache-memory", "64MiB", "--max-model-len", "512", "--enforce-eager"]
@@ -41,11 +42,12 @@ def _package_data(root: Path) -> set[str]:
 
 @pytest.fixture(scope="module")
 def source(tmp_path_factory) -> Path:
-    """A copy of what a wheel is built from (no build/ or egg-info left over from earlier builds)."""
+    """A copy of what a wheel is built from: no build/ or egg-info left over from earlier builds, and
+    no kernels `kvserve build-kernels` compiled for this machine (each install builds its own)."""
     src = tmp_path_factory.mktemp("src")
     for name in ("pyproject.toml", "README.md"):
         shutil.copy2(ROOT / name, src / name)
-    shutil.copytree(ROOT / "kvserve", src / "kvserve", ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copytree(ROOT / "kvserve", src / "kvserve", ignore=shutil.ignore_patterns("__pycache__", native.INSTALLED.name))
     return src
 
 
