@@ -132,6 +132,79 @@ def test_q4g_layer_holds_gguf_blocks_exactly():
     assert ((layer.dequantize() - want).abs() <= bound).all()
 
 
+def _q5g_operands(n: int, k: int, g: torch.Generator, half: bool):
+    """codes [N, K] 0..31, their q5g_pack layout, scales and mins [N, K/32] (float16 as Q5_0 / Q5_1
+    store them, or float32 as Q5_K's products; some groups of Q5_0's form min = -16 scale)."""
+    codes = torch.randint(0, 32, (n, k), generator=g, dtype=torch.uint8)
+    scales = torch.rand(n, k // 32, generator=g) * 0.02 + 1e-3
+    mins = -16 * scales * (torch.rand(n, k // 32, generator=g) * 0.5 + 0.75)
+    mins[::3] = -16 * scales[::3]
+    if half:
+        scales, mins = scales.half(), mins.half()
+    return codes, torch.ops.kvserve_cpu.q5g_pack(codes), scales, mins
+
+
+def _check_q5g(rows: int, n: int, k: int) -> None:
+    """q5g_gemv (float16 and float32 scales) against the float64 product of its int16 rows, within 1e-5
+    of the largest value; bfloat16 x gives the float32 result rounded once; q5g_dequantize gives
+    code * scale + min within one float32 rounding."""
+    assert cpu.available()
+    ops = torch.ops.kvserve_cpu
+    for half in (True, False):
+        g = torch.Generator().manual_seed(rows * 100 + n + k + half)
+        codes, packed, scales, mins = _q5g_operands(n, k, g, half)
+        mins_t = mins.t().contiguous()
+        w = codes.double().view(n, k // 32, 32) * scales.double()[..., None] + mins.double()[..., None]
+        w = w.view(n, k)
+        x = torch.randn(rows, k, generator=g)
+        got = ops.q5g_gemv(x, packed, scales, mins_t)
+        want = int16_rows(x).double() @ w.T
+        case = f"{rows}x{k} -> {n}, {scales.dtype}"
+        assert got.dtype == torch.float32 and got.shape == (rows, n), case
+        assert (got.double() - want).abs().max() <= 1e-5 * want.abs().max(), case
+        got16 = ops.q5g_gemv(x.bfloat16(), packed, scales, mins_t)
+        assert torch.equal(got16, ops.q5g_gemv(x.bfloat16().float(), packed, scales, mins_t).bfloat16()), case
+        wide = ops.q5g_dequantize(packed, scales, mins_t)   # a product and a sum, fused or not
+        terms = codes.double().view(n, k // 32, 32) * scales.double()[..., None] - mins.double()[..., None]
+        assert ((wide.double() - w).abs() <= 2**-23 * terms.abs().view(n, k)).all(), case
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 9, 16])
+@pytest.mark.parametrize("n,k", [(16, 32), (37, 96), (192, 576), (96, 1536)])
+def test_q5g_gemv_against_the_float64_product(rows, n, k):
+    """Every tile of rows and channels, one to 48 groups of 20-byte blocks (the high bits' word
+    unpacked into both lane orders), float16 and float32 scales."""
+    _check_q5g(rows, n, k)
+
+
+def test_q5g_rows_do_not_depend_on_the_row_count():
+    g = torch.Generator().manual_seed(6)
+    _, packed, scales, mins = _q5g_operands(75, 576, g, True)
+    mins_t = mins.t().contiguous()
+    x = torch.randn(130, 576, generator=g)
+    alone = torch.cat([torch.ops.kvserve_cpu.q5g_gemv(x[i:i + 1], packed, scales, mins_t) for i in range(130)])
+    for rows in (2, 3, 5, 8, 17, 130):
+        assert torch.equal(torch.ops.kvserve_cpu.q5g_gemv(x[:rows], packed, scales, mins_t), alone[:rows]), rows
+
+
+def test_q5g_pack_keeps_every_code_and_refuses_wider_ones():
+    """Each code alone (one bit set at a time in a block of zeros) comes back from q5g_dequantize at its
+    own input: the high bits' order covers all 32 inputs once."""
+    ops = torch.ops.kvserve_cpu
+    codes = torch.zeros(64, 32, dtype=torch.uint8)
+    for i in range(32):
+        codes[2 * i, i] = 16       # only the fifth bit
+        codes[2 * i + 1, i] = 9    # only low bits
+    ones = torch.ones(64, 1)
+    wide = ops.q5g_dequantize(ops.q5g_pack(codes), ones, torch.zeros(1, 64))
+    assert torch.equal(wide, codes.float())
+    with pytest.raises(RuntimeError, match="codes must lie in 0..31, got 32"):
+        ops.q5g_pack(torch.full((16, 32), 32, dtype=torch.uint8))
+    with pytest.raises(RuntimeError, match=r"packed codes \[N, K/32 \* 20\] expected"):
+        ops.q5g_gemv(torch.randn(1, 64), torch.zeros(16, 32, dtype=torch.uint8), ones[:16].half(),
+                     torch.zeros(2, 16).half())
+
+
 def _invariant_operands(kind: str, n: int, k: int, g: torch.Generator):
     """(call x -> y, as float32) for one GEMV op with invariant=True, its weight drawn from g."""
     assert cpu.available()
@@ -291,7 +364,10 @@ for rows in (1, 3, 5):
     for dtype in (torch.bfloat16, torch.float16):
         t.test_16_bit_gemvs_against_the_float64_product(rows, 50, 96, dtype)
     t._check_q4g(rows, 37, 576)
+    t._check_q5g(rows, 37, 576)
 t.test_q4g_rows_do_not_depend_on_the_row_count()
+t.test_q5g_rows_do_not_depend_on_the_row_count()
+t.test_q5g_pack_keeps_every_code_and_refuses_wider_ones()
 pa.test_cpu_kernel_equals_attention_formula(64, 3, 9)
 pa.test_cpu_kernel_float32_queries_over_bfloat16_pools(4, 64)
 print(cpu.library())

@@ -225,6 +225,47 @@ def test_a_fused_group_of_int8_groups_runs_at_the_finest_group_and_others_split(
     assert fuse_kept([KeptTensor("Q8_0", a), KeptTensor("Q4_0", int4_groups(torch.randn(8, 256)))]) is None
 
 
+@pytest.mark.parametrize("qtype", [QT.Q5_0, QT.Q5_1, QT.Q5_K])
+def test_the_5_bit_types_run_on_the_5_bit_layer_at_every_row_count(qtype):
+    """A Q5_0 / Q5_1 / Q5_K tensor decodes to 5-bit int8 groups and runs as an Int5GroupLinear (20
+    bytes a group): its weight is the decoder's to one float32 rounding (code * scale + min fused),
+    and y = x W^T on the GEMV (int16 rows: 1-128), dequantized (more rows) or on the bfloat16 copy."""
+    from kvserve.model.quant import Int5GroupLinear, make_linear
+    n, k = 40, 512
+    raw = random_blocks(qtype, n * k // gguf.GGML_QUANT_SIZES[qtype][0], seed=int(qtype))
+    layout = decode(fake_tensor(raw, qtype, n, k)).layout
+    assert isinstance(layout, Int8Groups) and layout.bits == 5
+    layer = make_linear(layout, None, "int8g")
+    assert isinstance(layer, Int5GroupLinear)
+    assert layer.packed.numel() == n * k * 20 // 32 and layer.scales.dtype == layout.scales.dtype
+    w = layout.dequantize()
+    assert ((layer.dequantize() - w).abs() <= 2**-23 * w.abs().max()).all()
+    for rows in (1, 3, 130):
+        x = torch.randn(rows, k)
+        _close_to_float64(layer(x), x, w, 1e-5, int16=rows <= 128)
+    layer.add_bf16_copy()
+    x = torch.randn(20, k)
+    _close_to_float64(layer(x), x, w, 2 ** -7)
+    assert make_linear(layout, None, "int8g", copies=False).__class__.__name__ == "Int8GroupLinear"   # a tied head
+
+
+def test_5_bit_members_fuse_as_5_bits_with_codes_from_zero_and_an_8_bit_one_makes_int8():
+    """Q5_0 (signed codes, no mins) + Q5_1 fuse into one 5-bit layout: Q5_0's codes raised by 16 with
+    mins -16 * scale, the same weight exactly; with a Q8_0 member the group stays 8-bit, as it was."""
+    from kvserve.model.quant import Int5GroupLinear, Int8GroupLinear, fuse_kept, kept_layer
+    n, k = 8, 256
+    parts = {q: decode(fake_tensor(random_blocks(q, n * k // 32, seed=int(q)), q, n, k))
+             for q in (QT.Q5_0, QT.Q5_1, QT.Q8_0)}
+    five = fuse_kept([parts[QT.Q5_0], parts[QT.Q5_1]])
+    assert five.layout.bits == 5 and int(five.layout.codes.min()) >= 0 and five.layout.mins is not None
+    assert torch.equal(five.dequantize(), torch.cat([parts[QT.Q5_0].dequantize(), parts[QT.Q5_1].dequantize()]))
+    assert isinstance(kept_layer(five, None), Int5GroupLinear)
+    mixed = fuse_kept([parts[QT.Q5_0], parts[QT.Q8_0]])
+    assert mixed.layout.bits == 8 and mixed.layout.mins is None
+    assert torch.equal(mixed.dequantize(), torch.cat([parts[QT.Q5_0].dequantize(), parts[QT.Q8_0].dequantize()]))
+    assert isinstance(kept_layer(mixed, None), Int8GroupLinear)
+
+
 # ---- a mixed-format model ---------------------------------------------------------------------------
 # Two layers of the bundled SmolLM2, requantized by gguf to a mix: a fused q/k/v of three int8-group
 # types (one with mins), a gate/up of int4 + int8 groups (split), Q6_K down projections (K = 1536).
@@ -301,7 +342,9 @@ def test_the_kept_layouts_cache_round_trips(mixed_gguf, tmp_path):
     for name, t in first[2].items():
         u = second[2][name]
         assert (t.gguf_type, t.kind, t.note, t.shape) == (u.gguf_type, u.kind, u.note, u.shape)
+        assert getattr(t.layout, "bits", None) == getattr(u.layout, "bits", None)
         assert torch.equal(t.dequantize(), u.dequantize())
+    assert first[2]["model.layers.1.self_attn.o_proj.weight"].layout.bits == 5   # Q5_1
 
 
 @pytest.mark.parametrize("tokens", [5, 40])
@@ -317,14 +360,15 @@ def test_a_mixed_format_model_gives_the_float32_dequantized_models_logits(mixed_
     logits by far more)."""
     from kvserve.engine.builder import _build_kept_model, _build_model
     from kvserve.model.loader import load_gguf, load_gguf_kept
-    from kvserve.model.quant import Int8GroupLinear, quant_layers
+    from kvserve.model.quant import Int5GroupLinear, Int8GroupLinear, quant_layers
     config, floats, kept = load_gguf_kept(mixed_gguf, cache_root=tmp_path)
     model = _build_kept_model(config, floats, kept, torch.device("cpu"), torch.float32)
     fused = model.model.layers[0].self_attn.qkv.quant
     assert isinstance(fused, Int8GroupLinear) and fused.group == 32 and fused.mins is not None
     mlp0 = model.model.layers[0].mlp
     assert mlp0.gate_up.quant is None and mlp0.gate_proj.fmt == "int4"
-    assert isinstance(mlp0.up_proj, Int8GroupLinear) and mlp0.down_proj.group == 16
+    assert isinstance(mlp0.up_proj, Int5GroupLinear) and mlp0.down_proj.group == 16   # Q5_0 alone: 5 bits
+    assert isinstance(model.model.layers[1].self_attn.o_proj, Int5GroupLinear)        # Q5_1
     assert isinstance(model.lm_head, Int8GroupLinear) and model.lm_head.codes is model.model.embed_tokens.codes
     assert not any(p.dtype == torch.float32 and p.dim() == 2 for p in model.parameters())
     _, weights = load_gguf(mixed_gguf)

@@ -29,12 +29,15 @@ CHUNK_BLOCKS = 1 << 16  # blocks decoded at a time (bounds the temporaries of a 
 @dataclass
 class Int8Groups:
     """int8 codes [N, K], scales [N, K / group] (float16 where the GGUF type stores them so, else float32),
-    mins like scales or None: w = code * scale (+ min)."""
+    mins like scales or None: w = code * scale (+ min). `bits`: how wide the codes are (CODE_BITS):
+    a signed type's span -2^(bits-1) .. 2^(bits-1) - 1 and have no mins (Q5_0, Q6_K), an unsigned
+    one's 0 .. 2^bits - 1 with mins (Q5_1, Q5_K)."""
 
     codes: torch.Tensor
     scales: torch.Tensor
     mins: torch.Tensor | None
     group: int
+    bits: int = 8
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The weight [N, K] (float32 products and sums, then `dtype`)."""
@@ -46,12 +49,20 @@ class Int8Groups:
             return self
         rep = self.group // group
         mins = None if self.mins is None else self.mins.repeat_interleave(rep, dim=1)
-        return Int8Groups(self.codes, self.scales.repeat_interleave(rep, dim=1), mins, group)
+        return Int8Groups(self.codes, self.scales.repeat_interleave(rep, dim=1), mins, group, self.bits)
+
+    def unsigned(self) -> Int8Groups:
+        """The same weight with codes from 0 and mins (a signed type's codes raised by 2^(bits-1), its
+        mins -2^(bits-1) * scale, exact in the scales' dtype); an unsigned one as it is."""
+        if self.mins is not None or self.bits >= 8:
+            return self
+        half = 1 << (self.bits - 1)
+        return Int8Groups(self.codes + half, self.scales, self.scales * -half, self.group, self.bits)
 
     def permute_rows(self, perm) -> Int8Groups:
         """Rows reordered by `perm` (a function of an [N, ...] array)."""
         return Int8Groups(perm(self.codes), perm(self.scales), None if self.mins is None else perm(self.mins),
-                          self.group)
+                          self.group, self.bits)
 
     @property
     def nbytes(self) -> int:
@@ -203,6 +214,7 @@ def _q4_k(b):
 # Types whose scale (and min) per group is a float16 the file stores: kept in float16 (exact, half the
 # bytes of a float32 scale); Q5_K's and Q6_K's are products of two stored values, kept in float32.
 FLOAT16_SCALES = {"Q8_0", "Q5_0", "Q5_1"}
+CODE_BITS = {"Q5_0": 5, "Q5_1": 5, "Q5_K": 5, "Q6_K": 6}   # int8-group types with narrower codes (else 8)
 DECODERS = {
     "Q8_0": (_q8_0, Int8Groups, 32),
     "Q5_0": (_q5_0, Int8Groups, 32),
@@ -257,7 +269,7 @@ def _decode_blocks(tensor, name: str, n: int, k: int) -> Int8Groups | Int4Groups
         return Int4Groups(codes_t, scales_t, offsets_t)
     if name in FLOAT16_SCALES:
         scales_t, offsets_t = scales_t.half(), offsets_t.half()
-    return Int8Groups(codes_t, scales_t, offsets_t if has_offsets else None, group)
+    return Int8Groups(codes_t, scales_t, offsets_t if has_offsets else None, group, CODE_BITS.get(name, 8))
 
 
 def _requantized(tensor, name: str, n: int, k: int) -> KeptTensor:

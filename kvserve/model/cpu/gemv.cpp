@@ -15,7 +15,10 @@
 //            float16) -> [M, N] in x's dtype: 4-bit codes in GGUF's nibble order, w = code * scale
 //     + min.
 //   q4g_dequantize(codes, scales, mins) -> W [N, K] float32.
-// q8g and q4g quantize x to int16 per block of 32 and multiply in integers ("Integer products"
+//   q5g_gemv(x [M, K] float32|bfloat16, packed [N, K/32 * 20] uint8, scales [N, K/32], mins [K/32, N]
+//            float16 or float32) -> [M, N] in x's dtype: 5-bit codes (0..31) packed by
+//     q5g_pack(codes [N, K] uint8), w = code * scale + min; q5g_dequantize(packed, scales, mins).
+// q8g, q5g and q4g quantize x to int16 per block of 32 and multiply in integers ("Integer products"
 // below); their rows never depend on the call's row count. int8, bfloat16 and float16: sixteen
 // output channels at a time: each channel's dot product runs along K with several accumulators,
 // the 16 partial vectors are reduced together (a transpose), weights are prefetched a few KiB ahead
@@ -438,6 +441,41 @@ struct Nibbles {
 #endif
 };
 
+// 5-bit codes: per channel and block of 32 inputs, 20 bytes: the low four bits as Nibbles holds them,
+// then the fifth bits as a little-endian 32-bit word, input i's at bit high_bit_of(i): the order in
+// which one variable shift per dword (dword j of the even register by j, of the odd one by j after a
+// byte rotation) lands each lane's bit at its bit 4.
+constexpr int high_bit_of(int i) {
+  const int lane = (i / 16) * 8 + (i % 16) / 2;   // i's 16-bit lane in the even (or odd) register
+  const int j = lane / 2;                          // its dword
+  if (i % 2 == 0) return lane % 2 ? 20 + j : 4 + j;
+  return lane % 2 ? (28 + j) % 32 : 12 + j;
+}
+
+struct FiveBits {
+  static constexpr int64_t kBytes = 20;
+  static constexpr bool kInterleaved = true;
+  static int32_t code(const uint8_t* p, int i) {
+    uint32_t high;
+    std::memcpy(&high, p + 16, 4);
+    return Nibbles::code(p, i) | static_cast<int32_t>((high >> high_bit_of(i)) & 1) << 4;
+  }
+#if defined(__AVX2__)
+  static void unpack(const uint8_t* p, __m256i& even, __m256i& odd) {
+    Nibbles::unpack(p, even, odd);
+    int32_t word;
+    std::memcpy(&word, p + 16, 4);
+    const __m256i high = _mm256_set1_epi32(word);
+    const __m256i shift = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    const __m256i bit4 = _mm256_set1_epi32(0x00100010);   // bit 4 of both 16-bit lanes
+    const __m256i rotate8 = _mm256_setr_epi8(1, 2, 3, 0, 5, 6, 7, 4, 9, 10, 11, 8, 13, 14, 15, 12,
+                                             1, 2, 3, 0, 5, 6, 7, 4, 9, 10, 11, 8, 13, 14, 15, 12);
+    even = _mm256_or_si256(even, _mm256_and_si256(_mm256_srlv_epi32(high, shift), bit4));
+    odd = _mm256_or_si256(odd, _mm256_and_si256(_mm256_srlv_epi32(_mm256_shuffle_epi8(high, rotate8), shift), bit4));
+  }
+#endif
+};
+
 struct Bytes {
   static constexpr int64_t kBytes = 32;   // input i in byte i
   static constexpr bool kInterleaved = false;
@@ -502,7 +540,7 @@ void int_tile(const IntArgs<S>& a, int64_t n0, int64_t r0) {
   for (int64_t b = 0; b < blocks; ++b) {
     for (int c = 0; c < C; ++c) {
       const uint8_t* wb = w + c * row_bytes + b * Codes::kBytes;
-      if ((b * Codes::kBytes) % 64 == 0) prefetch(wb + kPrefetch);   // a cache line a step, 4 KiB ahead
+      if ((b * Codes::kBytes) % 64 < Codes::kBytes) prefetch(wb + kPrefetch);   // a line a new line, 4 KiB ahead
       __m256i lo, hi;   // the block's codes, in q's lane order
       Codes::unpack(wb, lo, hi);
       if constexpr (G == kQBlock) {
@@ -674,6 +712,97 @@ at::Tensor q4g_dequantize_meta(const at::Tensor& codes, const at::Tensor& scales
   return at::empty_symint({codes.sym_size(0), codes.sym_size(1) * 2}, codes.options().dtype(at::kFloat));
 }
 
+// ---- 5-bit codes (FiveBits): GGUF's Q5_0 / Q5_1 / Q5_K codes in 20 bytes per group of 32, with a
+// scale and min per group (float16 as Q5_0 / Q5_1 store them, or float32: Q5_K's products).
+
+// packed [N, K/32 * 20] from codes [N, K] (uint8, 0..31).
+at::Tensor q5g_pack(const at::Tensor& codes) {
+  TORCH_CHECK(codes.dim() == 2 && codes.is_contiguous() && codes.scalar_type() == at::kByte,
+              "q5g_pack: contiguous uint8 codes [N, K] expected");
+  const int64_t n = codes.size(0), k = codes.size(1), blocks = n * (k / kQBlock);
+  TORCH_CHECK(k % kQBlock == 0, "q5g_pack: K must be a multiple of 32, got ", k);
+  at::Tensor out = at::empty({n, k / kQBlock * FiveBits::kBytes}, codes.options());
+  const uint8_t* c = codes.const_data_ptr<uint8_t>();
+  uint8_t* o = out.data_ptr<uint8_t>();
+  for (int64_t b = 0; b < blocks; ++b) {
+    const uint8_t* cb = c + b * kQBlock;
+    uint8_t* ob = o + b * FiveBits::kBytes;
+    uint32_t high = 0;
+    for (int i = 0; i < 32; ++i) {
+      TORCH_CHECK(cb[i] < 32, "q5g_pack: codes must lie in 0..31, got ", int(cb[i]));
+      high |= static_cast<uint32_t>(cb[i] >> 4) << high_bit_of(i);
+    }
+    for (int i = 0; i < 16; ++i) ob[i] = static_cast<uint8_t>((cb[i] & 15) | (cb[i + 16] & 15) << 4);
+    std::memcpy(ob + 16, &high, 4);
+  }
+  return out;
+}
+
+at::Tensor q5g_pack_meta(const at::Tensor& codes) {
+  return at::empty_symint({codes.sym_size(0), codes.sym_size(1) / kQBlock * FiveBits::kBytes}, codes.options());
+}
+
+// The scales' element type (float16 or float32; mins alike) checked against [N, groups] / [groups, N].
+bool half_scales(const char* op, const at::Tensor& scales, const at::Tensor* mins, int64_t n, int64_t groups) {
+  const bool half = scales.scalar_type() == at::kHalf;
+  check_group_operands(op, scales, mins, n, groups, half ? at::kHalf : at::kFloat);
+  return half;
+}
+
+at::Tensor q5g_gemv(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales, const at::Tensor& mins) {
+  const int64_t m = x.size(0), k = x.size(1), n = packed.size(0);
+  check_rows("q5g_gemv", x, packed, k);
+  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.size(1) == k / kQBlock * FiveBits::kBytes,
+              "q5g_gemv: uint8 packed codes [N, K/32 * 20] expected (q5g_pack)");
+  const bool half = half_scales("q5g_gemv", scales, &mins, n, k / kQBlock);
+  at::Tensor y = at::empty({m, n}, x.options().dtype(at::kFloat));
+  if (m == 0 || n == 0) return y.to(x.scalar_type());
+  const at::Tensor xf = float_rows(x, false);
+  const float* xp = xf.const_data_ptr<float>();
+  const uint8_t* wp = packed.const_data_ptr<uint8_t>();
+  if (half) {
+    int_run<FiveBits, 32, uint16_t>(xp, wp, static_cast<const uint16_t*>(scales.const_data_ptr()),
+                                    static_cast<const uint16_t*>(mins.const_data_ptr()), k, y);
+  } else {
+    int_run<FiveBits, 32, float>(xp, wp, scales.const_data_ptr<float>(), mins.const_data_ptr<float>(), k, y);
+  }
+  return x.scalar_type() == at::kFloat ? y : y.to(x.scalar_type());
+}
+
+// W [N, K] in float32 (code * scale + min): the weight of a step with more rows than the GEMV serves.
+template <typename S>
+void q5g_widen(const uint8_t* packed, const S* scales, const S* mins, int64_t n, int64_t groups, float* w) {
+  at::parallel_for(0, n * groups, 256, [&](int64_t g0, int64_t g1) {
+    for (int64_t g = g0; g < g1; ++g) {
+      const uint8_t* p = packed + g * FiveBits::kBytes;
+      const float scale = scale_value(scales[g]), min = scale_value(mins[g % groups * n + g / groups]);
+      for (int i = 0; i < 32; ++i) w[g * kQBlock + i] = static_cast<float>(FiveBits::code(p, i)) * scale + min;
+    }
+  });
+}
+
+at::Tensor q5g_dequantize(const at::Tensor& packed, const at::Tensor& scales, const at::Tensor& mins) {
+  TORCH_CHECK(packed.dim() == 2 && packed.is_contiguous() && packed.scalar_type() == at::kByte &&
+                  packed.size(1) % FiveBits::kBytes == 0,
+              "q5g_dequantize: contiguous uint8 packed codes [N, K/32 * 20] expected");
+  const int64_t n = packed.size(0), groups = packed.size(1) / FiveBits::kBytes;
+  const bool half = half_scales("q5g_dequantize", scales, &mins, n, groups);
+  at::Tensor w = at::empty({n, groups * kQBlock}, packed.options().dtype(at::kFloat));
+  if (half) {
+    q5g_widen(packed.const_data_ptr<uint8_t>(), static_cast<const uint16_t*>(scales.const_data_ptr()),
+              static_cast<const uint16_t*>(mins.const_data_ptr()), n, groups, w.data_ptr<float>());
+  } else {
+    q5g_widen(packed.const_data_ptr<uint8_t>(), scales.const_data_ptr<float>(), mins.const_data_ptr<float>(), n,
+              groups, w.data_ptr<float>());
+  }
+  return w;
+}
+
+at::Tensor q5g_dequantize_meta(const at::Tensor& packed, const at::Tensor& scales, const at::Tensor& mins) {
+  return at::empty_symint({packed.sym_size(0), packed.sym_size(1) / FiveBits::kBytes * kQBlock},
+                          packed.options().dtype(at::kFloat));
+}
+
 template <typename S>
 void q8g_run(const float* x, const uint8_t* w, const at::Tensor& scales, const std::optional<at::Tensor>& mins,
              int64_t group, int64_t k, at::Tensor& y) {
@@ -724,6 +853,9 @@ TORCH_LIBRARY(kvserve_cpu, m) {
   m.def("q8g_gemv(Tensor x, Tensor codes, Tensor scales, Tensor? mins, int group) -> Tensor");
   m.def("q4g_gemv(Tensor x, Tensor codes, Tensor scales, Tensor mins) -> Tensor");
   m.def("q4g_dequantize(Tensor codes, Tensor scales, Tensor mins) -> Tensor");
+  m.def("q5g_gemv(Tensor x, Tensor packed, Tensor scales, Tensor mins) -> Tensor");
+  m.def("q5g_pack(Tensor codes) -> Tensor");
+  m.def("q5g_dequantize(Tensor packed, Tensor scales, Tensor mins) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(kvserve_cpu, CPU, m) {
@@ -733,6 +865,9 @@ TORCH_LIBRARY_IMPL(kvserve_cpu, CPU, m) {
   m.impl("q8g_gemv", q8g_gemv);
   m.impl("q4g_gemv", q4g_gemv);
   m.impl("q4g_dequantize", q4g_dequantize);
+  m.impl("q5g_gemv", q5g_gemv);
+  m.impl("q5g_pack", q5g_pack);
+  m.impl("q5g_dequantize", q5g_dequantize);
 }
 
 // Meta kernels keep the row count symbolic (sym_size): size() would make a compiled graph that calls
@@ -744,4 +879,7 @@ TORCH_LIBRARY_IMPL(kvserve_cpu, Meta, m) {
   m.impl("q8g_gemv", q8g_gemv_meta);
   m.impl("q4g_gemv", q4g_gemv_meta);
   m.impl("q4g_dequantize", q4g_dequantize_meta);
+  m.impl("q5g_gemv", q4g_gemv_meta);
+  m.impl("q5g_pack", q5g_pack_meta);
+  m.impl("q5g_dequantize", q5g_dequantize_meta);
 }
