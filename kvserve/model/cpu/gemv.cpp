@@ -399,27 +399,58 @@ constexpr int lane_of(int i, bool interleaved) {
 #endif
 }
 
-QRows quantize_rows(const float* x, int64_t m, int64_t k, int64_t group, bool interleaved) {
+// A block of 32 inputs as int16 codes (in int32s): returns d = max|x| / 32767, codes round(x / d)
+// to nearest even within +-32767 (a NaN input is left out of the maximum and becomes -32767).
+inline float block_codes(const float* xb, int32_t* codes) {
+#if defined(__AVX2__)
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  __m256 v[4], top = _mm256_setzero_ps();
+  for (int i = 0; i < 4; ++i) {
+    v[i] = _mm256_loadu_ps(xb + 8 * i);
+    top = _mm256_max_ps(_mm256_andnot_ps(sign, v[i]), top);   // a NaN lane keeps top's value
+  }
+  __m128 t = _mm_max_ps(_mm256_castps256_ps128(top), _mm256_extractf128_ps(top, 1));
+  t = _mm_max_ps(t, _mm_movehl_ps(t, t));
+  const float amax = _mm_cvtss_f32(_mm_max_ss(t, _mm_movehdup_ps(t)));
+  const float d = amax * (1.0f / 32767.0f);
+  const __m256 inv = _mm256_set1_ps(d > 0.0f ? 1.0f / d : 0.0f);
+  const __m256i hi = _mm256_set1_epi32(32767), lo = _mm256_set1_epi32(-32767);
+  for (int i = 0; i < 4; ++i) {   // cvtps rounds to nearest even (MXCSR's default), as nearbyint
+    const __m256i c = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], inv));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(codes + 8 * i), _mm256_max_epi32(lo, _mm256_min_epi32(hi, c)));
+  }
+  return d;
+#else
+  float amax = 0.0f;
+  for (int i = 0; i < kQBlock; ++i) amax = std::max(amax, std::fabs(xb[i]));
+  const float d = amax * (1.0f / 32767.0f);
+  const float inv = d > 0.0f ? 1.0f / d : 0.0f;
+  for (int i = 0; i < kQBlock; ++i)
+    codes[i] = std::min(32767, std::max(-32767, static_cast<int32_t>(std::nearbyint(xb[i] * inv))));
+  return d;
+#endif
+}
+
+// Into `out`, whose buffers a thread reuses from call to call (no allocation a call once they fit).
+void quantize_rows(const float* x, int64_t m, int64_t k, int64_t group, bool interleaved, QRows& out) {
   const int64_t blocks = k / kQBlock, per = kQBlock / group;
-  QRows out{std::vector<int16_t>(m * k), std::vector<float>(m * blocks), std::vector<float>(m * k / group)};
+  out.q.resize(m * k);
+  out.d.resize(m * blocks);
+  out.s.resize(m * k / group);
   for (int64_t b = 0; b < m * blocks; ++b) {
     const float* xb = x + b * kQBlock;
-    float amax = 0.0f;
-    for (int i = 0; i < kQBlock; ++i) amax = std::max(amax, std::fabs(xb[i]));
-    const float d = amax * (1.0f / 32767.0f);
-    const float inv = d > 0.0f ? 1.0f / d : 0.0f;
+    int32_t codes[kQBlock];
+    const float d = block_codes(xb, codes);
     for (int64_t j = 0; j < per; ++j) {
       int32_t sum = 0;
       for (int64_t i = j * group; i < (j + 1) * group; ++i) {
-        const int32_t v = std::min(32767, std::max(-32767, static_cast<int32_t>(std::nearbyint(xb[i] * inv))));
-        out.q[b * kQBlock + lane_of(static_cast<int>(i), interleaved)] = static_cast<int16_t>(v);
-        sum += v;
+        out.q[b * kQBlock + lane_of(static_cast<int>(i), interleaved)] = static_cast<int16_t>(codes[i]);
+        sum += codes[i];
       }
       out.s[b * per + j] = d * static_cast<float>(sum);
     }
     out.d[b] = d;
   }
-  return out;
 }
 
 // The two code layouts, a block of 32 inputs' codes unpacked into 2 x 16 int16 lanes: nibbles by shifts
@@ -524,6 +555,24 @@ __attribute__((noinline)) float int_row(const uint8_t* w, const S* scales, const
 }
 #endif
 
+#if defined(__AVX2__)
+// out[g] = scale g as a float, times the block scale d[g's block] where d is given (a lone row's).
+template <int G, typename S>
+void tile_scales(const S* scales, int64_t groups, const float* d, float* out) {
+  int64_t g = 0;
+  if constexpr (G == kQBlock) {
+    for (; g + 8 <= groups; g += 8) {
+      __m256 v;
+      if constexpr (sizeof(S) == 2) v = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(scales + g)));
+      else v = _mm256_loadu_ps(reinterpret_cast<const float*>(scales + g));
+      if (d != nullptr) v = _mm256_mul_ps(v, _mm256_loadu_ps(d + g));
+      _mm256_storeu_ps(out + g, v);
+    }
+  }
+  for (; g < groups; ++g) out[g] = d != nullptr ? scale_value(scales[g]) * d[g * G / kQBlock] : scale_value(scales[g]);
+}
+#endif
+
 // y for C channels from n0 and R rows from r0 (without the mins): each block of codes is unpacked
 // once and meets every row.
 template <typename Codes, int G, typename S, int C, int R>
@@ -534,6 +583,12 @@ void int_tile(const IntArgs<S>& a, int64_t n0, int64_t r0) {
   const uint8_t* w = a.w + n0 * row_bytes;
   const S* sc = a.scales + n0 * groups;
 #if defined(__AVX2__)
+  // The tile's scales as floats first (times d for a lone row): a vector pass, then one broadcast
+  // load per channel and group where each took a float16 conversion and a product.
+  thread_local std::vector<float> buffer;
+  buffer.resize(C * groups);
+  float* scale_f = buffer.data();
+  for (int c = 0; c < C; ++c) tile_scales<G>(sc + c * groups, groups, R == 1 ? d : nullptr, scale_f + c * groups);
   __m256 acc[R][C];
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < C; ++c) acc[r][c] = _mm256_setzero_ps();
@@ -543,23 +598,25 @@ void int_tile(const IntArgs<S>& a, int64_t n0, int64_t r0) {
       if ((b * Codes::kBytes) % 64 < Codes::kBytes) prefetch(wb + kPrefetch);   // a line a new line, 4 KiB ahead
       __m256i lo, hi;   // the block's codes, in q's lane order
       Codes::unpack(wb, lo, hi);
+      const float* cs = scale_f + c * groups;
       if constexpr (G == kQBlock) {
-        const float scale = scale_value(sc[c * groups + b]);
         for (int r = 0; r < R; ++r) {
           const int16_t* qb = q + r * k + b * kQBlock;
           const __m256i sums = _mm256_add_epi32(
               _mm256_madd_epi16(lo, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qb))),
               _mm256_madd_epi16(hi, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qb + 16))));
-          acc[r][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), _mm256_set1_ps(scale * d[r * blocks + b]), acc[r][c]);
+          const __m256 scale = _mm256_set1_ps(R == 1 ? cs[b] : cs[b] * d[r * blocks + b]);
+          acc[r][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), scale, acc[r][c]);
         }
       } else {   // groups of 16, in order: a scale for each half of the block
         static_assert(!Codes::kInterleaved, "groups of 16 need the codes in order");
-        const float s0 = scale_value(sc[c * groups + 2 * b]), s1 = scale_value(sc[c * groups + 2 * b + 1]);
         for (int r = 0; r < R; ++r) {
           const int16_t* qb = q + r * k + b * kQBlock;
-          const float db = d[r * blocks + b];
-          acc[r][c] = _mm256_fmadd_ps(madd_float(lo, qb), _mm256_set1_ps(s0 * db), acc[r][c]);
-          acc[r][c] = _mm256_fmadd_ps(madd_float(hi, qb + 16), _mm256_set1_ps(s1 * db), acc[r][c]);
+          const float db = R == 1 ? 1.0f : d[r * blocks + b];
+          const __m256 s0 = _mm256_set1_ps(R == 1 ? cs[2 * b] : cs[2 * b] * db);
+          const __m256 s1 = _mm256_set1_ps(R == 1 ? cs[2 * b + 1] : cs[2 * b + 1] * db);
+          acc[r][c] = _mm256_fmadd_ps(madd_float(lo, qb), s0, acc[r][c]);
+          acc[r][c] = _mm256_fmadd_ps(madd_float(hi, qb + 16), s1, acc[r][c]);
         }
       }
     }
@@ -624,7 +681,8 @@ void int_rows(const IntArgs<S>& a, int64_t n0, int64_t m) {
 template <typename Codes, int G, typename S>
 void int_run(const float* x, const uint8_t* w, const S* scales, const S* mins, int64_t k, at::Tensor& y) {
   const int64_t m = y.size(0), n = y.size(1);
-  const QRows xq = quantize_rows(x, m, k, G, Codes::kInterleaved);
+  thread_local QRows xq;
+  quantize_rows(x, m, k, G, Codes::kInterleaved, xq);
   const IntArgs<S> a{w, scales, mins, &xq, k, n, G, y.data_ptr<float>()};
   at::parallel_for(0, (n + kQChunk - 1) / kQChunk, 1, [&](int64_t c0, int64_t c1) {
     const int64_t start = c0 * kQChunk, end = std::min(n, c1 * kQChunk);
