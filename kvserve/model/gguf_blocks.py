@@ -66,6 +66,9 @@ class Int8Groups:
 
     @property
     def nbytes(self) -> int:
+        """As the CPU layer holds it: 5-bit codes packed (5/8 of a byte each, with mins), else a byte a code."""
+        if self.bits == 5:
+            return self.codes.numel() * 5 // 8 + 2 * self.scales.numel() * self.scales.element_size()
         return sum(t.numel() * t.element_size() for t in (self.codes, self.scales, self.mins) if t is not None)
 
 
