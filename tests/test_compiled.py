@@ -117,6 +117,30 @@ def test_batch_one_decode_runs_the_one_token_graph(graphs_and_compiled, eager_in
     assert out.outputs[0].token_ids[:8] == want[:8]
 
 
+def test_a_few_decodes_run_the_batched_paged_graph(graphs_and_compiled, monkeypatch):
+    """Three sequences decoding together: each step's three rows run the few-row paged graph (the
+    cache written and read inside it by the C++ decode op: no layer's eager attention runs for
+    them), and every sequence gets the tokens it gets decoding alone through the one-token graph
+    (each row's kernels do not depend on the rows beside it)."""
+    _, compiled = graphs_and_compiled
+    model = compiled.engine.model
+    regions_ = model.model.regions
+    attn = model.model.layers[3].self_attn
+    greedy = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    alone = [compiled.generate(p, greedy, use_tqdm=False)[0].outputs[0].token_ids for p in PROMPTS]
+    seen, graph_rows = [], []
+    real_attend, real_graph = attn.attend, regions_.few_paged
+    monkeypatch.setattr(attn, "attend", lambda q, k, v, meta: seen.append(q.shape[0]) or real_attend(q, k, v, meta))
+    monkeypatch.setattr(regions_, "few_paged", lambda layers, x, *a: graph_rows.append(x.shape[0]) or
+                        real_graph(layers, x, *a))
+    rows_before = model.kv_rows
+    out = compiled.generate(PROMPTS, greedy, use_tqdm=False)
+    prompts = sum(len(o.prompt_token_ids) for o in out)
+    assert graph_rows == [3] * 9 and sum(seen) == prompts        # decodes in the graph, prompts eagerly
+    assert model.kv_rows - rows_before == prompts + 27
+    assert [o.outputs[0].token_ids for o in out] == alone
+
+
 @pytest.mark.parametrize("pool_dtype", [torch.float32, torch.bfloat16])
 def test_one_token_paged_attention_matches_the_paged_reference(pool_dtype):
     """paged_decode_one (traced into the one-token graph) writes the new K/V at its slot and
@@ -246,19 +270,24 @@ def test_shared_pool_slots_are_written_in_place_by_the_one_token_graph(tiny_hybr
 
 
 def test_no_prompt_length_or_context_recompiles_after_the_warm_up(tiny_hybrid):
-    """Prompts of a length in each of the quantized kernels' row ranges (model/quant.py) and decodes
-    at growing contexts, one after another, compile no graph after the warm-up, and make the eager
-    engine's greedy tokens."""
+    """Prompts of a length in each of the quantized kernels' row ranges (model/quant.py), decodes at
+    growing contexts, one after another, and decode steps of 2 to 8 sequences of different lengths
+    compile no graph after the warm-up, and make the eager engine's greedy tokens."""
     from torch._dynamo.utils import counters
 
     from kvserve.model.regions import ROW_BOUNDS
     eager, compiled = tiny_hybrid
-    greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=2)
+    greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=5)
     before = counters["stats"]["unique_graphs"]
     for n in sorted({2, 5, *ROW_BOUNDS, *(b + 1 for b in ROW_BOUNDS), 170}):
         prompt = {"prompt_token_ids": [(7 * i + n) % 200 + 3 for i in range(n)]}
         got = compiled.generate(prompt, greedy, use_tqdm=False)[0].outputs[0]
         _agree_up_to_a_tie(eager.generate(prompt, greedy, use_tqdm=False)[0].outputs[0], got, n)
+    for streams in (2, 5, 8):   # decode steps of a few rows: the few-row paged graph
+        prompts = [{"prompt_token_ids": [(5 * i + s) % 200 + 3 for i in range(20 + 9 * s)]} for s in range(streams)]
+        for want, got in zip(eager.generate(prompts, greedy, use_tqdm=False),
+                             compiled.generate(prompts, greedy, use_tqdm=False)):
+            _agree_up_to_a_tie(want.outputs[0], got.outputs[0], streams)
     assert counters["stats"]["unique_graphs"] == before
 
 

@@ -226,6 +226,38 @@ def test_cpu_kernel_bfloat16_close_to_formula(d):
     assert (got.double() - want).abs().max() < 2e-2
 
 
+@pytest.mark.parametrize("pool_dtype", [torch.float32, torch.bfloat16])
+def test_cpu_kernel_decode_batch_stores_every_row_then_attends(pool_dtype):
+    """decode_batch, the op of the captured few-row graph: one request's token and its three
+    speculated tokens (one block table, each row one position further) and two other requests (one
+    with a sliding window that starts mid-table), in one call. Every row's K/V lands at its slot in
+    the pools' dtype, each row attends over its own range of the pools as written (the float64
+    formula), and the result is paged_decode's over those pools, bit for bit."""
+    from kvserve.attention import cpu
+    assert cpu.kernel(), "the CPU decode kernel did not build (a C++ compiler is part of the install)"
+    bs, hkv, hq, d, scale = 4, 2, 6, 32, 0.2
+    k_pool, v_pool, tables = _pool_and_tables([37, 20, 50], bs, hkv, d, pool_dtype, seed=21)
+    gen = torch.Generator().manual_seed(22)
+    # (request, position of the row's token, first visible position)
+    rows = [(0, 33, 0), (0, 34, 0), (0, 35, 0), (0, 36, 0), (1, 19, 0), (2, 49, 30)]
+    row_tables = [tables[r] for r, _, _ in rows]
+    width = max(len(t) for t in row_tables)
+    table = torch.stack([torch.cat([t, torch.full((width - len(t),), -1)]) for t in row_tables])
+    slots = torch.tensor([int(tables[r][p // bs]) * bs + p % bs for r, p, _ in rows])
+    starts, ends = torch.tensor([s for _, _, s in rows]), torch.tensor([p + 1 for _, p, _ in rows])
+    q = torch.randn(len(rows), hq, d, generator=gen)
+    k, v = torch.randn(len(rows), hkv, d, generator=gen), torch.randn(len(rows), hkv, d, generator=gen)
+    ref_k, ref_v = k_pool.clone(), v_pool.clone()
+    ref_k.view(-1, hkv, d)[slots], ref_v.view(-1, hkv, d)[slots] = k.to(pool_dtype), v.to(pool_dtype)
+    got = cpu.paged_decode_batch(q, k, v, k_pool, v_pool, slots, table, torch.stack((starts, ends)), scale)
+    assert torch.equal(k_pool, ref_k) and torch.equal(v_pool, ref_v)
+    want = _oracle(q, ref_k, ref_v, row_tables, starts.tolist(), ends.tolist(), bs, scale)
+    torch.testing.assert_close(got.double(), want, atol=2e-6, rtol=1e-5)
+    assert torch.equal(got, cpu.paged_decode(q, ref_k, ref_v, table, starts, ends, scale))
+    with pytest.raises(RuntimeError, match="slots"):
+        cpu.paged_decode_batch(q, k, v, k_pool, v_pool, slots[:2], table, torch.stack((starts, ends)), scale)
+
+
 def test_cpu_kernel_without_a_compiler_falls_back_to_torch(llm_nocache, monkeypatch, tmp_path, caplog):
     """No C++ compiler: a warning says why, the engine decodes through torch's ops, same tokens."""
     from helpers import assert_same_completions

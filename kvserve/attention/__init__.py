@@ -17,19 +17,19 @@ from kvserve.attention.backends import (
 from kvserve.attention.math import MHA, MLA
 from kvserve.attention.metadata import (
     AttentionMetadata,
+    CapturedInputs,
     Context,
     DecodeChunks,
     DecodeRange,
     GatheredMetadata,
-    OneTokenInputs,
     PagedMetadata,
     PrefillSpan,
     window_mask,
 )
 from kvserve.attention.paged import paged_decode, plan_chunks
 
-__all__ = ["MHA", "MLA", "NO_CACHE", "AttentionBackends", "AttentionMetadata", "Context", "DecodeChunks",
-           "DecodeRange", "GatheredBackend", "GatheredMetadata", "NoCacheBackend", "OneTokenInputs", "PagedBackend",
+__all__ = ["MHA", "MLA", "NO_CACHE", "AttentionBackends", "AttentionMetadata", "CapturedInputs", "Context",
+           "DecodeChunks", "DecodeRange", "GatheredBackend", "GatheredMetadata", "NoCacheBackend", "PagedBackend",
            "PagedMetadata", "PrefillSpan", "StepBatch", "attend", "attention", "paged_decode", "plan_chunks",
            "select_backend", "window_mask"]
 

@@ -77,11 +77,12 @@ class PagedMetadata(SpanMetadata):
 
 
 @dataclass
-class OneTokenInputs:
-    """What the captured one-token step (engine/captured_step.py) runs a single decode token with:
-    the fixed parts (the attention op, the distinct pool tensors, each layer's (K, V) index among
-    them and its KV group) and this step's (per group: the token's slot, the visible blocks and the
-    visible positions among them)."""
+class CapturedInputs:
+    """What the captured decode step (engine/captured_step.py) runs its decode rows with: the fixed
+    parts (the attention op, the distinct pool tensors, each layer's (K, V) index among them and its
+    KV group) and this step's, per group: the rows' slots, what they read (one token: its visible
+    blocks [n] and the visible positions [2] among them; 2 to STACK_ROWS rows: their block tables
+    [R, W] and each row's visible positions [2, R], starts then ends)."""
 
     decode: Callable
     pools: tuple[torch.Tensor, ...]
@@ -117,9 +118,10 @@ class AttentionMetadata:
     # attends over its own rows.
     backends: object | None = None
     groups: list | None = None
-    # A single decode token over native paged K/V in every layer: the captured step's inputs (it
-    # writes and reads the cache itself, model/regions.py); None: attention goes through the backends.
-    one_token: OneTokenInputs | None = None
+    # Decode rows only (1 to STACK_ROWS) over native paged K/V in every layer: the captured step's
+    # inputs (its graph writes and reads the cache itself, model/regions.py); None: attention goes
+    # through the backends.
+    captured: CapturedInputs | None = None
     # Callbacks (layer, q, k, v, scale, window) that see every `attend` call of this forward (KV
     # calibration's capture of the model's queries, keys and values).
     observers: tuple = ()

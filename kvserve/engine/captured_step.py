@@ -1,32 +1,35 @@
-"""The captured one-token step: a single decode token over native paged K/V runs the whole layer
-stack as one compiled graph that writes and reads the pools itself (model/regions.py's one-token
+"""The captured decode step: a step of decode rows only over native paged K/V (a single token, or 2
+to STACK_ROWS rows: a few requests' decodes, a request's token and its speculated tokens) runs the
+whole layer stack as one compiled graph that writes and reads the pools itself (model/regions.py's
 paged stack), with no Python between the layers. The model runner owns it; each step it is fed a
-named OneTokenInputs built from the PagedBackends' metadata."""
+named CapturedInputs built from the PagedBackends' metadata."""
 
 from __future__ import annotations
 
 import torch
 
-from kvserve.attention import AttentionBackends, AttentionMetadata, OneTokenInputs
+from kvserve.attention import AttentionBackends, AttentionMetadata, CapturedInputs
 from kvserve.attention import cpu as cpu_kernel
 from kvserve.attention.paged import one_token_blocks, paged_decode_one
 from kvserve.kv.storage import KVStorage
+from kvserve.model.regions import STACK_ROWS
 
 
 class CapturedStep:
-    """The fixed parts of the one-token graph's inputs: the attention op, each distinct pool tensor
-    once, each layer's (K, V) index among them and its KV group."""
+    """The fixed parts of the captured graphs' inputs: the attention ops (one token; a batch of decode
+    rows, or None where the C++ kernel does not read the pools: such steps then run through the
+    backends), each distinct pool tensor once, each layer's (K, V) index among them and its KV group."""
 
-    def __init__(self, decode, pools: tuple[torch.Tensor, ...], kv_index: tuple[tuple[int, int], ...],
+    def __init__(self, decode, batch, pools: tuple[torch.Tensor, ...], kv_index: tuple[tuple[int, int], ...],
                  groups: tuple[int, ...], block_size: int, device: torch.device):
-        self.decode, self.pools, self.kv_index, self.groups = decode, pools, kv_index, groups
+        self.decode, self.batch, self.pools, self.kv_index, self.groups = decode, batch, pools, kv_index, groups
         self.block_size, self.device = block_size, device
 
     @classmethod
     def build(cls, model: torch.nn.Module, regions, attn: AttentionBackends, storage: KVStorage,
               block_size: int, device: torch.device) -> CapturedStep | None:
         """The step when the model runs `regions` compiled and every KV group keeps native K/V read by
-        PagedBackend; None otherwise (single tokens then run through the backends)."""
+        PagedBackend; None otherwise (decode rows then run through the backends)."""
         layers = getattr(model.model, "layers", ())
         if (not getattr(regions, "compiled", False) or not attn.paged
                 or sorted(attn.layer_group) != list(range(len(layers)))
@@ -34,34 +37,59 @@ class CapturedStep:
             return None
         pools, kv_index = distinct_pools([storage.native_kv(i) for i in range(len(layers))])
         # the C++ kernel where it reads every pool (an opaque op in the graph), else torch's ops
-        decode = cpu_kernel.paged_decode_one if all(b.kernel for b in attn.backends) else paged_decode_one
-        return cls(decode, pools, kv_index, tuple(attn.layer_group[i] for i in range(len(layers))), block_size,
+        kernel = all(b.kernel for b in attn.backends)
+        decode = cpu_kernel.paged_decode_one if kernel else paged_decode_one
+        batch = cpu_kernel.paged_decode_batch if kernel else None
+        return cls(decode, batch, pools, kv_index, tuple(attn.layer_group[i] for i in range(len(layers))), block_size,
                    device)
 
-    def inputs(self, meta: AttentionMetadata) -> OneTokenInputs | None:
-        """This step's inputs when it is a single decode token: per group, the token's slot, the visible
-        blocks (of an unbacked length: one graph for every context length) and the visible positions
-        among them. None for any other step."""
-        if meta.num_decodes != 1 or meta.prefills:
+    def inputs(self, meta: AttentionMetadata) -> CapturedInputs | None:
+        """This step's inputs when it has decode rows only, one (per group: the token's slot, the visible
+        blocks, of an unbacked length: one graph for every context length, and the visible positions
+        among them) or up to STACK_ROWS (per group: the rows' slots, block tables of an unbacked width
+        and visible positions); None for any other step."""
+        rows = meta.num_decodes
+        if meta.prefills or rows == 0 or rows > STACK_ROWS:
             return None
-        views = [one_token_blocks(md.decode.tables[0], int(md.decode.start), int(md.decode.end), self.block_size)
-                 for md in meta.groups]
-        return self._with(tuple(md.slot_mapping for md in meta.groups), views, self.pools)
+        if rows == 1:
+            views = [one_token_blocks(md.decode.tables[0], int(md.decode.start), int(md.decode.end), self.block_size)
+                     for md in meta.groups]
+            return self._with(self.decode, tuple(md.slot_mapping for md in meta.groups), views, self.pools)
+        if self.batch is None:
+            return None
+        views = [batch_tables(md.decode.tables, md.decode.start, md.decode.end) for md in meta.groups]
+        return self._with(self.batch, tuple(md.slot_mapping for md in meta.groups), views, self.pools)
 
-    def warm_up_inputs(self) -> OneTokenInputs:
-        """Inputs for a fake decode at slot 0 over pools shaped like the engine's but not theirs (empty
-        ones: the engine may be writing its own meanwhile, and pages never touched cost no memory), for
-        compiling the graph before a request's first decode step."""
+    def warm_up_inputs(self, rows: int = 1) -> CapturedInputs | None:
+        """Inputs for a fake decode of `rows` rows at slot 0 over pools shaped like the engine's but not
+        theirs (empty ones: the engine may be writing its own meanwhile, and pages never touched cost
+        no memory), for compiling a graph before a request's first decode step; None for rows the
+        step does not capture."""
+        if rows > 1 and self.batch is None:
+            return None
         scratch = tuple(_empty_like(p) for p in self.pools)
-        with torch.inference_mode():   # as a step's slot, blocks and span are (the guards tell them apart)
+        with torch.inference_mode():   # as a step's slots, blocks and spans are (the guards tell them apart)
             # each group's its own, as in a step (the graph guards on which inputs are one tensor)
-            slots = tuple(torch.zeros(1, dtype=torch.long, device=self.device) for _ in range(max(self.groups) + 1))
-            views = [one_token_blocks(slot, 0, 1, self.block_size) for slot in slots]
-        return self._with(slots, views, scratch)
+            slots = tuple(torch.zeros(rows, dtype=torch.long, device=self.device) for _ in range(max(self.groups) + 1))
+            if rows == 1:
+                views = [one_token_blocks(slot, 0, 1, self.block_size) for slot in slots]
+            else:
+                views = [batch_tables(torch.zeros(rows, 1, dtype=torch.long, device=self.device), slot, slot + 1)
+                         for slot in slots]
+        return self._with(self.decode if rows == 1 else self.batch, slots, views, scratch)
 
-    def _with(self, slots, views, pools) -> OneTokenInputs:
-        return OneTokenInputs(self.decode, pools, self.kv_index, slots, tuple(b for b, _ in views),
+    def _with(self, decode, slots, views, pools) -> CapturedInputs:
+        return CapturedInputs(decode, pools, self.kv_index, slots, tuple(b for b, _ in views),
                               tuple(span for _, span in views), self.groups)
+
+
+def batch_tables(tables: torch.Tensor, starts: torch.Tensor, ends: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """paged_decode_batch's (tables, ranges) for decode rows attending over [starts[i], ends[i]) of
+    their block tables [R, W]: the tables in storage of their own, the width marked unbacked (one
+    graph for every context length, as one_token_blocks), and the ranges as one [2, R] tensor."""
+    own = tables.clone(memory_format=torch.contiguous_format)
+    torch._dynamo.decorators.mark_unbacked(own, 1)
+    return own, torch.stack((starts, ends))
 
 
 def distinct_pools(per_layer) -> tuple[tuple[torch.Tensor, ...], tuple[tuple[int, int], ...]]:

@@ -214,7 +214,7 @@ class StartupCompile:
         if regions is None:
             return None
         captured = runner.capture(regions)
-        warm_up(regions, model, device, captured.warm_up_inputs() if captured is not None else None, show_progress)
+        warm_up(regions, model, device, captured, show_progress)
         parts = CompiledParts(regions, _head_with_row_kernel(model.lm_head))
         if self.cache is not None:
             self.cache.save()

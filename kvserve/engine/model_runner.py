@@ -127,7 +127,7 @@ class ModelRunner:
         step = self._step_batch(rows, len(rows) - len(prefills), len(ids))
         meta = self.attn.metadata(step, tables, spans, self.eviction.score_hook(decodes, prefills))
         if self.captured is not None:
-            meta.one_token = self.captured.inputs(meta)
+            meta.captured = self.captured.inputs(meta)
         return ModelInput(self._tensor(ids), self._tensor(pos), meta, order, logits_rows, sampling, step, tables)
 
     def _flatten(self, order: list[tuple[Request, int]]) -> tuple[list[int], list[int], list[int], list[Request]]:

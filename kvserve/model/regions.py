@@ -3,11 +3,13 @@ attention calls (output projection, residuals, norms, MLP, the next layer's norm
 and rotary embedding) as one region, run eagerly or compiled.
 
 Compiled, a step of up to STACK_ROWS tokens (a decode of a few requests, or one request verifying
-its speculated tokens) runs the whole stack as one `torch.compile` graph in which each layer's
-attention is an opaque op (`stack_attend_op`, one per compiled Regions: the backend reads and
-writes the paged cache eagerly, with the step's metadata): one graph call per step instead of one
-per layer, which is most of the host time of a small model's step. One token has a static graph
-of its own; 2..STACK_ROWS tokens share one with a dynamic row count. Steps of more tokens run
+its speculated tokens) runs the whole stack as one `torch.compile` graph: one graph call per step
+instead of one per layer, which is most of the host time of a small model's step. Decode rows over
+native paged K/V run the paged stack, whose attention ops write and read the pools themselves
+(engine/captured_step.py feeds it); other steps run the stack with an opaque attention op
+(`stack_attend_op`, one per compiled Regions: the backend reads and writes the cache eagerly, with
+the step's metadata). One token has static graphs of their own; 2..STACK_ROWS tokens share ones
+with a dynamic row count. Steps of more tokens run
 per region: every region of a model is one graph shared by all its layers (the layer's weights
 are graph inputs, not constants) with dynamic shapes, compiled in seconds; at those sizes the
 arithmetic outweighs the calls.
@@ -89,13 +91,13 @@ def _one_token_stack(layers, x, positions, attend):
     return x
 
 
-def _one_token_paged_stack(layers, x, positions, decode, pools, kv_index, slots, blocks, spans, groups):
-    """The whole stack for one decode token over native paged K/V, the cache written and read in
-    the graph by `decode` (attention/paged.py paged_decode_one, or the C++ kernel's, an opaque op):
-    no Python between the layers. `pools` holds each pool tensor once and layer i reads
-    pools[kv_index[i][0]] (K) and pools[kv_index[i][1]] (V): KV groups share pool slots, and a
-    tensor passed twice would be two aliased mutated inputs, which the graph copies whole instead
-    of writing in place."""
+def _paged_stack(layers, x, positions, decode, pools, kv_index, slots, blocks, spans, groups):
+    """The whole stack for a step of decode rows over native paged K/V, the cache written and read
+    in the graph by `decode` (one token: attention/paged.py paged_decode_one or the C++ kernel's;
+    2 to STACK_ROWS rows: the C++ kernel's paged_decode_batch; opaque ops): no Python between the
+    layers. `pools` holds each pool tensor once and layer i reads pools[kv_index[i][0]] (K) and
+    pools[kv_index[i][1]] (V): KV groups share pool slots, and a tensor passed twice would be two
+    aliased mutated inputs, which the graph copies whole instead of writing in place."""
     q, k, v = _first(layers[0], x, positions)
     last = len(layers) - 1
     for i, layer in enumerate(layers):
@@ -116,19 +118,18 @@ class Regions:
         wrap = (lambda f: _compile(private_copy(f))) if compiled else (lambda f: f)
         self.first, self.between, self.last = wrap(_first), wrap(_between), wrap(_last)
         self.one_token = _compile_static(_one_token_stack) if compiled else None
-        self.one_token_paged = _compile_static(_one_token_paged_stack) if compiled else None
+        self.one_token_paged = _compile_static(_paged_stack) if compiled else None
         self.few_tokens = _compile_stack(_one_token_stack) if compiled else None
-        self.step = StepSlot()   # what the one-token graph's attention op reads
+        self.few_paged = _compile_stack(_paged_stack) if compiled else None
+        self.step = StepSlot()   # what the stack graphs' attention op reads
         self.attend = stack_attend_op(self.step) if compiled else None
 
     def run(self, layers, x: torch.Tensor, positions: torch.Tensor, meta) -> torch.Tensor:
         """x through every layer: layer i's attention, then the region up to layer i + 1's."""
         if self.one_token is not None and x.shape[0] <= STACK_ROWS:
-            if x.shape[0] > 1:
-                return self._stack(self.few_tokens, layers, x, positions, meta)
-            if meta.one_token is not None:
-                return self._paged(layers, x, positions, meta.one_token)
-            return self._stack(self.one_token, layers, x, positions, meta)
+            if meta.captured is not None:
+                return self._paged(layers, x, positions, meta.captured)
+            return self._stack(self.few_tokens if x.shape[0] > 1 else self.one_token, layers, x, positions, meta)
         q, k, v = self.first(layers[0], x, positions)
         last = len(layers) - 1
         for i, layer in enumerate(layers):
@@ -147,9 +148,11 @@ class Regions:
             step.layers = step.meta = None
 
     def _paged(self, layers, x, positions, inputs):
+        rows = x.shape[0]
         for layer in layers:
-            vars(layer.self_attn)["kv_rows"] += 1   # an int in the module's dict (nn.Module.__setattr__ costs 8 us)
-        return self.one_token_paged(layers, x, positions, *inputs.args())   # engine/captured_step.py
+            vars(layer.self_attn)["kv_rows"] += rows   # an int in the module's dict (nn.Module.__setattr__ costs 8 us)
+        graph = self.one_token_paged if rows == 1 else self.few_paged
+        return graph(layers, x, positions, *inputs.args())   # engine/captured_step.py
 
 
 EAGER = Regions(False)
@@ -206,19 +209,21 @@ def shadow_layers(layers) -> torch.nn.ModuleList:
 
 
 @torch.inference_mode()
-def warm_up(regions: Regions, model: torch.nn.Module, device: torch.device, paged_inputs=None,
+def warm_up(regions: Regions, model: torch.nn.Module, device: torch.device, captured=None,
             show_progress: bool = True) -> None:
     """Compile each of `regions`' graphs now (forwards without a cache through shadow layers), not on a
-    request's first step; with `paged_inputs` (CapturedStep.warm_up_inputs: pools shaped like the
-    engine's, not the engine's) the one-token paged graph too. The live model is only read."""
+    request's first step; with `captured` (the runner's CapturedStep, whose warm_up_inputs are pools
+    shaped like the engine's, not the engine's) the paged graphs too. The live model is only read."""
     from kvserve.attention import AttentionMetadata, PrefillSpan
     layers = shadow_layers(model.model.layers)
     for n in tqdm(WARMUP_TOKENS, desc="compiling the model's regions", disable=not show_progress, unit="shape"):
         meta = AttentionMetadata(prefills=[PrefillSpan(0, n, n)])
         regions.run(layers, _hidden(model, n, device), torch.arange(n, device=device), meta)
-    if paged_inputs is not None:
-        meta = AttentionMetadata(num_decodes=1, one_token=paged_inputs)
-        regions.run(layers, _hidden(model, 1, device), torch.zeros(1, dtype=torch.long, device=device), meta)
+    for rows in (1, STACK_ROWS) if captured is not None else ():
+        inputs = captured.warm_up_inputs(rows)
+        if inputs is not None:
+            meta = AttentionMetadata(num_decodes=rows, captured=inputs)
+            regions.run(layers, _hidden(model, rows, device), torch.zeros(rows, dtype=torch.long, device=device), meta)
 
 
 def _hidden(model: torch.nn.Module, n: int, device: torch.device) -> torch.Tensor:

@@ -5,8 +5,9 @@ over (row, K/V head) pairs with OpenMP (torch's own runtime). It is compiled wit
 compiler for this CPU against torch's headers (kvserve/native.py: cached in
 ~/.cache/kvserve/kernels, keyed by the source, the flags and the CPU's feature flags) and loaded
 with `torch.ops.load_library`: `kvserve_attn::paged_decode_into` for a step's decode rows, and
-`kvserve_attn::decode_one`, which the compiled one-token graph calls once per layer to store the
-token's K/V and attend (one dispatcher call, no Python). `kernel()` is False when no compiler is
+`kvserve_attn::decode_one` / `decode_batch`, which the captured decode graphs (one token; 2 to
+STACK_ROWS rows) call once per layer to store the rows' K/V and attend (one dispatcher call, no
+Python). `kernel()` is False when no compiler is
 found or the build fails (the reason is logged once); callers then use the torch path
 (attention/paged.py), which is also the reference the kernel is tested against.
 """
@@ -81,3 +82,11 @@ def paged_decode_one(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_pool: 
     """attention/paged.py paged_decode_one through the kernel: one op that stores the token's K/V
     and reads the pools in place (the kernel is loaded: `kernel()` was true when the step chose it)."""
     return torch.ops.kvserve_attn.decode_one(q, k, v, k_pool, v_pool, slot, blocks, span, scale)
+
+
+def paged_decode_batch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
+                       slots: torch.Tensor, tables: torch.Tensor, ranges: torch.Tensor, scale: float) -> torch.Tensor:
+    """R decode rows in one op: row i's K/V [R, Hkv, D] stored at slots[i], then row i of q [R, Hq, D]
+    attends over positions [ranges[0, i], ranges[1, i]) of its block table tables[i] ([R, W]), as
+    `paged_decode` would after the backend's write; -> [R, Hq, Dv]."""
+    return torch.ops.kvserve_attn.decode_batch(q, k, v, k_pool, v_pool, slots, tables, ranges, scale)

@@ -6,8 +6,8 @@
 // batch-invariant mode: a row's sums then run in one order whatever else shares the call). Float32 arithmetic; queries and output float32 over float32 pools
 // (dtype 0), bfloat16 over bfloat16 pools (1), or float32 over bfloat16 pools (2: half the bytes
 // read). Built at run time by kvserve/attention/cpu/__init__.py and registered as torch ops
-// (kvserve_attn::paged_decode_into, kvserve_attn::decode_one), so a compiled graph calls them through
-// the dispatcher.
+// (kvserve_attn::paged_decode_into, kvserve_attn::decode_one, kvserve_attn::decode_batch), so a
+// compiled graph calls them through the dispatcher.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -401,19 +401,23 @@ void store_rows(const TS* src, int64_t head_stride, int64_t elem_stride, TP* dst
     for (int64_t i = 0; i < d; ++i) dst[a * d + i] = static_cast<TP>(src[a * head_stride + i * elem_stride]);
 }
 
-void store_token(const at::Tensor& x, at::Tensor& pool, int64_t slot) {
-  const int64_t h = pool.size(2), d = pool.size(3), row = slot * h * d;
-  TORCH_CHECK(slot >= 0 && slot < pool.size(0) * pool.size(1), "decode_one: slot ", slot, " is outside the pool");
-  TORCH_CHECK(x.size(1) == h && x.size(2) == d, "decode_one: K/V of shape ", x.sizes(), " for a pool of ", pool.sizes());
+// Row i of x [R, H, D] (any strides) into row `slot` of a contiguous pool [blocks, block_size, H, D].
+void store_token(const at::Tensor& x, int64_t i, at::Tensor& pool, int64_t slot) {
+  const int64_t h = pool.size(2), d = pool.size(3), row = slot * h * d, at_row = i * x.stride(0);
+  TORCH_CHECK(slot >= 0 && slot < pool.size(0) * pool.size(1), "decode attention: slot ", slot,
+              " is outside the pool");
+  TORCH_CHECK(x.size(1) == h && x.size(2) == d, "decode attention: K/V of shape ", x.sizes(), " for a pool of ",
+              pool.sizes());
   const auto xs = x.scalar_type(), ps = pool.scalar_type();
   if (xs == at::kFloat && ps == at::kFloat) {
-    store_rows(x.data_ptr<float>(), x.stride(1), x.stride(2), pool.data_ptr<float>() + row, h, d);
+    store_rows(x.data_ptr<float>() + at_row, x.stride(1), x.stride(2), pool.data_ptr<float>() + row, h, d);
   } else if (xs == at::kFloat && ps == at::kBFloat16) {
-    store_rows(x.data_ptr<float>(), x.stride(1), x.stride(2), pool.data_ptr<at::BFloat16>() + row, h, d);
+    store_rows(x.data_ptr<float>() + at_row, x.stride(1), x.stride(2), pool.data_ptr<at::BFloat16>() + row, h, d);
   } else if (xs == at::kBFloat16 && ps == at::kBFloat16) {
-    store_rows(x.data_ptr<at::BFloat16>(), x.stride(1), x.stride(2), pool.data_ptr<at::BFloat16>() + row, h, d);
+    store_rows(x.data_ptr<at::BFloat16>() + at_row, x.stride(1), x.stride(2), pool.data_ptr<at::BFloat16>() + row, h,
+               d);
   } else {
-    pool.view({-1, h, d}).select(0, slot).copy_(x.select(0, 0));
+    pool.view({-1, h, d}).select(0, slot).copy_(x.select(0, i));
   }
 }
 
@@ -425,11 +429,34 @@ at::Tensor decode_one(const at::Tensor& q, const at::Tensor& k, const at::Tensor
                       double scale) {
   check_index(span, "span");
   const int64_t at_slot = slot.data_ptr<int64_t>()[0];
-  store_token(k, k_pool, at_slot);
-  store_token(v, v_pool, at_slot);
+  store_token(k, 0, k_pool, at_slot);
+  store_token(v, 0, v_pool, at_slot);
   at::Tensor out = at::empty({q.size(0), q.size(1), v_pool.size(3)}, q.options());
   const int64_t* ends = span.data_ptr<int64_t>();
   decode_rows(q, k_pool, v_pool, blocks, ends, ends + 1, scale, out, true);
+  return out;
+}
+
+// R decode rows (a step's decodes, or one request's token and its speculated tokens): row i's K and V
+// [R, Hkv, D] stored at slots[i], then q [R, Hq, D] row i attends over positions [ranges[0][i],
+// ranges[1][i]) of tables[i] ([R, W]) -> [R, Hq, Dv]. Every row is stored before any attends: rows of
+// one request see each other's K/V as far as their ranges reach.
+at::Tensor decode_batch(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor k_pool,
+                        at::Tensor v_pool, const at::Tensor& slots, const at::Tensor& tables, const at::Tensor& ranges,
+                        double scale) {
+  check_index(slots, "slots");
+  TORCH_CHECK(ranges.is_contiguous() && ranges.dim() == 2 && ranges.size(0) == 2 && ranges.size(1) == q.size(0) &&
+              slots.numel() == q.size(0) && k.size(0) == q.size(0) && v.size(0) == q.size(0),
+              "decode_batch: ", q.size(0), " rows need ", q.size(0), " slots, K/V rows and [2, rows] ranges");
+  check_index(ranges, "ranges");
+  const int64_t* at_slot = slots.data_ptr<int64_t>();
+  for (int64_t i = 0; i < q.size(0); ++i) {
+    store_token(k, i, k_pool, at_slot[i * slots.stride(0)]);
+    store_token(v, i, v_pool, at_slot[i * slots.stride(0)]);
+  }
+  at::Tensor out = at::empty({q.size(0), q.size(1), v_pool.size(3)}, q.options());
+  const int64_t* starts = ranges.data_ptr<int64_t>();
+  decode_rows(q, k_pool, v_pool, tables, starts, starts + q.size(0), scale, out, true);
   return out;
 }
 
@@ -443,6 +470,12 @@ at::Tensor decode_one_meta(const at::Tensor& q, const at::Tensor& k, const at::T
   return at::empty_symint({q.sym_size(0), q.sym_size(1), v_pool.sym_size(3)}, q.options());
 }
 
+at::Tensor decode_batch_meta(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor k_pool,
+                             at::Tensor v_pool, const at::Tensor& slots, const at::Tensor& tables,
+                             const at::Tensor& ranges, double scale) {
+  return at::empty_symint({q.sym_size(0), q.sym_size(1), v_pool.sym_size(3)}, q.options());
+}
+
 }  // namespace
 
 TORCH_LIBRARY(kvserve_attn, m) {
@@ -450,14 +483,18 @@ TORCH_LIBRARY(kvserve_attn, m) {
         "float scale, Tensor(a!) out, bool split=True) -> ()");
   m.def("decode_one(Tensor q, Tensor k, Tensor v, Tensor(a!) k_pool, Tensor(b!) v_pool, Tensor slot, Tensor blocks, "
         "Tensor span, float scale) -> Tensor");
+  m.def("decode_batch(Tensor q, Tensor k, Tensor v, Tensor(a!) k_pool, Tensor(b!) v_pool, Tensor slots, "
+        "Tensor tables, Tensor ranges, float scale) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(kvserve_attn, CPU, m) {
   m.impl("paged_decode_into", paged_decode_into);
   m.impl("decode_one", decode_one);
+  m.impl("decode_batch", decode_batch);
 }
 
 TORCH_LIBRARY_IMPL(kvserve_attn, Meta, m) {
   m.impl("paged_decode_into", paged_decode_into_meta);
   m.impl("decode_one", decode_one_meta);
+  m.impl("decode_batch", decode_batch_meta);
 }
