@@ -120,7 +120,7 @@ class Regions:
         self.one_token = _compile_static(_one_token_stack) if compiled else None
         self.one_token_paged = _compile_static(_paged_stack) if compiled else None
         self.few_tokens = _compile_stack(_one_token_stack) if compiled else None
-        self.few_paged = _compile_stack(_paged_stack) if compiled else None
+        self.few_paged = _compile_stack(_paged_stack, wrapper=True) if compiled else None
         self.step = StepSlot()   # what the stack graphs' attention op reads
         self.attend = stack_attend_op(self.step) if compiled else None
 
@@ -170,11 +170,14 @@ def _compile_static(fn):
                                   "cpp_wrapper_build_separate": True})
 
 
-def _compile_stack(fn):
+def _compile_stack(fn, wrapper: bool = False):
     """The stack graph for 2..STACK_ROWS tokens: the row count dynamic (one graph per range of rows
-    that picks the same kernels), the module guards skipped as in _compile_static."""
-    return torch.compile(private_copy(fn), dynamic=True, fullgraph=True,
-                         options={"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe})
+    that picks the same kernels), the module guards skipped as in _compile_static; with `wrapper`,
+    no size asserts and a C++ wrapper as there too."""
+    options = {"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe}
+    if wrapper:
+        options.update({"size_asserts": False, "cpp_wrapper": True, "cpp_wrapper_build_separate": True})
+    return torch.compile(private_copy(fn), dynamic=True, fullgraph=True, options=options)
 
 
 def _compile(fn):
