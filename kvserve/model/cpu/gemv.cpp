@@ -556,7 +556,7 @@ __attribute__((noinline)) float int_row(const uint8_t* w, const S* scales, const
 #endif
 
 #if defined(__AVX2__)
-// out[g] = scale g as a float, times the block scale d[g's block] where d is given (a lone row's).
+// out[g] = scale g as a float times the row's block scale d[g's block].
 template <int G, typename S>
 void tile_scales(const S* scales, int64_t groups, const float* d, float* out) {
   int64_t g = 0;
@@ -565,11 +565,10 @@ void tile_scales(const S* scales, int64_t groups, const float* d, float* out) {
       __m256 v;
       if constexpr (sizeof(S) == 2) v = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(scales + g)));
       else v = _mm256_loadu_ps(reinterpret_cast<const float*>(scales + g));
-      if (d != nullptr) v = _mm256_mul_ps(v, _mm256_loadu_ps(d + g));
-      _mm256_storeu_ps(out + g, v);
+      _mm256_storeu_ps(out + g, _mm256_mul_ps(v, _mm256_loadu_ps(d + g)));
     }
   }
-  for (; g < groups; ++g) out[g] = d != nullptr ? scale_value(scales[g]) * d[g * G / kQBlock] : scale_value(scales[g]);
+  for (; g < groups; ++g) out[g] = scale_value(scales[g]) * d[g * G / kQBlock];
 }
 #endif
 
@@ -583,12 +582,14 @@ void int_tile(const IntArgs<S>& a, int64_t n0, int64_t r0) {
   const uint8_t* w = a.w + n0 * row_bytes;
   const S* sc = a.scales + n0 * groups;
 #if defined(__AVX2__)
-  // The tile's scales as floats first (times d for a lone row): a vector pass, then one broadcast
-  // load per channel and group where each took a float16 conversion and a product.
+  // The tile's scales as floats times each row's d first ([R][C][groups]): a vector pass, then one
+  // broadcast load per row, channel and group where each took a float16 conversion and a product.
   thread_local std::vector<float> buffer;
-  buffer.resize(C * groups);
+  buffer.resize(R * C * groups);
   float* scale_f = buffer.data();
-  for (int c = 0; c < C; ++c) tile_scales<G>(sc + c * groups, groups, R == 1 ? d : nullptr, scale_f + c * groups);
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c)
+      tile_scales<G>(sc + c * groups, groups, d + r * blocks, scale_f + (r * C + c) * groups);
   __m256 acc[R][C];
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < C; ++c) acc[r][c] = _mm256_setzero_ps();
@@ -598,23 +599,22 @@ void int_tile(const IntArgs<S>& a, int64_t n0, int64_t r0) {
       if ((b * Codes::kBytes) % 64 < Codes::kBytes) prefetch(wb + kPrefetch);   // a line a new line, 4 KiB ahead
       __m256i lo, hi;   // the block's codes, in q's lane order
       Codes::unpack(wb, lo, hi);
-      const float* cs = scale_f + c * groups;
       if constexpr (G == kQBlock) {
         for (int r = 0; r < R; ++r) {
           const int16_t* qb = q + r * k + b * kQBlock;
           const __m256i sums = _mm256_add_epi32(
               _mm256_madd_epi16(lo, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qb))),
               _mm256_madd_epi16(hi, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qb + 16))));
-          const __m256 scale = _mm256_set1_ps(R == 1 ? cs[b] : cs[b] * d[r * blocks + b]);
+          const __m256 scale = _mm256_set1_ps(scale_f[(r * C + c) * groups + b]);
           acc[r][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), scale, acc[r][c]);
         }
       } else {   // groups of 16, in order: a scale for each half of the block
         static_assert(!Codes::kInterleaved, "groups of 16 need the codes in order");
         for (int r = 0; r < R; ++r) {
           const int16_t* qb = q + r * k + b * kQBlock;
-          const float db = R == 1 ? 1.0f : d[r * blocks + b];
-          const __m256 s0 = _mm256_set1_ps(R == 1 ? cs[2 * b] : cs[2 * b] * db);
-          const __m256 s1 = _mm256_set1_ps(R == 1 ? cs[2 * b + 1] : cs[2 * b + 1] * db);
+          const float* cs = scale_f + (r * C + c) * groups;
+          const __m256 s0 = _mm256_set1_ps(cs[2 * b]);
+          const __m256 s1 = _mm256_set1_ps(cs[2 * b + 1]);
           acc[r][c] = _mm256_fmadd_ps(madd_float(lo, qb), s0, acc[r][c]);
           acc[r][c] = _mm256_fmadd_ps(madd_float(hi, qb + 16), s1, acc[r][c]);
         }
@@ -663,14 +663,18 @@ void add_mins(const IntArgs<S>& a, int64_t n0, int64_t n1, int64_t m) {
   }
 }
 
-// C channels, every row in tiles of up to 4 rows; a tile keeps at most 8 accumulators (16 registers).
+// C channels, every row in tiles of up to 4 rows, or 5 where 4 would leave one (a request's token and
+// four speculated ones: a lone row's tile unpacks every code again for one row); a tile keeps at most
+// 10 accumulators (16 registers).
 template <typename Codes, int G, typename S, int C>
 void int_rows(const IntArgs<S>& a, int64_t n0, int64_t m) {
-  constexpr int C2 = C > 4 ? 4 : C, C4 = C > 2 ? 2 : C;   // channels a tile of two rows, of 3-4
+  constexpr int C2 = C > 4 ? 4 : C, C4 = C > 2 ? 2 : C;   // channels a tile of two rows, of 3-5
   int64_t r = 0;
-  for (; r + 4 <= m; r += 4)
+  for (; r + 4 <= m && m - r != 5; r += 4)
     for (int c = 0; c < C; c += C4) int_tile<Codes, G, S, C4, 4>(a, n0 + c, r);
-  if (m - r == 3)
+  if (m - r == 5)
+    for (int c = 0; c < C; c += C4) int_tile<Codes, G, S, C4, 5>(a, n0 + c, r);
+  else if (m - r == 3)
     for (int c = 0; c < C; c += C4) int_tile<Codes, G, S, C4, 3>(a, n0 + c, r);
   else if (m - r == 2)
     for (int c = 0; c < C; c += C2) int_tile<Codes, G, S, C2, 2>(a, n0 + c, r);
