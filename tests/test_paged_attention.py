@@ -254,6 +254,12 @@ def test_cpu_kernel_decode_batch_stores_every_row_then_attends(pool_dtype):
     want = _oracle(q, ref_k, ref_v, row_tables, starts.tolist(), ends.tolist(), bs, scale)
     torch.testing.assert_close(got.double(), want, atol=2e-6, rtol=1e-5)
     assert torch.equal(got, cpu.paged_decode(q, ref_k, ref_v, table, starts, ends, scale))
+    # the four rows of request 0 share one pass over its K/V; each row's result is its own call's, bit for bit
+    grouped = cpu.paged_decode(q, ref_k, ref_v, table, starts, ends, scale, split=False)
+    for i in range(len(rows)):
+        alone = cpu.paged_decode(q[i:i + 1], ref_k, ref_v, table[i:i + 1], starts[i:i + 1], ends[i:i + 1], scale,
+                                 split=False)
+        assert torch.equal(grouped[i:i + 1], alone), i
     with pytest.raises(RuntimeError, match="slots"):
         cpu.paged_decode_batch(q, k, v, k_pool, v_pool, slots[:2], table, torch.stack((starts, ends)), scale)
 

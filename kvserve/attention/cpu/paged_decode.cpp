@@ -12,6 +12,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 #include "simd.h"
 
@@ -160,26 +161,52 @@ inline void prefetch_rows(const TK* pool, const int64_t* rows, int64_t span) {
   }
 }
 
+// A tile's 16 token rows of `span` elements as floats: float32 pools are read where they are
+// (rows[t] into the pool), bfloat16 ones widened once into `tile` (exact) for every query head.
+template <typename TK>
+inline const float* tile_rows(const TK* pool, const int64_t* rows, int64_t span, float* tile, int64_t* at) {
+  if constexpr (std::is_same_v<TK, float>) {
+    std::memcpy(at, rows, 16 * sizeof(int64_t));
+    return pool;
+  } else {
+    for (int t = 0; t < 16; ++t) {
+      for (int64_t i = 0; i < span; i += kLanes) {
+        const vf x = loadv(pool + rows[t] + i);
+        std::memcpy(tile + t * span + i, &x, sizeof x);
+      }
+      at[t] = t * span;
+    }
+    return tile;
+  }
+}
+
 // ---- head sizes that are a multiple of 16: simd.h's vectors (kLanes floats), tiles of 16 tokens
 // whose K/V rows are found once; a tile's 16 dot products are reduced together. An item
-// covers `per` adjacent K/V heads of one row, so a tile reads each token's rows of those heads
-// together (one contiguous stretch of the block when per = Hkv). With `part`, the item's share of a
-// split row goes there unnormalized instead of to `out`: per query head [DK] sums, its peak, its total.
+// covers `per` adjacent K/V heads of `n_rows` rows of one sequence (consecutive positions over one
+// block table: a request's token and its speculated ones, row i seeing positions before
+// row_ends[i]), so a tile reads each token's rows of those heads once for every row's query heads
+// (one contiguous stretch of the block when per = Hkv). Each query head's scores, softmax and sums
+// run as they would for its row alone: positions past a row's end weigh 0. With `part`, the
+// item's share of a split row goes there unnormalized instead of to `out`: per query head [DK]
+// sums, its peak, its total.
 template <typename TQ, typename TK, int DK>
 void attend_heads_vec(const TQ* q, const TK* k_pool, const TK* v_pool, const int64_t* table, int64_t start,
                       int64_t end, int64_t h0, int64_t per, const Shape& s, TQ* out, std::vector<float>& buf,
-                      float* part) {
+                      float* part, int64_t n_rows, const int64_t* row_ends) {
   constexpr int J = DK / kLanes;
-  const int64_t g_n = s.hq / s.hkv, n_q = per * g_n, bs = s.block_size, len = end - start;
+  const int64_t g_n = s.hq / s.hkv, m = per * g_n, n_q = n_rows * m, bs = s.block_size, len = end - start;
   const int64_t padded = (len + 15) / 16 * 16;
-  buf.resize(n_q * (2 * DK + padded + 2) + 16);
-  float* qf = buf.data();              // [per * G, DK]: query heads of K/V heads h0 .. h0 + per
-  float* acc = qf + n_q * DK;          // [per * G, DK]
-  float* score = acc + n_q * DK;       // [per * G, padded]
-  float* total = score + n_q * padded; // [per * G]
-  float* peak = total + n_q;           // [per * G]
+  const int64_t span = per * DK;  // elements of a token's rows that the item reads
+  buf.resize(n_q * (2 * DK + padded + 2) + 16 * span + 16);
+  float* qf = buf.data();              // [rows * per * G, DK]: each row's query heads of K/V heads h0 .. h0 + per
+  float* acc = qf + n_q * DK;          // [rows * per * G, DK]
+  float* score = acc + n_q * DK;       // [rows * per * G, padded]
+  float* total = score + n_q * padded; // [rows * per * G]
+  float* peak = total + n_q;           // [rows * per * G]
+  float* tile = peak + n_q;            // [16, span]: a tile's K or V rows widened
   for (int64_t a = 0; a < n_q; ++a)
-    for (int64_t i = 0; i < DK; ++i) qf[a * DK + i] = load(q, (h0 * g_n + a) * s.q_head + i) * s.scale;
+    for (int64_t i = 0; i < DK; ++i)
+      qf[a * DK + i] = load(q + (a / m) * s.q_row, (h0 * g_n + a % m) * s.q_head + i) * s.scale;
   std::fill(acc, acc + n_q * DK, 0.0f);
   int64_t rows[16], next[16];
   const auto locate = [&](int64_t base, int64_t* r) {  // element offsets of a tile's 16 rows (last repeated)
@@ -189,7 +216,7 @@ void attend_heads_vec(const TQ* q, const TK* k_pool, const TK* v_pool, const int
       r[t] = ((table[p / bs] * bs + p % bs) * s.hkv + h0) * DK;
     }
   };
-  const int64_t span = per * DK;  // elements of a token's rows that the item reads
+  int64_t at[16];
   if (len > 0) locate(0, next);
   for (int64_t base = 0; base < len; base += 16) {  // pass 1: scores, 16 tokens at a time
     std::memcpy(rows, next, sizeof rows);
@@ -198,12 +225,13 @@ void attend_heads_vec(const TQ* q, const TK* k_pool, const TK* v_pool, const int
       prefetch_rows<3>(k_pool, next, span);
       prefetch_rows<2>(v_pool, next, span);
     }
+    const float* keys = tile_rows(k_pool, rows, span, tile, at);
     for (int64_t a = 0; a < n_q; ++a) {
-      const int64_t off = (a / g_n) * DK;
+      const int64_t off = ((a % m) / g_n) * DK;
       vf qv[J], part[16];
       for (int j = 0; j < J; ++j) qv[j] = loadv(qf + a * DK + kLanes * j);
       for (int t = 0; t < 16; ++t) {
-        const TK* k = k_pool + rows[t] + off;
+        const float* k = keys + at[t] + off;
         vf x = qv[0] * loadv(k);
         for (int j = 1; j < J; ++j) x += qv[j] * loadv(k + kLanes * j);
         part[t] = x;
@@ -211,7 +239,10 @@ void attend_heads_vec(const TQ* q, const TK* k_pool, const TK* v_pool, const int
       transpose_sum(part, score + a * padded + base);
     }
   }
-  softmax_rows_vec(score, n_q, len, padded, total, peak);
+  for (int64_t r = 0; r < n_rows; ++r) {  // each row over its own positions (none: total 0)
+    const int64_t seen = row_ends == nullptr ? len : std::max<int64_t>(0, std::min(end, row_ends[r]) - start);
+    softmax_rows_vec(score + r * m * padded, m, seen, padded, total + r * m, peak + r * m);
+  }
   if (len > 0) locate(0, next);
   for (int64_t base = 0; base < len; base += 16) {  // pass 2: weighted values, 16 tokens at a time
     const int n = static_cast<int>(std::min<int64_t>(16, len - base));
@@ -220,13 +251,14 @@ void attend_heads_vec(const TQ* q, const TK* k_pool, const TK* v_pool, const int
       locate(base + 16, next);
       prefetch_rows<3>(v_pool, next, span);
     }
+    const float* values = tile_rows(v_pool, rows, span, tile, at);
     for (int64_t a = 0; a < n_q; ++a) {
-      const int64_t off = (a / g_n) * DK;
+      const int64_t off = ((a % m) / g_n) * DK;
       vf x[J];
       for (int j = 0; j < J; ++j) x[j] = loadv(acc + a * DK + kLanes * j);
       const float* w = score + a * padded + base;
       for (int t = 0; t < n; ++t) {
-        const TK* v = v_pool + rows[t] + off;
+        const float* v = values + at[t] + off;
         for (int j = 0; j < J; ++j) x[j] += w[t] * loadv(v + kLanes * j);
       }
       for (int j = 0; j < J; ++j) std::memcpy(acc + a * DK + kLanes * j, &x[j], sizeof x[j]);
@@ -241,7 +273,8 @@ void attend_heads_vec(const TQ* q, const TK* k_pool, const TK* v_pool, const int
     return;
   }
   for (int64_t a = 0; a < n_q; ++a)
-    for (int64_t i = 0; i < DK; ++i) store(out, (h0 * g_n + a) * DK + i, acc[a * DK + i] / total[a]);
+    for (int64_t i = 0; i < DK; ++i)
+      store(out + (a / m) * s.hq * DK, (h0 * g_n + a % m) * DK + i, acc[a * DK + i] / total[a]);
 }
 
 // True for the head sizes the vector path takes (K and V of one size).
@@ -249,19 +282,19 @@ bool vector_heads(const Shape& s) {
   return s.d == s.dv && (s.d == 32 || s.d == 64 || s.d == 80 || s.d == 96 || s.d == 128 || s.d == 256);
 }
 
-// The vector path for the usual head sizes, the scalar path (head by head) else; `part` (vector
-// path only): the item's unnormalized share of a split row (attend_heads_vec).
+// The vector path for the usual head sizes (an item of `n_rows` rows of one sequence), the scalar
+// path (head by head, one row: n_rows is 1 there) else; `part` (vector path only): the item's
+// unnormalized share of a split row (attend_heads_vec).
 template <typename TQ, typename TK>
 void attend(const TQ* q, const TK* k, const TK* v, const int64_t* table, int64_t start, int64_t end, int64_t h0,
-            int64_t per, const Shape& s, TQ* out, std::vector<float>& buf, float* part = nullptr) {
+            int64_t per, const Shape& s, TQ* out, std::vector<float>& buf, float* part, int64_t n_rows,
+            const int64_t* row_ends) {
   const int64_t d = vector_heads(s) ? s.d : 0;
   switch (d) {
-    case 32: return attend_heads_vec<TQ, TK, 32>(q, k, v, table, start, end, h0, per, s, out, buf, part);
-    case 64: return attend_heads_vec<TQ, TK, 64>(q, k, v, table, start, end, h0, per, s, out, buf, part);
-    case 80: return attend_heads_vec<TQ, TK, 80>(q, k, v, table, start, end, h0, per, s, out, buf, part);
-    case 96: return attend_heads_vec<TQ, TK, 96>(q, k, v, table, start, end, h0, per, s, out, buf, part);
-    case 128: return attend_heads_vec<TQ, TK, 128>(q, k, v, table, start, end, h0, per, s, out, buf, part);
-    case 256: return attend_heads_vec<TQ, TK, 256>(q, k, v, table, start, end, h0, per, s, out, buf, part);
+#define KVSERVE_HEADS(DK) \
+    case DK: return attend_heads_vec<TQ, TK, DK>(q, k, v, table, start, end, h0, per, s, out, buf, part, n_rows, row_ends);
+    KVSERVE_HEADS(32) KVSERVE_HEADS(64) KVSERVE_HEADS(80) KVSERVE_HEADS(96) KVSERVE_HEADS(128) KVSERVE_HEADS(256)
+#undef KVSERVE_HEADS
     default:
       for (int64_t h = h0; h < h0 + per; ++h) attend_item<TQ, TK>(q, k, v, table, start, end, h, s, out, buf);
   }
@@ -282,11 +315,12 @@ int64_t parts_per_row(int64_t items, int64_t longest, int threads, bool vec, boo
   return std::max<int64_t>(1, std::min<int64_t>((4 * threads + items - 1) / items, longest / kMinPart));
 }
 
-// Item `item`'s query heads from its parts' [DK] sums, peaks and totals: exact, each part's sums
-// rescaled to the largest peak.
+// An item's query heads from its parts' [DK] sums, peaks and totals (`stride` floats a part): exact,
+// each part's sums rescaled to the largest peak. Query a is head a % m of the item's row a / m,
+// rows `row_stride` elements apart in `out`.
 template <typename TQ>
-void combine(const float* parts, int64_t n_parts, int64_t n_q, int64_t dv, TQ* out) {
-  const int64_t stride = n_q * (dv + 2);
+void combine(const float* parts, int64_t n_parts, int64_t stride, int64_t n_q, int64_t m, int64_t row_stride,
+             int64_t dv, TQ* out) {
   for (int64_t a = 0; a < n_q; ++a) {
     float peak = -INFINITY;
     for (int64_t j = 0; j < n_parts; ++j) peak = std::max(peak, parts[j * stride + a * (dv + 2) + dv]);
@@ -299,37 +333,69 @@ void combine(const float* parts, int64_t n_parts, int64_t n_q, int64_t dv, TQ* o
       total += w * p[dv + 1];
       for (int64_t i = 0; i < dv; ++i) acc[i] += w * p[i];
     }
-    for (int64_t i = 0; i < dv; ++i) store(out, a * dv + i, acc[i] / total);
+    for (int64_t i = 0; i < dv; ++i) store(out + (a / m) * row_stride, (a % m) * dv + i, acc[i] / total);
   }
+}
+
+// Row r continues row r - 1's sequence: the same first visible position and block table, one
+// position further (a request's token and its speculated tokens, laid out by the model runner).
+bool continues(const int64_t* table, int64_t table_row, const int64_t* starts, const int64_t* ends, int64_t r,
+               int64_t block_size) {
+  if (starts[r] != starts[r - 1] || ends[r] != ends[r - 1] + 1) return false;
+  const int64_t blocks = (ends[r] - 1) / block_size + 1;
+  return table_row == 0 ||
+         std::memcmp(table + r * table_row, table + (r - 1) * table_row, blocks * sizeof(int64_t)) == 0;
+}
+
+// The first row of each item's run of rows, then `rows`: on the vector path consecutive rows of one
+// sequence (up to kRunRows) share items, each K/V row read once for all of them; else one row each.
+constexpr int64_t kRunRows = 16;
+std::vector<int64_t> row_runs(const int64_t* table, int64_t table_row, const int64_t* starts, const int64_t* ends,
+                              int64_t rows, int64_t block_size, bool vec) {
+  std::vector<int64_t> first;
+  for (int64_t r = 0; r < rows; ++r)
+    if (first.empty() || !vec || r - first.back() >= kRunRows ||
+        !continues(table, table_row, starts, ends, r, block_size))
+      first.push_back(r);
+  first.push_back(rows);
+  return first;
 }
 
 template <typename TQ, typename TK>
 void run(const void* q, const void* k_pool, const void* v_pool, const int64_t* table, const int64_t* starts,
          const int64_t* ends, void* out, int64_t rows, const Shape& s, int threads, bool split) {
-  const int64_t per = heads_per_item(rows, s.hkv, threads), groups = s.hkv / per, items = rows * groups;
-  int64_t longest = 0;
-  for (int64_t r = 0; r < rows; ++r) longest = std::max(longest, ends[r] - starts[r]);
-  const int64_t n_parts = parts_per_row(items, longest, threads, vector_heads(s), split);
-  const int64_t n_q = per * (s.hq / s.hkv), stride = n_q * (s.dv + 2);
+  const bool vec = vector_heads(s);
+  const std::vector<int64_t> first = row_runs(table, s.table_row, starts, ends, rows, s.block_size, vec);
+  const int64_t runs = static_cast<int64_t>(first.size()) - 1;
+  const int64_t per = heads_per_item(runs, s.hkv, threads), groups = s.hkv / per, items = runs * groups;
+  int64_t longest = 0, most = 1;
+  for (int64_t u = 0; u < runs; ++u) {
+    longest = std::max(longest, ends[first[u + 1] - 1] - starts[first[u]]);
+    most = std::max(most, first[u + 1] - first[u]);
+  }
+  const int64_t n_parts = parts_per_row(items, longest, threads, vec, split);
+  const int64_t m = per * (s.hq / s.hkv), stride = most * m * (s.dv + 2), row_out = s.hq * s.dv;
   std::vector<float> parts(n_parts > 1 ? items * n_parts * stride : 0);
 #pragma omp parallel num_threads(threads)
   {
     std::vector<float> buf;
 #pragma omp for schedule(dynamic, 1)
     for (int64_t unit = 0; unit < items * n_parts; ++unit) {
-      const int64_t item = unit / n_parts, j = unit % n_parts, r = item / groups, h0 = (item % groups) * per;
-      const int64_t len = ends[r] - starts[r], share = (len + n_parts - 1) / n_parts;
+      const int64_t item = unit / n_parts, j = unit % n_parts, u = item / groups, h0 = (item % groups) * per;
+      const int64_t r = first[u], n_rows = first[u + 1] - r;
+      const int64_t len = ends[r + n_rows - 1] - starts[r], share = (len + n_parts - 1) / n_parts;
       const int64_t a = starts[r] + std::min(len, j * share), b = starts[r] + std::min(len, (j + 1) * share);
       attend<TQ, TK>(static_cast<const TQ*>(q) + r * s.q_row, static_cast<const TK*>(k_pool),
                      static_cast<const TK*>(v_pool), table + r * s.table_row, a, b, h0, per, s,
-                     static_cast<TQ*>(out) + r * s.hq * s.dv, buf, n_parts > 1 ? parts.data() + unit * stride : nullptr);
+                     static_cast<TQ*>(out) + r * row_out, buf, n_parts > 1 ? parts.data() + unit * stride : nullptr,
+                     n_rows, n_rows > 1 ? ends + r : nullptr);
     }
     if (n_parts > 1) {
 #pragma omp for
       for (int64_t item = 0; item < items; ++item) {
-        const int64_t r = item / groups, h0 = (item % groups) * per;
-        combine(parts.data() + item * n_parts * stride, n_parts, n_q, s.dv,
-                static_cast<TQ*>(out) + r * s.hq * s.dv + h0 * (s.hq / s.hkv) * s.dv);
+        const int64_t u = item / groups, h0 = (item % groups) * per, r = first[u], n_rows = first[u + 1] - r;
+        combine(parts.data() + item * n_parts * stride, n_parts, stride, n_rows * m, m, row_out, s.dv,
+                static_cast<TQ*>(out) + r * row_out + h0 * (s.hq / s.hkv) * s.dv);
       }
     }
   }
