@@ -264,6 +264,36 @@ def test_cpu_kernel_decode_batch_stores_every_row_then_attends(pool_dtype):
         cpu.paged_decode_batch(q, k, v, k_pool, v_pool, slots[:2], table, torch.stack((starts, ends)), scale)
 
 
+def test_cpu_kernel_split_rows_equal_their_lone_calls():
+    """With two threads a long row's positions are split into parts scored apart and combined: the
+    parts are fixed stretches of positions, so a row's result is the same bit for bit whether it
+    decodes alone or beside other rows (a speculating request's token and proposals, other
+    requests), as the engine's greedy output with and without speculation relies on; and it is the
+    attention formula's."""
+    from kvserve.attention import cpu
+    assert cpu.kernel()
+    bs, hkv, hq, d, scale = 16, 3, 9, 64, 0.125
+    k_pool, v_pool, tables = _pool_and_tables([1500, 40], bs, hkv, d, torch.bfloat16, seed=31)
+    gen = torch.Generator().manual_seed(32)
+    row_tables = [tables[0]] * 5 + [tables[1]]
+    ends = torch.tensor([1496, 1497, 1498, 1499, 1500, 40])
+    starts = torch.zeros(6, dtype=torch.long)
+    table = torch.stack([torch.cat([t, torch.full((len(tables[0]) - len(t),), -1)]) for t in row_tables])
+    q = torch.randn(6, hq, d, generator=gen)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        together = cpu.paged_decode(q, k_pool, v_pool, table, starts, ends, scale)
+        alone = [cpu.paged_decode(q[i:i + 1], k_pool, v_pool, table[i:i + 1], starts[i:i + 1], ends[i:i + 1], scale)
+                 for i in range(6)]
+    finally:
+        torch.set_num_threads(threads)
+    for i in range(6):
+        assert torch.equal(together[i:i + 1], alone[i]), i
+    want = _oracle(q, k_pool, v_pool, row_tables, starts.tolist(), ends.tolist(), bs, scale)
+    torch.testing.assert_close(together.double(), want, atol=2e-6, rtol=1e-5)
+
+
 def test_cpu_kernel_without_a_compiler_falls_back_to_torch(llm_nocache, monkeypatch, tmp_path, caplog):
     """No C++ compiler: a warning says why, the engine decodes through torch's ops, same tokens."""
     from helpers import assert_same_completions

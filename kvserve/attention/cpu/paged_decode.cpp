@@ -306,14 +306,9 @@ int64_t heads_per_item(int64_t rows, int64_t hkv, int threads) {
   return rows >= 8 * threads ? hkv : 1;
 }
 
-// Parts each row's positions are split into: one while the (row, K/V heads) items keep every
-// thread busy; else enough that items x parts fill the threads about four times over (a lone
-// stream has as many items as K/V heads: 3 on SmolLM2), each part at least kMinPart positions.
-constexpr int64_t kMinPart = 256;
-int64_t parts_per_row(int64_t items, int64_t longest, int threads, bool vec, bool split) {
-  if (!split || !vec || threads == 1 || items >= 4 * threads) return 1;
-  return std::max<int64_t>(1, std::min<int64_t>((4 * threads + items - 1) / items, longest / kMinPart));
-}
+// Split rows are cut into parts at fixed positions, [j * kPart, (j + 1) * kPart): a row's parts, and
+// so its sums, depend on its own range alone, never on the rows beside it or their lengths.
+constexpr int64_t kPart = 512;
 
 // An item's query heads from its parts' [DK] sums, peaks and totals (`stride` floats a part): exact,
 // each part's sums rescaled to the largest peak. Query a is head a % m of the item's row a / m,
@@ -364,39 +359,44 @@ std::vector<int64_t> row_runs(const int64_t* table, int64_t table_row, const int
 template <typename TQ, typename TK>
 void run(const void* q, const void* k_pool, const void* v_pool, const int64_t* table, const int64_t* starts,
          const int64_t* ends, void* out, int64_t rows, const Shape& s, int threads, bool split) {
-  const bool vec = vector_heads(s);
+  const bool vec = vector_heads(s), parted = split && vec && threads > 1;
   const std::vector<int64_t> first = row_runs(table, s.table_row, starts, ends, rows, s.block_size, vec);
   const int64_t runs = static_cast<int64_t>(first.size()) - 1;
   const int64_t per = heads_per_item(runs, s.hkv, threads), groups = s.hkv / per, items = runs * groups;
-  int64_t longest = 0, most = 1;
-  for (int64_t u = 0; u < runs; ++u) {
-    longest = std::max(longest, ends[first[u + 1] - 1] - starts[first[u]]);
+  // each item's first unit: one per part of its rows' positions (one when not split)
+  std::vector<int64_t> unit0(items + 1, 0);
+  int64_t most = 1;
+  for (int64_t item = 0; item < items; ++item) {
+    const int64_t u = item / groups, lo = starts[first[u]], hi = ends[first[u + 1] - 1];
+    unit0[item + 1] = unit0[item] + (parted && hi > lo ? (hi - 1) / kPart - lo / kPart + 1 : 1);
     most = std::max(most, first[u + 1] - first[u]);
   }
-  const int64_t n_parts = parts_per_row(items, longest, threads, vec, split);
+  const int64_t units = unit0[items];
   const int64_t m = per * (s.hq / s.hkv), stride = most * m * (s.dv + 2), row_out = s.hq * s.dv;
-  std::vector<float> parts(n_parts > 1 ? items * n_parts * stride : 0);
+  std::vector<float> parts(units > items ? units * stride : 0);
 #pragma omp parallel num_threads(threads)
   {
     std::vector<float> buf;
 #pragma omp for schedule(dynamic, 1)
-    for (int64_t unit = 0; unit < items * n_parts; ++unit) {
-      const int64_t item = unit / n_parts, j = unit % n_parts, u = item / groups, h0 = (item % groups) * per;
-      const int64_t r = first[u], n_rows = first[u + 1] - r;
-      const int64_t len = ends[r + n_rows - 1] - starts[r], share = (len + n_parts - 1) / n_parts;
-      const int64_t a = starts[r] + std::min(len, j * share), b = starts[r] + std::min(len, (j + 1) * share);
+    for (int64_t unit = 0; unit < units; ++unit) {
+      const int64_t item = std::upper_bound(unit0.begin(), unit0.end(), unit) - unit0.begin() - 1;
+      const int64_t u = item / groups, h0 = (item % groups) * per, r = first[u], n_rows = first[u + 1] - r;
+      const int64_t lo = starts[r], hi = ends[r + n_rows - 1], j = unit - unit0[item];
+      const bool whole = unit0[item + 1] - unit0[item] == 1;
+      const int64_t a = whole ? lo : std::max(lo, (lo / kPart + j) * kPart);
+      const int64_t b = whole ? hi : std::min(hi, (lo / kPart + j + 1) * kPart);
       attend<TQ, TK>(static_cast<const TQ*>(q) + r * s.q_row, static_cast<const TK*>(k_pool),
                      static_cast<const TK*>(v_pool), table + r * s.table_row, a, b, h0, per, s,
-                     static_cast<TQ*>(out) + r * row_out, buf, n_parts > 1 ? parts.data() + unit * stride : nullptr,
+                     static_cast<TQ*>(out) + r * row_out, buf, whole ? nullptr : parts.data() + unit * stride,
                      n_rows, n_rows > 1 ? ends + r : nullptr);
     }
-    if (n_parts > 1) {
 #pragma omp for
-      for (int64_t item = 0; item < items; ++item) {
-        const int64_t u = item / groups, h0 = (item % groups) * per, r = first[u], n_rows = first[u + 1] - r;
-        combine(parts.data() + item * n_parts * stride, n_parts, stride, n_rows * m, m, row_out, s.dv,
-                static_cast<TQ*>(out) + r * row_out + h0 * (s.hq / s.hkv) * s.dv);
-      }
+    for (int64_t item = 0; item < items; ++item) {
+      const int64_t n_parts = unit0[item + 1] - unit0[item];
+      if (n_parts == 1) continue;
+      const int64_t u = item / groups, h0 = (item % groups) * per, r = first[u], n_rows = first[u + 1] - r;
+      combine(parts.data() + unit0[item] * stride, n_parts, stride, n_rows * m, m, row_out, s.dv,
+              static_cast<TQ*>(out) + r * row_out + h0 * (s.hq / s.hkv) * s.dv);
     }
   }
 }
