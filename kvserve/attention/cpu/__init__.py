@@ -67,8 +67,9 @@ def paged_decode(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, ta
     """Row i of q [B, Hq, D] attends over positions [starts[i], ends[i]) of its block table row
     table[i] (long) in the pools [num_blocks, block_size, Hkv, D]; -> [B, Hq, Dv] in q's dtype (into
     `out` when given, which must be contiguous). Pools are q's dtype, or bfloat16 under float32 q.
-    `split` False keeps each row's positions in one part (one summation order whatever the rows:
-    the batch-invariant mode); True lets a few long rows split over the threads."""
+    `split` False keeps each row's positions in one part (the batch-invariant mode); True splits long
+    rows over the threads into parts at fixed positions (a row's result still its own whatever the
+    other rows)."""
     if not kernel():
         raise RuntimeError("the CPU decode attention kernel is not built here (see the warning above)")
     if out is None:

@@ -1,9 +1,11 @@
 // Decode attention over paged K/V on the CPU: one query token per row, its K/V read from the pools
-// by block id in place (no gathered copy). Work items are (row, K/V heads) pairs; each item scores
-// its heads' G query heads each against the visible keys (one pass over K), takes the softmax, and sums
-// the values (one pass over V). When the items are too few for the threads (a lone stream), each
-// row's positions are split into parts scored apart and combined exactly, unless `split` is off (the
-// batch-invariant mode: a row's sums then run in one order whatever else shares the call). Float32 arithmetic; queries and output float32 over float32 pools
+// by block id in place (no gathered copy). Work items are (rows, K/V heads) pairs, the rows one row
+// or consecutive rows of one sequence; each item scores its rows' query heads of those K/V heads
+// against the visible keys (one pass over K), takes the softmax, and sums the values (one pass over
+// V). With more than one thread, rows are split into parts at fixed positions, scored apart and
+// combined exactly, unless `split` is off (the batch-invariant mode: a row's sums then run in one
+// order); either way a row's result does not depend on what else shares the call. Float32
+// arithmetic; queries and output float32 over float32 pools
 // (dtype 0), bfloat16 over bfloat16 pools (1), or float32 over bfloat16 pools (2: half the bytes
 // read). Built at run time by kvserve/attention/cpu/__init__.py and registered as torch ops
 // (kvserve_attn::paged_decode_into, kvserve_attn::decode_one, kvserve_attn::decode_batch), so a
