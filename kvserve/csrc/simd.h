@@ -63,7 +63,7 @@ inline vf loadv(const uint16_t* p) {  // kLanes bfloat16 values widened
 // Lanes C apart summed, in each chunk of 2C lanes of a and of b: a's sums fill the low half of the
 // result, b's the high half (C = 8 on 16 lanes: a[i] + a[i + 8], then b[i] + b[i + 8]).
 template <int C>
-inline vf fold(vf a, vf b) {
+__attribute__((always_inline)) inline vf fold(vf a, vf b) {
   vi lo, hi;
   for (int i = 0; i < kLanes; ++i) {  // constants once inlined: the compiler picks the shuffles
     const int j = i % (kLanes / 2);
@@ -74,14 +74,14 @@ inline vf fold(vf a, vf b) {
 }
 
 template <int C, int N>
-inline void fold_pairs(vf* p) {  // N vectors to N / 2, and on until C = 1 (16 / kLanes vectors)
+__attribute__((always_inline)) inline void fold_pairs(vf* p) {  // N vectors to N / 2, and on until C = 1 (16 / kLanes vectors)
   for (int i = 0; i < N / 2; ++i) p[i] = fold<C>(p[2 * i], p[2 * i + 1]);
   if constexpr (C > 1) fold_pairs<C / 2, N / 2>(p);
 }
 
 // out[t] = the sum of the lanes of p[t], t < 16 (p is overwritten): each sum a tree, the halves of
 // the vector added first, whatever its width.
-inline void transpose_sum(vf* p, float* out) {
+__attribute__((always_inline)) inline void transpose_sum(vf* p, float* out) {
   fold_pairs<kLanes / 2, 16>(p);
   std::memcpy(out, p, 16 * sizeof(float));
 }
