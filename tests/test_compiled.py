@@ -15,13 +15,14 @@ PROMPTS = ["The capital of France is", "def fibonacci(n):",
 
 @pytest.fixture(scope="module")
 def graphs_and_compiled():
-    """(graphs compiled while building it, the bundled model with compiled regions)."""
+    """(graphs compiled while building it, the bundled model with compiled regions, graphs traced by
+    AOTAutograd meanwhile)."""
     from torch._dynamo.utils import counters
-    before = counters["stats"]["unique_graphs"]
+    before, traced = counters["stats"]["unique_graphs"], counters["aot_autograd"]["total"]
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv(EAGER_ENV, "0")
         llm = LLM(kv_cache_memory="32MiB", max_model_len=512, compile_mode="blocking")
-    return counters["stats"]["unique_graphs"] - before, llm
+    return counters["stats"]["unique_graphs"] - before, llm, counters["aot_autograd"]["total"] - traced
 
 
 @pytest.fixture(scope="module")
@@ -34,7 +35,7 @@ def test_compiled_regions_stay_as_close_to_float32_as_eager(llm, graphs_and_comp
     kernels round less often: eager rounds the int4 kernel's bfloat16 input and output on every
     layer), and the greedy tokens agree."""
     from kvserve.tools.evaluate import common_prefix, fidelity, run_forced
-    _, compiled = graphs_and_compiled
+    _, compiled, _ = graphs_and_compiled
     assert compiled.engine.compiled and compiled.engine.model.model.regions is not EAGER
     assert eager_int4.engine.model.model.regions is EAGER
     ids = compiled.engine.tokenizer.encode(" ".join(PROMPTS) * 2)
@@ -55,10 +56,17 @@ def test_compiled_regions_stay_as_close_to_float32_as_eager(llm, graphs_and_comp
 
 
 def test_every_layer_shares_the_regions_graphs(graphs_and_compiled):
-    graphs, compiled = graphs_and_compiled
+    graphs, compiled, _ = graphs_and_compiled
     layers = compiled.engine.model_config.num_layers
     # three regions (first, between two layers, last), one graph each per warm-up shape at most
     assert 1 <= graphs <= 3 * len(WARMUP_TOKENS) < layers
+
+
+def test_the_warm_up_traces_each_graph_once(graphs_and_compiled):
+    """Every graph AOTAutograd traced is one the engine kept: dynamo never restarted a trace (it did
+    for the few-row paged graph, whose attention op took a module's float as a symbolic float)."""
+    graphs, _, traced = graphs_and_compiled
+    assert traced == graphs
 
 
 def test_what_runs_eagerly(monkeypatch):
@@ -83,7 +91,7 @@ def test_batch_one_decode_runs_the_one_token_graph(graphs_and_compiled, eager_in
     """A lone sequence decodes through the one-token paged graph (the cache written and read inside
     it: no layer's eager attention runs) and makes the eager model's greedy tokens; the LM head of
     a one-row step runs its group-wise int8 kernel."""
-    _, compiled = graphs_and_compiled
+    _, compiled, _ = graphs_and_compiled
     model = compiled.engine.model
     regions_ = model.model.regions
     attn = model.model.layers[3].self_attn
@@ -122,7 +130,7 @@ def test_a_few_decodes_run_the_batched_paged_graph(graphs_and_compiled, monkeypa
     cache written and read inside it by the C++ decode op: no layer's eager attention runs for
     them), and every sequence gets the tokens it gets decoding alone through the one-token graph
     (each row's kernels do not depend on the rows beside it)."""
-    _, compiled = graphs_and_compiled
+    _, compiled, _ = graphs_and_compiled
     model = compiled.engine.model
     regions_ = model.model.regions
     attn = model.model.layers[3].self_attn

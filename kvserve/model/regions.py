@@ -198,6 +198,9 @@ def compiled_regions(model: torch.nn.Module) -> Regions | None:
         log.info("compiled regions: %s runs eagerly (its layers have no dense regions)", type(model).__name__)
         return None
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
+    # A module's floats (a norm's eps, attention's scale) are constants: traced as symbolic floats, the
+    # few-row paged graph's op arguments could not become tensors and dynamo traced it all again.
+    torch._dynamo.config.specialize_float = True
     return Regions(True)
 
 
