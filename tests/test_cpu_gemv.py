@@ -298,11 +298,12 @@ def _q8g_float64(x, codes, scales, mins, group) -> torch.Tensor:
 
 def _check_q8g(rows: int, group: int) -> None:
     """q8g_gemv against float64 math on its int16 rows (mins [K/group, N]), for both dtypes of x, with
-    and without mins, two widths (N % 4 != 0, 3 and 20 blocks): float32 results within 1e-5 of the
+    and without mins, three widths (N % 4 != 0; 3, 5 and 20 blocks: the tile's scales converted
+    eight groups at a time, then a tail, at 5 blocks of groups of 16): float32 results within 1e-5 of the
     result's largest value and within the int16 rows' bound of the product of x itself, bfloat16 ones
     the float32 result rounded once."""
     assert cpu.available()
-    for n, k in [(40, 96), (33, 640)]:
+    for n, k in [(40, 96), (24, 160), (33, 640)]:
         for dtype in (torch.float32, torch.bfloat16):
             for mins in (False, True):
                 x, codes, scales, m = _q8g_operands(rows, n, k, group, mins, dtype, rows * 100 + n + group)

@@ -567,6 +567,15 @@ void tile_scales(const S* scales, int64_t groups, const float* d, float* out) {
       else v = _mm256_loadu_ps(reinterpret_cast<const float*>(scales + g));
       _mm256_storeu_ps(out + g, _mm256_mul_ps(v, _mm256_loadu_ps(d + g)));
     }
+  } else if constexpr (G == kQBlock / 2) {   // groups of 16: two a block, each block's d twice
+    const __m256i twice = _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3);
+    for (; g + 8 <= groups; g += 8) {
+      __m256 v;
+      if constexpr (sizeof(S) == 2) v = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(scales + g)));
+      else v = _mm256_loadu_ps(reinterpret_cast<const float*>(scales + g));
+      const __m256 dd = _mm256_permutevar8x32_ps(_mm256_castps128_ps256(_mm_loadu_ps(d + g / 2)), twice);
+      _mm256_storeu_ps(out + g, _mm256_mul_ps(v, dd));
+    }
   }
   for (; g < groups; ++g) out[g] = scale_value(scales[g]) * d[g * G / kQBlock];
 }
