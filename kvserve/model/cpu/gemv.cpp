@@ -556,25 +556,24 @@ __attribute__((noinline)) float int_row(const uint8_t* w, const S* scales, const
 #endif
 
 #if defined(__AVX2__)
+// Eight float16 or float32 scales as floats.
+template <typename S>
+inline __m256 eight_scales(const S* p) {
+  if constexpr (sizeof(S) == 2) return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  else return _mm256_loadu_ps(reinterpret_cast<const float*>(p));
+}
+
 // out[g] = scale g as a float times the row's block scale d[g's block].
 template <int G, typename S>
 void tile_scales(const S* scales, int64_t groups, const float* d, float* out) {
   int64_t g = 0;
   if constexpr (G == kQBlock) {
-    for (; g + 8 <= groups; g += 8) {
-      __m256 v;
-      if constexpr (sizeof(S) == 2) v = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(scales + g)));
-      else v = _mm256_loadu_ps(reinterpret_cast<const float*>(scales + g));
-      _mm256_storeu_ps(out + g, _mm256_mul_ps(v, _mm256_loadu_ps(d + g)));
-    }
+    for (; g + 8 <= groups; g += 8) _mm256_storeu_ps(out + g, _mm256_mul_ps(eight_scales(scales + g), _mm256_loadu_ps(d + g)));
   } else if constexpr (G == kQBlock / 2) {   // groups of 16: two a block, each block's d twice
     const __m256i twice = _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3);
     for (; g + 8 <= groups; g += 8) {
-      __m256 v;
-      if constexpr (sizeof(S) == 2) v = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(scales + g)));
-      else v = _mm256_loadu_ps(reinterpret_cast<const float*>(scales + g));
       const __m256 dd = _mm256_permutevar8x32_ps(_mm256_castps128_ps256(_mm_loadu_ps(d + g / 2)), twice);
-      _mm256_storeu_ps(out + g, _mm256_mul_ps(v, dd));
+      _mm256_storeu_ps(out + g, _mm256_mul_ps(eight_scales(scales + g), dd));
     }
   }
   for (; g < groups; ++g) out[g] = scale_value(scales[g]) * d[g * G / kQBlock];
