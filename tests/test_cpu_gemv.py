@@ -238,6 +238,45 @@ def test_invariant_gemvs_give_a_row_the_same_bits_at_every_row_count(kind):
         assert torch.equal(call(x[:rows]), alone[:rows]), rows
 
 
+def _integer_calls(n: int, k: int, g: torch.Generator) -> dict:
+    """x -> y for each integer GEMV (q4g, q5g, q8g with groups of 32 and of 16 with mins) on weights
+    drawn from g."""
+    assert cpu.available()
+    ops = torch.ops.kvserve_cpu
+    _, nibbles, s4, _, m4 = _q4g_operands(n, k, g)
+    _, packed, s5, m5 = _q5g_operands(n, k, g, True)
+    m5 = m5.t().contiguous()
+    codes = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8)
+    s32, s16 = torch.rand(n, k // 32, generator=g) * 0.01, torch.rand(n, k // 16, generator=g) * 0.01
+    m16 = -torch.rand(k // 16, n, generator=g) * 0.1
+    return {"q4g": lambda x: ops.q4g_gemv(x, nibbles, s4, m4),
+            "q5g": lambda x: ops.q5g_gemv(x, packed, s5, m5),
+            "q8g-32": lambda x: ops.q8g_gemv(x, codes, s32, None, 32),
+            "q8g-16-mins": lambda x: ops.q8g_gemv(x, codes, s16, m16, 16)}
+
+
+@pytest.mark.parametrize("rows", [1, 5])
+def test_integer_gemvs_give_the_same_bits_on_more_threads(rows):
+    """The suite runs one thread a process; an engine runs torch's threads, which split the output
+    channels (each thread with its own prefetch bounds, all reading the calling thread's quantized
+    rows): two and three threads give the one-thread result bit for bit, on weights far larger
+    than one thread's prefetch distance and on small ones."""
+    g = torch.Generator().manual_seed(11)
+    before = torch.get_num_threads()
+    for n, k in [(4000, 576), (48, 96)]:
+        calls = _integer_calls(n, k, g)
+        x = torch.randn(rows, k, generator=g)
+        try:
+            torch.set_num_threads(1)
+            alone = {name: call(x) for name, call in calls.items()}
+            for threads in (2, 3):
+                torch.set_num_threads(threads)
+                for name, call in calls.items():
+                    assert torch.equal(call(x), alone[name]), (name, n, k, threads)
+        finally:
+            torch.set_num_threads(before)
+
+
 def _pack_by_hand(codes: torch.Tensor, block: int) -> torch.Tensor:
     """codes [N, K] in torch's CPU int4 layout for blocks of `block` rows: per block, per input channel,
     block/2 bytes, row c's code in byte c's low nibble and row block/2 + c's in its high nibble."""

@@ -60,6 +60,19 @@ inline void prefetch(const void* p) {
 #endif
 }
 
+// The integer GEMVs fetch their codes further ahead and into L2 (64 KiB a thread stays far inside
+// it): a hardware prefetcher stops at each 4 KiB page, and a GEMV that streams a weight larger than
+// the caches (every weight of a decode step, one after another) otherwise waits on each new page.
+constexpr int64_t kFetchAhead = 64 * 1024;
+
+inline void prefetch_l2(const void* p) {
+#if defined(__SSE__)
+  _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T1);
+#else
+  __builtin_prefetch(p, 0, 2);
+#endif
+}
+
 struct Half {  // a float16 value's bits
   uint16_t bits;
 };
@@ -527,6 +540,7 @@ struct IntArgs {
   const QRows* x;
   int64_t k, n, group;
   float* y;              // [M, N]
+  const uint8_t* fetch_end = nullptr;   // the end of the calling thread's codes: nothing past it is fetched
 };
 
 #if defined(__AVX2__)
@@ -604,7 +618,7 @@ void int_tile(const IntArgs<S>& a, int64_t n0, int64_t r0) {
   for (int64_t b = 0; b < blocks; ++b) {
     for (int c = 0; c < C; ++c) {
       const uint8_t* wb = w + c * row_bytes + b * Codes::kBytes;
-      if ((b * Codes::kBytes) % 64 < Codes::kBytes) prefetch(wb + kPrefetch);   // a line a new line, 4 KiB ahead
+      if ((b * Codes::kBytes) % 64 < Codes::kBytes) prefetch_l2(std::min(wb + kFetchAhead, a.fetch_end));   // a line a new line
       __m256i lo, hi;   // the block's codes, in q's lane order
       Codes::unpack(wb, lo, hi);
       if constexpr (G == kQBlock) {
@@ -695,9 +709,15 @@ void int_run(const float* x, const uint8_t* w, const S* scales, const S* mins, i
   const int64_t m = y.size(0), n = y.size(1);
   thread_local QRows xq;
   quantize_rows(x, m, k, G, Codes::kInterleaved, xq);
-  const IntArgs<S> a{w, scales, mins, &xq, k, n, G, y.data_ptr<float>()};
+  const IntArgs<S> shared{w, scales, mins, &xq, k, n, G, y.data_ptr<float>()};   // xq: this thread's
+  const int64_t row_bytes = k / kQBlock * Codes::kBytes;
   at::parallel_for(0, (n + kQChunk - 1) / kQChunk, 1, [&](int64_t c0, int64_t c1) {
     const int64_t start = c0 * kQChunk, end = std::min(n, c1 * kQChunk);
+    IntArgs<S> a = shared;
+    a.fetch_end = w + end * row_bytes;
+    // the first kFetchAhead bytes at once; each tile then fetches the line kFetchAhead past its own
+    const uint8_t* first = w + start * row_bytes;
+    for (const uint8_t* p = first; p < std::min(first + kFetchAhead, a.fetch_end); p += 64) prefetch_l2(p);
     for (int64_t n0 = start; n0 < end;) {
       if (n0 + 8 <= end) {
         int_rows<Codes, G, S, 8>(a, n0, m);
