@@ -19,7 +19,8 @@
 //            float16 or float32) -> [M, N] in x's dtype: 5-bit codes (0..31) packed by
 //     q5g_pack(codes [N, K] uint8), w = code * scale + min; q5g_dequantize(packed, scales, mins).
 // q8g, q5g and q4g quantize x to int16 per block of 32 and multiply in integers ("Integer products"
-// below); their rows never depend on the call's row count. int8, bfloat16 and float16: sixteen
+// below), their codes fetched 64 KiB ahead into L2; their rows never depend on the call's row count
+// or thread count. int8, bfloat16 and float16: sixteen
 // output channels at a time: each channel's dot product runs along K with several accumulators,
 // the 16 partial vectors are reduced together (a transpose), weights are prefetched a few KiB ahead
 // (one core alone does not keep enough loads in flight to fill the memory bus); `invariant`: a lone
