@@ -19,12 +19,11 @@
 //            float16 or float32) -> [M, N] in x's dtype: 5-bit codes (0..31) packed by
 //     q5g_pack(codes [N, K] uint8), w = code * scale + min; q5g_dequantize(packed, scales, mins).
 // q8g, q5g and q4g quantize x to int16 per block of 32 and multiply in integers ("Integer products"
-// below), their codes fetched 64 KiB ahead into L2; their rows never depend on the call's row count
-// or thread count. int8, bfloat16 and float16: sixteen
-// output channels at a time: each channel's dot product runs along K with several accumulators,
-// the 16 partial vectors are reduced together (a transpose), weights are prefetched a few KiB ahead
-// (one core alone does not keep enough loads in flight to fill the memory bus); `invariant`: a lone
+// below); their rows never depend on the call's row count or thread count. int8, bfloat16 and
+// float16: sixteen output channels at a time: each channel's dot product runs along K with several
+// accumulators, the 16 partial vectors are reduced together (a transpose); `invariant`: a lone
 // row is summed as a row of a group is, so each row's result is the same whatever the row count.
+// Every GEMV fetches its weights 64 KiB ahead into L2 (kFetchAhead).
 // Output channel blocks are split over torch's threads (at::parallel_for, torch's OpenMP runtime).
 // Vectors are simd.h's `vf`, one register wide (16 floats under AVX-512, 8 under AVX2, 4 else);
 // AVX-512 and AVX2 (+F16C) intrinsics appear only under #if beside a portable path (tests build
@@ -51,19 +50,10 @@ namespace {
 
 using namespace kvserve;
 
-constexpr int64_t kPrefetch = 4096;  // bytes ahead in the weight stream
-
-inline void prefetch(const void* p) {
-#if defined(__SSE__)
-  _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T0);
-#else
-  __builtin_prefetch(p);
-#endif
-}
-
-// The integer GEMVs fetch their codes further ahead and into L2 (64 KiB a thread stays far inside
-// it): a hardware prefetcher stops at each 4 KiB page, and a GEMV that streams a weight larger than
-// the caches (every weight of a decode step, one after another) otherwise waits on each new page.
+// Weights are fetched 64 KiB ahead of the line being read, into L2 (which 64 KiB a thread stays far
+// inside): a hardware prefetcher stops at each 4 KiB page, and a GEMV that streams a weight larger
+// than the caches (every weight of a decode step, one after another) otherwise waits on each new
+// page; one core alone also keeps too few loads in flight to fill the memory bus.
 constexpr int64_t kFetchAhead = 64 * 1024;
 
 inline void prefetch_l2(const void* p) {
@@ -140,8 +130,8 @@ void widened_block(const float* x, const W* w, int64_t k, vf* part) {
     vf acc[kUnroll] = {};
     int64_t i = 0;
     for (; i + 64 <= k; i += 64) {
-      prefetch(wr + i + kPrefetch / sizeof(W));
-      if (sizeof(W) > 1) prefetch(wr + i + kPrefetch / sizeof(W) + 32);
+      prefetch_l2(wr + i + kFetchAhead / sizeof(W));
+      if (sizeof(W) > 1) prefetch_l2(wr + i + kFetchAhead / sizeof(W) + 32);
       for (int j = 0; j < kUnroll; ++j) acc[j] += widen(wr + i + j * kLanes) * loadv(x + i + j * kLanes);
     }
     for (; i < k; i += kLanes) acc[0] += widen(wr + i) * loadv(x + i);
@@ -159,7 +149,7 @@ void widened_rows(const float* x, const W* w, int64_t k, vf (*part)[16]) {
     vf a[R] = {}, b[R] = {};
     int64_t i = 0;
     for (; i + 2 * kLanes <= k; i += 2 * kLanes) {
-      prefetch(wr + i + kPrefetch / sizeof(W));
+      prefetch_l2(wr + i + kFetchAhead / sizeof(W));
       const vf w0 = widen(wr + i), w1 = widen(wr + i + kLanes);
       for (int r = 0; r < R; ++r) {
         a[r] += w0 * loadv(x + r * k + i);
@@ -190,8 +180,8 @@ void bf16_block(const uint16_t* x, const Bf16* w, int64_t k, vf* part) {
     vf a = {0}, b = {0}, c = {0}, d = {0};
     int64_t i = 0;
     for (; i + 128 <= k; i += 128) {
-      prefetch(wr + i + kPrefetch / 2);
-      prefetch(wr + i + kPrefetch / 2 + 64);
+      prefetch_l2(wr + i + kFetchAhead / 2);
+      prefetch_l2(wr + i + kFetchAhead / 2 + 64);
       a = dot_bf16(a, wr + i, x + i);
       b = dot_bf16(b, wr + i + 32, x + i + 32);
       c = dot_bf16(c, wr + i + 64, x + i + 64);
@@ -210,7 +200,7 @@ void bf16_rows(const uint16_t* x, const Bf16* w, int64_t k, vf (*part)[16]) {
     vf a[R] = {}, b[R] = {};
     int64_t i = 0;
     for (; i + 64 <= k; i += 64) {
-      prefetch(wr + i + kPrefetch / 2);
+      prefetch_l2(wr + i + kFetchAhead / 2);
       for (int r = 0; r < R; ++r) {
         a[r] = dot_bf16(a[r], wr + i, x + r * k + i);
         b[r] = dot_bf16(b[r], wr + i + 32, x + r * k + i + 32);
