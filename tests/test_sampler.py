@@ -13,9 +13,11 @@ from kvserve.engine.sampler import (
     apply_min_p,
     apply_penalties,
     apply_top_k_top_p,
+    kernel_row_stats,
     process_logits,
     prompt_logprobs,
     request_generator,
+    torch_row_stats,
 )
 from kvserve.sampling_params import BeamSearchParams, SamplingParams
 
@@ -155,6 +157,60 @@ def test_greedy_is_argmax_and_logprobs_are_log_softmax():
     for row, r in enumerate(results):
         assert r.logprobs[0] == pytest.approx(ref[row, expected[row]].item(), abs=1e-5)
         assert r.top_logprobs is None
+
+
+def _stats_rows():
+    """Rows across the kernel's lanes, tails and 2048-value chunks: ties in other lanes and chunks,
+    a NaN, +inf, all -inf, a lone -inf-free value, huge and tiny spreads."""
+    torch.manual_seed(5)
+    rows = []
+    for v in (1, 15, 16, 17, 2047, 2049, 5000, 49152):
+        x = torch.randn(4, v) * 4
+        if v > 40:
+            x[1, [v - 1, 7, 2100 % v, 19]] = 50.0          # a tie: the first index wins
+            x[2, :] = float("-inf")
+            x[2, v // 2] = -3.0                            # one finite value among -inf
+            x[3, 0] = float("nan")
+        rows += list(x)
+    x = torch.full((3, 100), float("-inf"))
+    x[1, 40] = float("inf")
+    x[2, 99] = 1e30                                         # exp of everything else underflows
+    return rows + list(x)
+
+
+@pytest.mark.skipif(not __import__("kvserve.engine.cpu", fromlist=["available"]).available(),
+                    reason="no C++ compiler: the sampler runs torch's reductions")
+def test_row_stats_kernel_matches_torch_reductions():
+    for row in _stats_rows():
+        x = row[None]
+        got, want = kernel_row_stats(x), torch_row_stats(x)
+        same_nan = math.isnan(got.peak[0]) and math.isnan(want.peak[0])
+        assert same_nan or got.peak == want.peak, row
+        if not math.isnan(want.peak[0]):
+            assert got.argmax == want.argmax, row
+        torch.testing.assert_close(got.lse, x.double().logsumexp(-1).float(), rtol=1e-6, atol=1e-6, equal_nan=True)
+        if math.isfinite(want.peak[0]):   # the maximum's log-prob, against float64's log_softmax
+            oracle = torch.log_softmax(x.double(), -1)[0, want.argmax[0]].item()
+            assert got.top_logprob[0] == pytest.approx(oracle, rel=1e-6, abs=1e-6)
+    wide = torch.randn(3, 70)
+    strided = wide[:, :64]                                  # rows 70 apart, as _check_logits' cut leaves them
+    assert kernel_row_stats(strided).argmax == strided.argmax(-1).tolist()
+    batch = torch.randn(5, 3000)                            # a row's stats do not depend on its batch
+    alone = [kernel_row_stats(batch[i:i + 1]) for i in range(5)]
+    together = kernel_row_stats(batch)
+    assert [a.top_logprob[0] for a in alone] == together.top_logprob
+    assert torch.equal(torch.cat([a.lse for a in alone]), together.lse)
+
+
+def test_bad_rows_raise_on_either_row_statistics():
+    x = torch.randn(4, 3000)
+    x[1, 7] = float("nan")
+    x[2] = float("-inf")
+    x[3, 2999] = float("inf")
+    for stats in (torch_row_stats, kernel_row_stats):
+        with pytest.raises(SamplingError) as err:
+            stats(x).check()
+        assert err.value.rows == [1, 2, 3]
 
 
 def test_plain_greedy_batch_is_not_copied():

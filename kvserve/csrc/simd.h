@@ -5,6 +5,8 @@
 // form, where that one compiles to slower code.
 #pragma once
 
+#include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #if defined(__AVX2__) || defined(__AVX512F__)
@@ -84,6 +86,33 @@ __attribute__((always_inline)) inline void fold_pairs(vf* p) {  // N vectors to 
 __attribute__((always_inline)) inline void transpose_sum(vf* p, float* out) {
   fold_pairs<kLanes / 2, 16>(p);
   std::memcpy(out, p, 16 * sizeof(float));
+}
+
+// exp(x) for x <= 0 (a value minus its row's maximum), vectorizable: 2^n * p(r), |rel err| < 2e-7.
+inline float exp_nonpositive(float x) {
+  x = std::max(x, -87.0f);
+  float n = std::nearbyint(x * 1.44269504f);
+  float r = x - n * 0.693145752f - n * 1.42860677e-6f;
+  float p = 1.0f + r * (1.0f + r * (0.5f + r * (0.166666672f + r * (0.0416666456f +
+            r * (0.00833336543f + r * 0.00138883968f)))));
+  int32_t e = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &e, 4);
+  return p * scale;
+}
+
+// exp_nonpositive on kLanes lanes, the same polynomial (x <= 0, so truncating x * log2(e) - 0.5
+// rounds to nearest: conversions, unlike the 1.5 * 2^23 trick, survive -fassociative-math).
+inline vf exp_nonpositive(vf x) {
+  const vf lo = vf{} - 87.0f;
+  x = x < lo ? lo : x;
+  const vi ni = __builtin_convertvector(x * 1.44269504f - 0.5f, vi);
+  const vf n = __builtin_convertvector(ni, vf);
+  const vf r = x - n * 0.693145752f - n * 1.42860677e-6f;
+  const vf p = 1.0f + r * (1.0f + r * (0.5f + r * (0.166666672f + r * (0.0416666456f +
+               r * (0.00833336543f + r * 0.00138883968f)))));
+  const vi e = (ni + 127) << 23;
+  return p * (vf)e;
 }
 
 }  // namespace kvserve

@@ -73,7 +73,7 @@ class LLMEngine:
         self.max_model_len = loaded.max_model_len
         self._release_memory = memory_release(self.device)
         self.stats = EngineStats()
-        self.sampler = Sampler(loaded.eos_ids(), self.model_config.vocab_size, config.seed)
+        self.sampler = Sampler(loaded.eos_ids(), self.model_config.vocab_size, config.seed, self.device)
         self.structured = StructuredOutputs(self.tokenizer, self.model_config.vocab_size, loaded.eos_ids())
         with phase("KV pool"):
             self._build_cache(loaded)

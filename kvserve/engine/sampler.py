@@ -8,6 +8,7 @@ from the raw model distribution (log_softmax of the unprocessed logits), as in v
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -247,12 +248,42 @@ def process_logits(logits: torch.Tensor, inputs: list[SamplingInput],
 # ---------------------------------------------------------------- drawing tokens
 
 
-def _check_rows(processed: torch.Tensor) -> None:
-    """Raise SamplingError naming the rows that hold NaN, +inf, or nothing but -inf."""
-    top = processed.amax(dim=-1)  # [rows]; NaN when the row holds a NaN
-    bad = (~((top > _NEG_INF) & (top < float("inf")))).nonzero().flatten().tolist()
-    if bad:
-        raise SamplingError(bad)
+@dataclass
+class RowStats:
+    """Of each row of a step's logits: its maximum (NaN where the row holds a NaN), the index of its
+    first maximum, its log-sum-exp (a tensor [rows]: log-probs are logit - lse) and the maximum's
+    log-prob (the greedy token's)."""
+
+    peak: list[float]
+    argmax: list[int]
+    lse: torch.Tensor
+    top_logprob: list[float]
+
+    def check(self) -> None:
+        """Raise SamplingError naming the rows that hold NaN, +inf, or nothing but -inf."""
+        bad = [i for i, top in enumerate(self.peak) if not _NEG_INF < top < float("inf")]
+        if bad:
+            raise SamplingError(bad)
+
+
+def torch_row_stats(logits: torch.Tensor) -> RowStats:
+    """RowStats by torch's reductions (any device)."""
+    peak = logits.amax(dim=-1)  # [rows]; NaN when the row holds a NaN
+    lse = logits.logsumexp(dim=-1)
+    return RowStats(peak.tolist(), logits.argmax(dim=-1).tolist(), lse, (peak - lse).tolist())
+
+
+def kernel_row_stats(logits: torch.Tensor) -> RowStats:
+    """RowStats in one pass over each row (engine/cpu/rows.cpp; float32 CPU logits)."""
+    stats = torch.ops.kvserve_rows.row_stats(logits)
+    peak, argmax, lse, top = zip(*stats.tolist()) if len(stats) else ((),) * 4
+    return RowStats(list(peak), [int(i) for i in argmax], stats[:, 2].float(), list(top))
+
+
+def row_stats_for(device: torch.device | str) -> Callable[[torch.Tensor], RowStats]:
+    """The kernel on a CPU that builds it, else torch's reductions."""
+    from kvserve.engine import cpu
+    return kernel_row_stats if torch.device(device).type == "cpu" and cpu.available() else torch_row_stats
 
 
 def _draw(probs: torch.Tensor, inputs: list[SamplingInput],
@@ -299,10 +330,12 @@ def _top_logprobs(logits: torch.Tensor, lse: torch.Tensor, rows: list[int],
 class Sampler:
     """Turns a batch of logits into tokens following each row's SamplingParams."""
 
-    def __init__(self, eos_token_ids: list[int], vocab_size: int, seed: int | None = None):
+    def __init__(self, eos_token_ids: list[int], vocab_size: int, seed: int | None = None,
+                 device: torch.device | str = "cpu"):
         self.eos_token_ids = list(eos_token_ids)
         self.vocab_size = vocab_size
         self.seed = seed
+        self.row_stats = row_stats_for(device)
         self._generators: dict[torch.device, torch.Generator] = {}
 
     def _global_generator(self, device: torch.device) -> torch.Generator:
@@ -326,11 +359,10 @@ class Sampler:
                              f"vocab_size={self.vocab_size}")
         return logits[:, : self.vocab_size].float()
 
-    def _sample_tokens(self, processed: torch.Tensor,
-                       inputs: list[SamplingInput]) -> list[list[int]]:
-        """Argmax for greedy rows, multinomial draws for the rest."""
-        tokens = [[t] * inp.num_samples
-                  for t, inp in zip(processed.argmax(dim=-1).tolist(), inputs)]
+    def _sample_tokens(self, processed: torch.Tensor, inputs: list[SamplingInput],
+                       argmax: list[int]) -> list[list[int]]:
+        """Argmax (`argmax`, of `processed`) for greedy rows, multinomial draws for the rest."""
+        tokens = [[t] * inp.num_samples for t, inp in zip(argmax, inputs)]
         rand = _random_rows(inputs)
         if rand:
             probs = processed[rand].softmax(dim=-1)
@@ -338,6 +370,21 @@ class Sampler:
             for i, toks in zip(rand, _draw(probs, [inputs[i] for i in rand], gen)):
                 tokens[i] = toks
         return tokens
+
+    @staticmethod
+    def _chosen_logprobs(logits: torch.Tensor, stats: RowStats, tokens: list[list[int]]) -> list[float]:
+        """The raw log-prob of each drawn token, row by row: a row's first maximum's from `stats`,
+        any other token's gathered (logit - lse)."""
+        chosen = [stats.top_logprob[i] if t == stats.argmax[i] else None
+                  for i, toks in enumerate(tokens) for t in toks]
+        rows = [i for i, toks in enumerate(tokens) for _ in toks]
+        flat = [t for toks in tokens for t in toks]
+        rest = [j for j, lp in enumerate(chosen) if lp is None]
+        if rest:
+            picked = [rows[j] for j in rest]
+            for j, lp in zip(rest, (logits[picked, [flat[j] for j in rest]] - stats.lse[picked]).tolist()):
+                chosen[j] = lp
+        return chosen
 
     def __call__(self, logits: torch.Tensor, inputs: list[SamplingInput],
                  bitmask: torch.Tensor | None = None) -> list[SampleResult]:
@@ -347,14 +394,15 @@ class Sampler:
         if not inputs:
             return []
         logits = self._check_logits(logits, inputs)
+        stats = self.row_stats(logits)
         allowed = logits if bitmask is None else apply_bitmask(logits.clone(), bitmask)
         processed = process_logits(allowed, inputs, self.eos_token_ids)
-        _check_rows(processed)
-        tokens = self._sample_tokens(processed, inputs)
-        lse = logits.logsumexp(dim=-1)  # [rows]
-        rows = [i for i, toks in enumerate(tokens) for _ in toks]
-        flat = [t for toks in tokens for t in toks]
-        chosen = (logits[rows, flat] - lse[rows]).tolist()
+        # rows nothing processed (plain greedy ones) take the raw logits' statistics
+        kept = stats if processed is logits else self.row_stats(processed)
+        kept.check()
+        tokens = self._sample_tokens(processed, inputs, kept.argmax)
+        lse = stats.lse  # [rows]
+        chosen = self._chosen_logprobs(logits, stats, tokens)
         lp_rows = [i for i, inp in enumerate(inputs) if inp.params.logprobs is not None]
         tops = (_top_logprobs(logits, lse, lp_rows, tokens,
                               [inputs[i].params.logprobs for i in lp_rows]) if lp_rows else [])

@@ -24,6 +24,7 @@
 
 namespace {
 
+using kvserve::exp_nonpositive;
 using kvserve::kLanes;
 using kvserve::loadv;
 using kvserve::transpose_sum;
@@ -34,19 +35,6 @@ inline float load(const float* p, int64_t i) { return p[i]; }
 inline float load(const uint16_t* p, int64_t i) { return kvserve::bf16_to_float(p[i]); }
 inline void store(float* p, int64_t i, float x) { p[i] = x; }
 inline void store(uint16_t* p, int64_t i, float x) { p[i] = kvserve::float_to_bf16(x); }
-
-// exp(x) for x <= 0 (scores minus their maximum), vectorizable: 2^n * p(r), |rel err| < 2e-7.
-inline float exp_nonpositive(float x) {
-  x = std::max(x, -87.0f);
-  float n = std::nearbyint(x * 1.44269504f);
-  float r = x - n * 0.693145752f - n * 1.42860677e-6f;
-  float p = 1.0f + r * (1.0f + r * (0.5f + r * (0.166666672f + r * (0.0416666456f +
-            r * (0.00833336543f + r * 0.00138883968f)))));
-  int32_t e = (static_cast<int32_t>(n) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &e, 4);
-  return p * scale;
-}
 
 // Softmax numerators of G score rows [G, stride] over their first `len` entries, in place; the
 // padding up to `stride` weighs 0; total[g] gets row g's sum.
@@ -63,20 +51,6 @@ inline void softmax_rows(float* score, int64_t g_n, int64_t len, int64_t stride,
     for (int64_t t = len; t < stride; ++t) sg[t] = 0.0f;
     total[g] = sum;
   }
-}
-
-// exp_nonpositive on kLanes lanes, the same polynomial (x <= 0, so truncating x * log2(e) - 0.5
-// rounds to nearest: conversions, unlike the 1.5 * 2^23 trick, survive -fassociative-math).
-inline vf exp_nonpositive(vf x) {
-  const vf lo = vf{} - 87.0f;
-  x = x < lo ? lo : x;
-  const vi ni = __builtin_convertvector(x * 1.44269504f - 0.5f, vi);
-  const vf n = __builtin_convertvector(ni, vf);
-  const vf r = x - n * 0.693145752f - n * 1.42860677e-6f;
-  const vf p = 1.0f + r * (1.0f + r * (0.5f + r * (0.166666672f + r * (0.0416666456f +
-               r * (0.00833336543f + r * 0.00138883968f)))));
-  const vi e = (ni + 127) << 23;
-  return p * (vf)e;
 }
 
 // softmax_rows for rows padded to a multiple of 16, kLanes scores at a time; peak[g] gets row g's maximum.
