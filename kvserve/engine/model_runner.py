@@ -156,11 +156,14 @@ class ModelRunner:
     def _step_batch(self, rows: list[tuple[Request, int, int]], num_decodes: int, num_tokens: int) -> StepBatch:
         """`rows`: (request, new tokens, entries its cache holds past num_computed_tokens) in batch order."""
         counts = [n for _, n, _ in rows]
-        req_idx = self._tensor(range(len(rows)))
-        count_t = self._tensor(counts)
-        token_req = torch.repeat_interleave(req_idx, count_t)
-        first = torch.cumsum(count_t, 0) - count_t
-        token_off = torch.arange(num_tokens, device=self.device) - first[token_req]
+        token_req = torch.arange(len(rows), device=self.device)
+        if num_tokens == len(rows):   # a token a row (decodes): each token is its row's first
+            token_off = torch.zeros(num_tokens, dtype=torch.long, device=self.device)
+        else:
+            count_t = self._tensor(counts)
+            token_req = torch.repeat_interleave(token_req, count_t)
+            first = torch.cumsum(count_t, 0) - count_t
+            token_off = torch.arange(num_tokens, device=self.device) - first[token_req]
         if self.eviction.uniform:  # every group holds num_computed_tokens: one list for all
             lens = [r.num_computed_tokens + ahead for r, _, ahead in rows]
             cache_lens, cache_len_t = [lens] * len(self.backends), [self._tensor(lens)] * len(self.backends)
