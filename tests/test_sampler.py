@@ -195,6 +195,8 @@ def test_row_stats_kernel_matches_torch_reductions():
     wide = torch.randn(3, 70)
     strided = wide[:, :64]                                  # rows 70 apart, as _check_logits' cut leaves them
     assert kernel_row_stats(strided).argmax == strided.argmax(-1).tolist()
+    columns = torch.randn(64, 3).t()                        # values 3 apart: copied first
+    assert kernel_row_stats(columns).argmax == columns.argmax(-1).tolist()
     batch = torch.randn(5, 3000)                            # a row's stats do not depend on its batch
     alone = [kernel_row_stats(batch[i:i + 1]) for i in range(5)]
     together = kernel_row_stats(batch)

@@ -274,8 +274,8 @@ def torch_row_stats(logits: torch.Tensor) -> RowStats:
 
 
 def kernel_row_stats(logits: torch.Tensor) -> RowStats:
-    """RowStats in one pass over each row (engine/cpu/rows.cpp; float32 CPU logits)."""
-    stats = torch.ops.kvserve_rows.row_stats(logits)
+    """RowStats in one pass over each row (engine/cpu/rows.cpp; float32 CPU logits, rows of any stride)."""
+    stats = torch.ops.kvserve_rows.row_stats(logits if logits.stride(-1) == 1 else logits.contiguous())
     peak, argmax, lse, top = zip(*stats.tolist()) if len(stats) else ((),) * 4
     return RowStats(list(peak), [int(i) for i in argmax], stats[:, 2].float(), list(top))
 
