@@ -1,10 +1,9 @@
 // One pass over each row of a step's float32 logits [R, V] (rows may be strided, values contiguous):
 // the row's maximum (NaN where the row holds a NaN), the index of its first maximum, log(sum(exp))
-// and the maximum's log-prob (the greedy token's: -log(sum(exp(x - max))), as log_softmax gives
-// it), as float64 [R, 4]. The sampler takes
-// them where it took amax, argmax and logsumexp: three passes over 49152 logits (SmolLM2's
-// vocabulary) fresh from the LM head, each a few tens of microseconds a step. A chunk of the row is
-// read once from memory (its maximum), then again from L1 (its exponentials, against the running
+// and the maximum's log-prob (the greedy token's: -log(sum(exp(x - max))), as log_softmax gives it),
+// as float64 [R, 4]. The sampler takes them where it took amax, argmax and logsumexp, three passes
+// over a vocabulary's logits fresh from the LM head (docs/KERNELS.md). A chunk of the row is read
+// once from memory (its maximum), then again from L1 (its exponentials, against the running
 // maximum); each row's sums run in one order whatever the rows or threads. Built at run time by
 // kvserve/engine/cpu/__init__.py and registered as the torch op kvserve_rows::row_stats.
 #include <algorithm>
