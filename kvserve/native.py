@@ -71,6 +71,22 @@ def torch_op_flags() -> tuple[list[str], list[str]]:
     return flags, libs
 
 
+def load_ops(state: dict, source: Path, unavailable: str) -> bool:
+    """Whether `source`'s torch ops are loaded: built (or found built) and loaded on the first call,
+    the answer kept in `state`; where they cannot be, False and `unavailable` logged once, its %s
+    the reason."""
+    if "ok" not in state:
+        try:
+            import torch
+            flags, libs = torch_op_flags()
+            torch.ops.load_library(str(build(source, flags, libs)))
+            state["ok"] = True
+        except (OSError, RuntimeError) as exc:   # BuildError is a RuntimeError
+            log.warning(unavailable, exc)
+            state["ok"] = False
+    return state["ok"]
+
+
 def compiler() -> str | None:
     return os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
 

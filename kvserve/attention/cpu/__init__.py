@@ -14,15 +14,12 @@ found or the build fails (the reason is logged once); callers then use the torch
 
 from __future__ import annotations
 
-import logging
 from pathlib import Path
 
 import torch
 
 from kvserve import native
 from kvserve.native import CACHE_ENV  # noqa: F401  (tests point it at a fresh folder)
-
-log = logging.getLogger("kvserve")
 
 SOURCE = Path(__file__).with_name("paged_decode.cpp")
 DTYPES = {torch.float32: 0, torch.bfloat16: 1}
@@ -32,22 +29,11 @@ CODES = {(torch.float32, torch.float32): 0, (torch.bfloat16, torch.bfloat16): 1,
 _state: dict = {}
 
 
-def _load() -> bool:
-    flags, libs = native.torch_op_flags()
-    torch.ops.load_library(str(native.build(SOURCE, flags, libs)))
-    return True
-
-
 def kernel() -> bool:
     """True once the kernel's ops are loaded (built on the first call); False where they cannot be
     built (logged once)."""
-    if "ok" not in _state:
-        try:
-            _state["ok"] = _load()
-        except (OSError, RuntimeError) as exc:   # native.BuildError is a RuntimeError
-            log.warning("CPU decode attention kernel unavailable (%s); decode attention uses the torch path", exc)
-            _state["ok"] = False
-    return _state["ok"]
+    return native.load_ops(_state, SOURCE, "CPU decode attention kernel unavailable (%s); decode attention "
+                           "uses the torch path")
 
 
 def supports(pool: torch.Tensor) -> bool:

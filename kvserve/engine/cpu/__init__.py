@@ -1,7 +1,7 @@
 """A step's logits summarized in one pass on the CPU (rows.cpp), built on first use as a torch op.
 
 `torch.ops.kvserve_rows.row_stats(logits)` gives each row's maximum (NaN where it holds one), the
-index of its first maximum, its log-sum-exp and the maximum minus that, as float64 [R, 4]: what the
+index of its first maximum, its log-sum-exp and the maximum's log-prob, as float64 [R, 4]: what the
 sampler needs of a greedy row (is it valid, its token, its log-prob) and of every row (the
 log-sum-exp that turns a logit into a log-prob), where torch took three passes over the vocabulary.
 Compiled like the other kernels (kvserve/native.py); `available()` is False where the build fails
@@ -10,14 +10,9 @@ Compiled like the other kernels (kvserve/native.py); `available()` is False wher
 
 from __future__ import annotations
 
-import logging
 from pathlib import Path
 
-import torch
-
 from kvserve import native
-
-log = logging.getLogger("kvserve")
 
 SOURCE = Path(__file__).with_name("rows.cpp")
 
@@ -26,12 +21,5 @@ _state: dict = {}
 
 def available() -> bool:
     """True once the op is loaded (built on the first call; False, logged once, where it cannot be)."""
-    if "ok" not in _state:
-        try:
-            flags, libs = native.torch_op_flags()
-            torch.ops.load_library(str(native.build(SOURCE, flags, libs)))
-            _state["ok"] = True
-        except (OSError, RuntimeError) as exc:   # native.BuildError is a RuntimeError
-            log.warning("CPU row statistics kernel unavailable (%s); the sampler uses torch's reductions", exc)
-            _state["ok"] = False
-    return _state["ok"]
+    return native.load_ops(_state, SOURCE, "CPU row statistics kernel unavailable (%s); the sampler uses "
+                           "torch's reductions")

@@ -15,14 +15,9 @@ torch's kernels.
 
 from __future__ import annotations
 
-import logging
 from pathlib import Path
 
-import torch
-
 from kvserve import native
-
-log = logging.getLogger("kvserve")
 
 SOURCE = Path(__file__).with_name("gemv.cpp")
 FLAGS_ENV = native.FLAGS_ENV
@@ -39,11 +34,5 @@ def library() -> Path:
 
 def available() -> bool:
     """True once the ops are loaded (built on the first call; False, logged once, where they cannot be)."""
-    if "ok" not in _state:
-        try:
-            torch.ops.load_library(str(library()))
-            _state["ok"] = True
-        except (OSError, RuntimeError) as exc:
-            log.warning("CPU GEMV kernels unavailable (%s); one-row int8/bfloat16 layers use torch's kernels", exc)
-            _state["ok"] = False
-    return _state["ok"]
+    return native.load_ops(_state, SOURCE, "CPU GEMV kernels unavailable (%s); one-row int8/bfloat16 layers "
+                           "use torch's kernels")
