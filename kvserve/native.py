@@ -127,7 +127,7 @@ def build(source: Path, flags: tuple[str, ...] | list[str], libs: tuple[str, ...
 
 
 # Modules whose SOURCE is a kernel `kvserve build-kernels` builds (every .cpp in the package)
-KERNEL_MODULES = ("kvserve.model.cpu", "kvserve.attention.cpu", "kvserve.engine.cpu")
+KERNEL_MODULES = ("kvserve.model.cpu", "kvserve.attention.cpu", "kvserve.engine.cpu", "kvserve.model.native")
 
 
 def build_installed(into: Path | None = None) -> list[Path]:

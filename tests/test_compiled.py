@@ -7,6 +7,7 @@ import torch
 from kvserve import LLM, SamplingParams
 from kvserve.config import EAGER_ENV, EngineConfig
 from kvserve.engine.builder import read_environment
+from kvserve.model import native
 from kvserve.model.regions import EAGER, WARMUP_TOKENS
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):",
@@ -16,11 +17,13 @@ PROMPTS = ["The capital of France is", "def fibonacci(n):",
 @pytest.fixture(scope="module")
 def graphs_and_compiled():
     """(graphs compiled while building it, the bundled model with compiled regions, graphs traced by
-    AOTAutograd meanwhile)."""
+    AOTAutograd meanwhile); the native decode stack off (tests/test_native_stack.py), so that decode
+    steps run the stack graphs, as they do for the models it does not run."""
     from torch._dynamo.utils import counters
     before, traced = counters["stats"]["unique_graphs"], counters["aot_autograd"]["total"]
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv(EAGER_ENV, "0")
+        mp.setattr(native, "available", lambda: False)
         llm = LLM(kv_cache_memory="32MiB", max_model_len=512, compile_mode="blocking")
     return counters["stats"]["unique_graphs"] - before, llm, counters["aot_autograd"]["total"] - traced
 

@@ -80,7 +80,7 @@ class PagedMetadata(SpanMetadata):
 class CapturedInputs:
     """What the captured decode step (engine/captured_step.py) runs its decode rows with: the fixed
     parts (the attention op, the distinct pool tensors, each layer's (K, V) index among them and its
-    KV group) and this step's, per group: the rows' slots, what they read (one token: its visible
+    KV group, the native decode stack where it is built) and this step's, per group: the rows' slots, what they read (one token: its visible
     blocks [n] and the visible positions [2] among them; 2 to STACK_ROWS rows: their block tables
     [R, W] and each row's visible positions [2, R], starts then ends)."""
 
@@ -91,6 +91,7 @@ class CapturedInputs:
     blocks: tuple[torch.Tensor, ...]
     spans: tuple[torch.Tensor, ...]
     groups: tuple[int, ...]
+    stack: Callable | None = None   # the native decode stack that runs the step, where it is built
 
     def args(self) -> tuple:
         """The graph's inputs after (layers, x, positions), in its argument order."""

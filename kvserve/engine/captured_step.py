@@ -12,6 +12,7 @@ from kvserve.attention import AttentionBackends, AttentionMetadata, CapturedInpu
 from kvserve.attention import cpu as cpu_kernel
 from kvserve.attention.paged import one_token_blocks, paged_decode_one
 from kvserve.kv.storage import KVStorage
+from kvserve.model import native as native_stack
 from kvserve.model.regions import STACK_ROWS
 
 
@@ -21,27 +22,32 @@ class CapturedStep:
     backends), each distinct pool tensor once, each layer's (K, V) index among them and its KV group."""
 
     def __init__(self, decode, batch, pools: tuple[torch.Tensor, ...], kv_index: tuple[tuple[int, int], ...],
-                 groups: tuple[int, ...], block_size: int, device: torch.device):
+                 groups: tuple[int, ...], block_size: int, device: torch.device, stack=None):
         self.decode, self.batch, self.pools, self.kv_index, self.groups = decode, batch, pools, kv_index, groups
         self.block_size, self.device = block_size, device
+        self.stack = stack   # the native decode stack (model/native), which runs these steps where it is built
 
     @classmethod
     def build(cls, model: torch.nn.Module, regions, attn: AttentionBackends, storage: KVStorage,
               block_size: int, device: torch.device) -> CapturedStep | None:
-        """The step when the model runs `regions` compiled and every KV group keeps native K/V read by
-        PagedBackend; None otherwise (decode rows then run through the backends)."""
+        """The step when every KV group keeps native K/V read by PagedBackend and the model runs
+        `regions` compiled, or its layers run as the native decode stack (model/native: the C++
+        attention kernel reading every pool, and layers it runs; compiled or not); None otherwise
+        (decode rows then run through the backends)."""
         layers = getattr(model.model, "layers", ())
-        if (not getattr(regions, "compiled", False) or not attn.paged
-                or sorted(attn.layer_group) != list(range(len(layers)))
+        if (not attn.paged or sorted(attn.layer_group) != list(range(len(layers)))
                 or not all(hasattr(layer.self_attn, "scale") for layer in layers)):
             return None
         pools, kv_index = distinct_pools([storage.native_kv(i) for i in range(len(layers))])
+        groups = tuple(attn.layer_group[i] for i in range(len(layers)))
         # the C++ kernel where it reads every pool (an opaque op in the graph), else torch's ops
         kernel = all(b.kernel for b in attn.backends)
+        stack = native_stack.build(model, pools, kv_index, groups, STACK_ROWS) if kernel else None
+        if stack is None and not getattr(regions, "compiled", False):
+            return None
         decode = cpu_kernel.paged_decode_one if kernel else paged_decode_one
         batch = cpu_kernel.paged_decode_batch if kernel else None
-        return cls(decode, batch, pools, kv_index, tuple(attn.layer_group[i] for i in range(len(layers))), block_size,
-                   device)
+        return cls(decode, batch, pools, kv_index, groups, block_size, device, stack)
 
     def inputs(self, meta: AttentionMetadata) -> CapturedInputs | None:
         """This step's inputs when it has decode rows only, one (per group: the token's slot, the visible
@@ -76,11 +82,12 @@ class CapturedStep:
             else:
                 views = [batch_tables(torch.zeros(rows, 1, dtype=torch.long, device=self.device), slot, slot + 1)
                          for slot in slots]
-        return self._with(self.decode if rows == 1 else self.batch, slots, views, scratch)
+        return self._with(self.decode if rows == 1 else self.batch, slots, views, scratch, stack=None)
 
-    def _with(self, decode, slots, views, pools) -> CapturedInputs:
+    def _with(self, decode, slots, views, pools, stack=True) -> CapturedInputs:
+        """The step's inputs; `stack=None`: for the graphs (a warm-up's scratch pools are not the stack's)."""
         return CapturedInputs(decode, pools, self.kv_index, slots, tuple(b for b, _ in views),
-                              tuple(span for _, span in views), self.groups)
+                              tuple(span for _, span in views), self.groups, self.stack if stack else None)
 
 
 def batch_tables(tables: torch.Tensor, starts: torch.Tensor, ends: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -210,7 +210,9 @@ class StartupCompile:
         model, runner, device = engine.model, engine.runner, engine.device
         if self.cache is not None and self.cache.load():
             log.info("compiled artifacts read from %s", self.cache.path)
-        regions = compiled_regions(model)
+        # where the native decode stack runs decode steps (model/native), no stack graphs for them
+        native = runner.captured is not None and runner.captured.stack is not None
+        regions = compiled_regions(model, stacks=not native)
         if regions is None:
             return None
         captured = runner.capture(regions)

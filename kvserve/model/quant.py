@@ -151,6 +151,15 @@ class KeptLinear(nn.Module):
         """This format's GEMV called so that a row's sums do not depend on the rows beside it, or None."""
         return None
 
+    def native_form(self, rows: int) -> tuple[str, tuple, int] | None:
+        """(kind, (a, b, c), group): the C++ kernel and operands this layer runs for every step of 1 to
+        `rows` rows, as the native decode stack (model/native) calls it, or None where it runs another."""
+        return None
+
+    def runs(self, kernel: Kernel, rows: int) -> bool:
+        """True when every step of 1 to `rows` rows runs `kernel`."""
+        return all(self.kernel_for(r) is kernel for r in range(1, rows + 1))
+
     def kernel_for(self, rows: int) -> Kernel:
         """The kernel a step of `rows` rows runs."""
         return next(k for max_rows, k in self.kernels if max_rows is None or rows <= max_rows)
@@ -217,6 +226,10 @@ class FloatLinear(KeptLinear):
     def table(self):
         return kernel_table((None, FloatLinear.linear))
 
+    def native_form(self, rows):
+        fits = self.fmt == "float32" and self.runs(FloatLinear.linear, rows)
+        return ("float", (self.weight, self.weight, None), 0) if fits else None
+
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         return self.weight.to(dtype)
 
@@ -256,6 +269,12 @@ class HalfLinear(FloatLinear):
 
     def half_gemv(self, x: torch.Tensor, invariant: bool = False) -> torch.Tensor:
         raise NotImplementedError
+
+    native_kind = ""   # the native stack's name of half_gemv
+
+    def native_form(self, rows):
+        fits = self.runs(type(self).half_gemv, rows)
+        return (self.native_kind, (self.weight, self.weight, None), 0) if fits else None
 
     def invariant_gemv(self):
         fits = self.gemv and self.in_features % 32 == 0 and self.out_features >= 16
@@ -300,6 +319,7 @@ class Bf16Linear(HalfLinear):
 
     fmt = "bfloat16"
     gemv_rows = GEMV_ROWS["bfloat16"]
+    native_kind = "bf16"
 
     def half_gemv(self, x: torch.Tensor, invariant: bool = False) -> torch.Tensor:
         return torch.ops.kvserve_cpu.bf16_gemv(x.to(self.weight.dtype).contiguous(), self.weight, invariant).to(x.dtype)
@@ -313,6 +333,7 @@ class F16Linear(HalfLinear):
 
     fmt = "float16"
     gemv_rows = GEMV_ROWS["float16"]
+    native_kind = "f16"
 
     def half_gemv(self, x: torch.Tensor, invariant: bool = False) -> torch.Tensor:
         return torch.ops.kvserve_cpu.f16_gemv(x.to(self.weight.dtype).contiguous(), self.weight, invariant).to(x.dtype)
@@ -535,6 +556,9 @@ class Int4GroupLinear(PackedGroupLinear):
 
     gemv_kernel = q4g_gemv
 
+    def native_form(self, rows):
+        return ("q4g", (self.nibbles, self.scales, self.mins), 0) if self.runs(type(self).gemv_kernel, rows) else None
+
 
 def gguf_nibbles(codes: torch.Tensor) -> torch.Tensor:
     """4-bit codes [N, K] (uint8 0..15) in GGUF's nibble order [N, K/2]: per group of 32 inputs, 16
@@ -647,6 +671,10 @@ class Int8GroupLinear(KeptLinear):
     def invariant_gemv(self):
         return Int8GroupLinear.q8g_gemv if self.gemv else None   # its rows are independent already
 
+    def native_form(self, rows):
+        fits = self.runs(Int8GroupLinear.q8g_gemv, rows)
+        return ("q8g", (self.codes, self.scales, self.mins_t), self.group) if fits else None
+
     def q8g_torch(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype not in GEMV_DTYPES:
             return self.kernels[-1][1](self, x)   # the many-row kernel
@@ -710,6 +738,9 @@ class Int5GroupLinear(PackedGroupLinear):
         return torch.ops.kvserve_cpu.q5g_gemv(x.contiguous(), self.packed, self.scales, self.mins_t)
 
     gemv_kernel = q5g_gemv
+
+    def native_form(self, rows):
+        return ("q5g", (self.packed, self.scales, self.mins_t), 0) if self.runs(type(self).gemv_kernel, rows) else None
 
 
 FIVE_BITS = 5

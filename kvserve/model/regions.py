@@ -113,19 +113,23 @@ class Regions:
     """The dense regions of a decoder stack; `compiled` wraps each with torch.compile, and adds the
     one-token stack graph."""
 
-    def __init__(self, compiled: bool = False):
+    def __init__(self, compiled: bool = False, stacks: bool = True):
+        """`stacks=False`: the regions only, no stack graphs (the native decode stack runs decode steps)."""
         self.compiled = compiled
         wrap = (lambda f: _compile(private_copy(f))) if compiled else (lambda f: f)
         self.first, self.between, self.last = wrap(_first), wrap(_between), wrap(_last)
-        self.one_token = _compile_static(_one_token_stack) if compiled else None
-        self.one_token_paged = _compile_static(_paged_stack) if compiled else None
-        self.few_tokens = _compile_stack(_one_token_stack) if compiled else None
-        self.few_paged = _compile_stack(_paged_stack, wrapper=True) if compiled else None
+        stacked = compiled and stacks
+        self.one_token = _compile_static(_one_token_stack) if stacked else None
+        self.one_token_paged = _compile_static(_paged_stack) if stacked else None
+        self.few_tokens = _compile_stack(_one_token_stack) if stacked else None
+        self.few_paged = _compile_stack(_paged_stack, wrapper=True) if stacked else None
         self.step = StepSlot()   # what the stack graphs' attention op reads
-        self.attend = stack_attend_op(self.step) if compiled else None
+        self.attend = stack_attend_op(self.step) if stacked else None
 
     def run(self, layers, x: torch.Tensor, positions: torch.Tensor, meta) -> torch.Tensor:
         """x through every layer: layer i's attention, then the region up to layer i + 1's."""
+        if meta.captured is not None and meta.captured.stack is not None:   # model/native
+            return meta.captured.stack(layers, x, positions, meta.captured)
         if self.one_token is not None and x.shape[0] <= STACK_ROWS:
             if meta.captured is not None:
                 return self._paged(layers, x, positions, meta.captured)
@@ -191,9 +195,9 @@ def supports_regions(model: torch.nn.Module) -> bool:
                                 for layer in layers)
 
 
-def compiled_regions(model: torch.nn.Module) -> Regions | None:
-    """A compiled Regions for `model` (not installed yet: `model.model.regions` stays as it is), or
-    None when its layers have no regions."""
+def compiled_regions(model: torch.nn.Module, stacks: bool = True) -> Regions | None:
+    """A compiled Regions for `model` (not installed yet: `model.model.regions` stays as it is), with
+    the stack graphs unless `stacks` is False, or None when its layers have no regions."""
     if not supports_regions(model):
         log.info("compiled regions: %s runs eagerly (its layers have no dense regions)", type(model).__name__)
         return None
@@ -201,7 +205,7 @@ def compiled_regions(model: torch.nn.Module) -> Regions | None:
     # A module's floats (a norm's eps, attention's scale) are constants: traced as symbolic floats, the
     # few-row paged graph's op arguments could not become tensors and dynamo traced it all again.
     torch._dynamo.config.specialize_float = True
-    return Regions(True)
+    return Regions(True, stacks)
 
 
 def shadow_layers(layers) -> torch.nn.ModuleList:
@@ -225,7 +229,7 @@ def warm_up(regions: Regions, model: torch.nn.Module, device: torch.device, capt
     for n in tqdm(WARMUP_TOKENS, desc="compiling the model's regions", disable=not show_progress, unit="shape"):
         meta = AttentionMetadata(prefills=[PrefillSpan(0, n, n)])
         regions.run(layers, _hidden(model, n, device), torch.arange(n, device=device), meta)
-    for rows in (1, STACK_ROWS) if captured is not None else ():
+    for rows in (1, STACK_ROWS) if captured is not None and regions.one_token_paged is not None else ():
         inputs = captured.warm_up_inputs(rows)
         if inputs is not None:
             meta = AttentionMetadata(num_decodes=rows, captured=inputs)
