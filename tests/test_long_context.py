@@ -13,6 +13,7 @@ from kvserve import LLM, SamplingParams
 from kvserve.attention import cpu as cpu_kernel
 from kvserve.attention.paged import one_token_blocks, paged_decode_one
 from kvserve.config import EAGER_ENV
+from kvserve.model import native
 
 BS, HKV, HQ, D = 16, 2, 6, 32
 # context lengths whose visible blocks cross every size bound: one block, two, Inductor's 4096, past it
@@ -76,12 +77,16 @@ def test_the_one_token_attention_compiles_once_for_every_length(decode, threads,
 
 
 def _stream(llm, prompt_ids, n, monkeypatch):
-    """(greedy tokens of one stream, graphs compiled after its first decode step, calls of the
-    one-token graph: over the paged pools, or with attention as an opaque op)."""
-    regions = llm.engine.model.model.regions
-    name = "one_token_paged" if llm.engine.runner.captured is not None else "one_token"
-    real, calls = getattr(regions, name), []
-    monkeypatch.setattr(regions, name, lambda *a: calls.append(1) or real(*a))
+    """(greedy tokens of one stream, graphs compiled after its first decode step, calls of what runs
+    a decode step: the native decode stack, or the one-token graph over the paged pools, or with
+    attention as an opaque op)."""
+    captured = llm.engine.runner.captured
+    if captured is not None and captured.stack is not None:
+        holder, name = captured, "stack"
+    else:
+        holder, name = llm.engine.model.model.regions, "one_token_paged" if captured is not None else "one_token"
+    real, calls = getattr(holder, name), []
+    monkeypatch.setattr(holder, name, lambda *a: calls.append(1) or real(*a))
     engine = llm.engine
     engine.add_request({"prompt_token_ids": prompt_ids}, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
     outs, steps, first = [], 0, None
@@ -96,11 +101,14 @@ def _stream(llm, prompt_ids, n, monkeypatch):
 @pytest.mark.parametrize("kv", ["auto", "int8"])
 def test_a_stream_crosses_4096_tokens_without_recompiling(kv, monkeypatch):
     """A lone stream decoding from 4,090 to 4,104 tokens (across Inductor's 4096 bound and block
-    boundaries) stays in one compiled graph per step, with no new graph, and makes the eager
-    engine's greedy tokens; bfloat16 pools (the CPU kernel in the paged graph) and int8 K/V (the
-    gathered path, attention as an opaque op of the one-token graph)."""
+    boundaries) stays in one call per step, with no new graph, and makes the eager layers' greedy
+    tokens; bfloat16 pools (the native decode stack, or the CPU kernel in the paged graph where the
+    stack is not built) and int8 K/V (the gathered path, attention as an opaque op of the one-token
+    graph)."""
     opts = dict(kv_cache_dtype=kv, kv_cache_memory="96MiB", max_model_len=4160, enable_prefix_caching=False)
-    eager = LLM(enforce_eager=True, **opts)
+    with monkeypatch.context() as mp:
+        mp.setattr(native, "available", lambda: False)   # the oracle: every layer eager
+        eager = LLM(enforce_eager=True, **opts)
     ids = eager.get_tokenizer().encode(" ".join(
         f"Line {i}: the cache keeps every key and value it has seen so far." for i in range(400)))[:4090]
     assert len(ids) == 4090
@@ -111,5 +119,5 @@ def test_a_stream_crosses_4096_tokens_without_recompiling(kv, monkeypatch):
     llm = LLM(compile_mode="blocking", **opts)
     tokens, new_graphs, graph_calls = _stream(llm, ids, 14, monkeypatch)
     assert new_graphs == 0, "a graph compiled while the stream grew"
-    assert graph_calls == 13                  # every decode step in the one-token graph (no eager fallback)
+    assert graph_calls == 13                  # every decode step in one call (no eager fallback)
     assert list(tokens) == list(want)
