@@ -114,9 +114,14 @@ class EngineConfig:
                        "own block format), float32, bfloat16, float16, int8 (per channel), int4 (groups of 32)",
                        choices=["auto", GGUF_FORMAT, *WEIGHT_FORMATS])
     bf16_weight_copy: str = opt("auto", "keep a bfloat16 copy of int8/int4 weights for steps of more than 12 rows "
-                                "(batched decode, prefill): auto (on a CPU with bfloat16 units, when the copy "
-                                "takes at most a quarter of the available RAM), on, off",
+                                "(batched decode, prefill): auto (on a CPU with bfloat16 units, of the layers "
+                                "that cannot widen their weight per call in C++ (not a GGUF's own layouts), "
+                                "when the copy takes at most a quarter of the available RAM), on, off",
                                 choices=["auto", "on", "off"])
+    native_stack: str = opt("auto", "decode steps of up to 8 rows as one C++ call for the whole layer stack: auto "
+                            "(where it runs the model: Llama-family layers on kvserve's CPU kernels; the "
+                            "model's other steps then run eagerly, with no compile), off (the compiled "
+                            "graphs, as for other models); docs/KERNELS.md", choices=["auto", "off"])
     device: str = opt("auto", "auto (cuda if available), cpu, cuda[:N]")
     max_model_len: int | None = opt(None, "longest sequence (default: the model's context length)")
     block_size: int | None = opt(None, "tokens per KV block (default 16; 32 for kivi formats)")
@@ -226,6 +231,8 @@ class EngineConfig:
             raise ValueError(f"compile_mode must be one of {COMPILE_MODES}, got {self.compile_mode!r}")
         if self.bf16_weight_copy not in ("auto", "on", "off"):
             raise ValueError(f"bf16_weight_copy must be 'auto', 'on' or 'off', got {self.bf16_weight_copy!r}")
+        if self.native_stack not in ("auto", "off"):
+            raise ValueError(f"native_stack must be 'auto' or 'off', got {self.native_stack!r}")
         if self.device not in ("auto", "cpu") and not self.device.startswith("cuda"):
             raise ValueError(f"device must be 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}")
         self._validate_head_precision()

@@ -7,7 +7,6 @@ import torch
 from kvserve import LLM, SamplingParams
 from kvserve.config import EAGER_ENV, EngineConfig
 from kvserve.engine.builder import read_environment
-from kvserve.model import native
 from kvserve.model.regions import EAGER, WARMUP_TOKENS
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):",
@@ -23,8 +22,7 @@ def graphs_and_compiled():
     before, traced = counters["stats"]["unique_graphs"], counters["aot_autograd"]["total"]
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv(EAGER_ENV, "0")
-        mp.setattr(native, "available", lambda: False)
-        llm = LLM(kv_cache_memory="32MiB", max_model_len=512, compile_mode="blocking")
+        llm = LLM(kv_cache_memory="32MiB", max_model_len=512, compile_mode="blocking", native_stack="off")
     return counters["stats"]["unique_graphs"] - before, llm, counters["aot_autograd"]["total"] - traced
 
 

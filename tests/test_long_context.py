@@ -13,7 +13,6 @@ from kvserve import LLM, SamplingParams
 from kvserve.attention import cpu as cpu_kernel
 from kvserve.attention.paged import one_token_blocks, paged_decode_one
 from kvserve.config import EAGER_ENV
-from kvserve.model import native
 
 BS, HKV, HQ, D = 16, 2, 6, 32
 # context lengths whose visible blocks cross every size bound: one block, two, Inductor's 4096, past it
@@ -98,17 +97,15 @@ def _stream(llm, prompt_ids, n, monkeypatch):
     return outs[0].outputs[0].token_ids, _graphs() - first, len(calls)
 
 
-@pytest.mark.parametrize("kv", ["auto", "int8"])
-def test_a_stream_crosses_4096_tokens_without_recompiling(kv, monkeypatch):
+@pytest.mark.parametrize("kv, stack", [("auto", "auto"), ("auto", "off"), ("int8", "auto")])
+def test_a_stream_crosses_4096_tokens_without_recompiling(kv, stack, monkeypatch):
     """A lone stream decoding from 4,090 to 4,104 tokens (across Inductor's 4096 bound and block
     boundaries) stays in one call per step, with no new graph, and makes the eager layers' greedy
-    tokens; bfloat16 pools (the native decode stack, or the CPU kernel in the paged graph where the
-    stack is not built) and int8 K/V (the gathered path, attention as an opaque op of the one-token
+    tokens; bfloat16 pools (the native decode stack, no graph at all; or with it off the CPU kernel
+    in the paged graph) and int8 K/V (the gathered path, attention as an opaque op of the one-token
     graph)."""
     opts = dict(kv_cache_dtype=kv, kv_cache_memory="96MiB", max_model_len=4160, enable_prefix_caching=False)
-    with monkeypatch.context() as mp:
-        mp.setattr(native, "available", lambda: False)   # the oracle: every layer eager
-        eager = LLM(enforce_eager=True, **opts)
+    eager = LLM(enforce_eager=True, native_stack="off", **opts)   # the oracle: every layer eager
     ids = eager.get_tokenizer().encode(" ".join(
         f"Line {i}: the cache keeps every key and value it has seen so far." for i in range(400)))[:4090]
     assert len(ids) == 4090
@@ -116,7 +113,7 @@ def test_a_stream_crosses_4096_tokens_without_recompiling(kv, monkeypatch):
     want = eager.generate({"prompt_token_ids": ids}, greedy, use_tqdm=False)[0].outputs[0].token_ids
     del eager
     monkeypatch.setenv(EAGER_ENV, "0")
-    llm = LLM(compile_mode="blocking", **opts)
+    llm = LLM(compile_mode="blocking", native_stack=stack, **opts)
     tokens, new_graphs, graph_calls = _stream(llm, ids, 14, monkeypatch)
     assert new_graphs == 0, "a graph compiled while the stream grew"
     assert graph_calls == 13                  # every decode step in one call (no eager fallback)

@@ -23,10 +23,8 @@ def stacked():
 
 @pytest.fixture(scope="module")
 def unstacked():
-    """The same engine with the stack unavailable: decode steps run the layers eagerly."""
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(native, "available", lambda: False)
-        return LLM(**OPTIONS)
+    """The same engine with the stack off: decode steps run the layers eagerly."""
+    return LLM(native_stack="off", **OPTIONS)
 
 
 def _stack(llm):

@@ -29,11 +29,11 @@ class CapturedStep:
 
     @classmethod
     def build(cls, model: torch.nn.Module, regions, attn: AttentionBackends, storage: KVStorage,
-              block_size: int, device: torch.device) -> CapturedStep | None:
+              block_size: int, device: torch.device, native: bool = True) -> CapturedStep | None:
         """The step when every KV group keeps native K/V read by PagedBackend and the model runs
         `regions` compiled, or its layers run as the native decode stack (model/native: the C++
         attention kernel reading every pool, and layers it runs; compiled or not); None otherwise
-        (decode rows then run through the backends)."""
+        (decode rows then run through the backends). `native=False`: no native stack."""
         layers = getattr(model.model, "layers", ())
         if (not attn.paged or sorted(attn.layer_group) != list(range(len(layers)))
                 or not all(hasattr(layer.self_attn, "scale") for layer in layers)):
@@ -42,7 +42,7 @@ class CapturedStep:
         groups = tuple(attn.layer_group[i] for i in range(len(layers)))
         # the C++ kernel where it reads every pool (an opaque op in the graph), else torch's ops
         kernel = all(b.kernel for b in attn.backends)
-        stack = native_stack.build(model, pools, kv_index, groups, STACK_ROWS) if kernel else None
+        stack = native_stack.build(model, pools, kv_index, groups, STACK_ROWS) if kernel and native else None
         if stack is None and not getattr(regions, "compiled", False):
             return None
         decode = cpu_kernel.paged_decode_one if kernel else paged_decode_one

@@ -7,6 +7,7 @@ built from (model, tokenizer, KV cache sizing) lives in builder.py."""
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -34,6 +35,8 @@ from kvserve.outputs import RequestOutput
 from kvserve.sampling_params import SamplingParams, check_cache_salt, remote_decode, remote_prefill
 from kvserve.startup import phase
 from kvserve.structured.outputs import StructuredOutputs
+
+log = logging.getLogger("kvserve")
 
 PromptType = str | list[int] | dict
 SampleFn = Callable[[torch.Tensor, list[Request]], None]
@@ -83,8 +86,16 @@ class LLMEngine:
                                            build_draft(config, loaded, self.planner))
         self._ids = itertools.count()
         # after the KV pool: its size never depends on compiling (engine/compile.py)
-        self.startup = startup_compile(self, loaded.compiled)
+        self.startup = startup_compile(self, loaded.compiled and not self._native_decode())
         self.startup.start()
+
+    def _native_decode(self) -> bool:
+        """True when the native decode stack runs the decode steps: the model's regions then stay eager."""
+        native = self.runner.native_stack is not None
+        if native:
+            log.info("model regions: eager, no compile (the native decode stack runs the decode steps; "
+                     "native_stack='off' compiles the graphs instead)")
+        return native
 
     @property
     def compiled(self) -> bool:
@@ -118,7 +129,8 @@ class LLMEngine:
             self.evictor.check(self.kv_policy)
         runner = ModelRunner if self.tp is None else self.tp.runner
         self.runner = runner(self.model, self.kv, self.storage, self.device, cfg.max_num_seqs,
-                             self.max_model_len, cfg.attention(), self.evictor)
+                             self.max_model_len, cfg.attention(), self.evictor,
+                             native_stack=cfg.native_stack == "auto" and self.tp is None)
         self.swap = build_swap(cfg, self.storage, self.kv)   # host swap pool (swap_space GiB)
         self.scheduler = Scheduler(self.kv, cfg.max_num_seqs, planner.token_budget, self.swap, cfg.preemption_mode,
                                    cfg.scheduling_policy)

@@ -43,7 +43,8 @@ class ModelRunner:
 
     def __init__(self, model: torch.nn.Module, kv: KVCacheManager | NoCacheManager,
                  storage: KVStorage | NoCacheStorage, device: torch.device, max_num_seqs: int = 64,
-                 max_model_len: int = 2048, attention_backend: str = "auto", eviction=None):
+                 max_model_len: int = 2048, attention_backend: str = "auto", eviction=None,
+                 native_stack: bool = True):
         self.model = model
         self.kv = kv
         self.storage = storage
@@ -51,7 +52,8 @@ class ModelRunner:
         self.block_size = kv.block_size
         self.eviction = eviction or KeepAll()
         self.attn: AttentionBackends | None = None
-        self.captured: CapturedStep | None = None   # set while the model runs compiled regions
+        self.captured: CapturedStep | None = None   # set while the model runs compiled regions (or the native stack)
+        self.native = native_stack   # whether decode steps may run the native decode stack (model/native)
         self._prepare = self._prepare_cached if kv.holds_kv else self._prepare_recompute
         if kv.holds_kv:
             # a table row holds a full-length sequence's blocks and one spare (the table grows if need be)
@@ -78,7 +80,13 @@ class ModelRunner:
         """The captured one-token step over this engine's pools for `regions`, or None."""
         if self.attn is None:
             return None
-        return CapturedStep.build(self.model, regions, self.attn, self.storage, self.block_size, self.device)
+        return CapturedStep.build(self.model, regions, self.attn, self.storage, self.block_size, self.device,
+                                  self.native)
+
+    @property
+    def native_stack(self):
+        """The native decode stack that runs this runner's decode steps, or None."""
+        return None if self.captured is None else self.captured.stack
 
     @property
     def backends(self) -> list:

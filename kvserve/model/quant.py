@@ -101,6 +101,7 @@ class KeptLinear(nn.Module):
     fmt = ""
     out_features = in_features = 0
     copies = True    # takes the engine's bfloat16 copy (add_bf16_copy) where its format has one
+    widens = False   # its many-row steps widen the weight for the call in C++, near the copy's speed
     gemv = False     # the C++ GEMV ops serve this layer's few-row steps
     invariant = False   # every step on a kernel whose rows do not depend on the row count (row_invariant)
     kernels: tuple[tuple[int | None, Kernel], ...] = ()
@@ -495,6 +496,7 @@ class PackedGroupLinear(KeptLinear):
     weight."""
 
     gemv_kernel: Kernel
+    widens = True   # q4g_dequantize / q5g_dequantize
 
     def use_gemv(self, on: bool) -> None:
         self.gemv = on
@@ -647,13 +649,17 @@ class Int8GroupLinear(KeptLinear):
         self.gemv = on and q8g_kernel(self.device) and self.in_features % GROUP_SIZE == 0
         self.pick_kernels()
 
+    @property
+    def widens(self) -> bool:
+        return self.gemv   # q8g_dequantize, with the GEMVs
+
     def table(self):
         few = Int8GroupLinear.q8g_gemv if self.gemv else Int8GroupLinear.q8g_torch
         if self.bf16_t is not None:
             many = KeptLinear.bf16_copy
         else:
-            # the head (run eagerly) stays on the GEMV, a layer of the compiled stack widens its weight
-            # (a fixed graph for any row count)
+            # the head (run eagerly) stays on the GEMV, another layer widens its weight for the call
+            # (C++; a fixed graph for any row count)
             many = Int8GroupLinear.gemv_chunks if self.gemv and not self.copies else Int8GroupLinear.widened
         return kernel_table((SMALL_ROWS, few), (None, many))
 
@@ -688,7 +694,13 @@ class Int8GroupLinear(KeptLinear):
                           for part in x.split(SMALL_ROWS)])
 
     def widened(self, x: torch.Tensor) -> torch.Tensor:
-        wide = torch.float32 if x.device.type == "cpu" else x.dtype
+        """The weight widened for the call: to bfloat16 on a CPU with bfloat16 units (as the bfloat16
+        copy holds it) by the C++ `q8g_dequantize` where it is built, float32 on another CPU, the
+        activations' dtype elsewhere (a chunk at a time where the C++ op does not widen it)."""
+        wide = x.dtype if x.device.type != "cpu" else torch.bfloat16 if self.bf16_units else torch.float32
+        if self.gemv:
+            w = torch.ops.kvserve_cpu.q8g_dequantize(self.codes, self.scales, self.mins_t, self.group, wide)
+            return F.linear(x.to(wide), w).to(x.dtype)
         return torch.cat([F.linear(x.to(wide), w) for w in self._widened(wide)], dim=-1).to(x.dtype)
 
     def _widened(self, dtype: torch.dtype):

@@ -39,6 +39,7 @@
 #include <cstdint>
 #include <cstring>
 #include <optional>
+#include <type_traits>
 #include <vector>
 #if defined(__SSE__)
 #include <immintrin.h>
@@ -925,6 +926,55 @@ at::Tensor q8g_gemv(const at::Tensor& x, const at::Tensor& codes, const at::Tens
   return x.scalar_type() == at::kFloat ? y : y.to(x.scalar_type());
 }
 
+// The int8-group weight [N, K] as floats (float32, or bfloat16 rounded to nearest even):
+// w = code * scale (+ min), scales [N, K/G] and mins [K/G, N] (optional) float16 or float32.
+template <typename S, typename O>
+void q8g_widen(const int8_t* codes, const S* scales, const S* mins, int64_t n, int64_t k, int64_t group, O* w) {
+  const int64_t groups = k / group;
+  at::parallel_for(0, n * groups, 256, [&](int64_t g0, int64_t g1) {
+    for (int64_t g = g0; g < g1; ++g) {
+      const float scale = scale_value(scales[g]);
+      const float min = mins ? scale_value(mins[g % groups * n + g / groups]) : 0.f;
+      for (int64_t i = 0; i < group; ++i) {
+        const float v = static_cast<float>(codes[g * group + i]) * scale + min;
+        if constexpr (std::is_same_v<O, float>) w[g * group + i] = v;
+        else w[g * group + i] = kvserve::float_to_bf16(v);
+      }
+    }
+  });
+}
+
+template <typename S>
+void q8g_widen_to(const at::Tensor& codes, const at::Tensor& scales, const std::optional<at::Tensor>& mins,
+                  int64_t group, at::Tensor& w) {
+  const int8_t* cp = codes.const_data_ptr<int8_t>();
+  const S* sp = static_cast<const S*>(scales.const_data_ptr());
+  const S* mp = mins ? static_cast<const S*>(mins->const_data_ptr()) : nullptr;
+  if (w.scalar_type() == at::kFloat) q8g_widen(cp, sp, mp, codes.size(0), codes.size(1), group, w.data_ptr<float>());
+  else q8g_widen(cp, sp, mp, codes.size(0), codes.size(1), group, static_cast<uint16_t*>(w.data_ptr()));
+}
+
+at::Tensor q8g_dequantize(const at::Tensor& codes, const at::Tensor& scales, const std::optional<at::Tensor>& mins,
+                          int64_t group, at::ScalarType dtype) {
+  TORCH_CHECK(codes.dim() == 2 && codes.is_contiguous() && codes.scalar_type() == at::kChar,
+              "q8g_dequantize: contiguous int8 codes [N, K] expected");
+  TORCH_CHECK(group == 16 || group == 32, "q8g_dequantize: group must be 16 or 32, got ", group);
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "q8g_dequantize: float32 or bfloat16 out, not ", dtype);
+  const int64_t n = codes.size(0), k = codes.size(1);
+  TORCH_CHECK(k % group == 0, "q8g_dequantize: K must be a multiple of the group, got ", k);
+  const bool half = scales.scalar_type() == at::kHalf;
+  check_group_operands("q8g_dequantize", scales, mins ? &*mins : nullptr, n, k / group, half ? at::kHalf : at::kFloat);
+  at::Tensor w = at::empty({n, k}, codes.options().dtype(dtype));
+  if (half) q8g_widen_to<uint16_t>(codes, scales, mins, group, w);
+  else q8g_widen_to<float>(codes, scales, mins, group, w);
+  return w;
+}
+
+at::Tensor q8g_dequantize_meta(const at::Tensor& codes, const at::Tensor& scales,
+                               const std::optional<at::Tensor>& mins, int64_t group, at::ScalarType dtype) {
+  return at::empty_symint(codes.sym_sizes(), codes.options().dtype(dtype));
+}
+
 at::Tensor q8g_gemv_meta(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
                          const std::optional<at::Tensor>& mins, int64_t group) {
   return at::empty_symint({x.sym_size(0), codes.sym_size(0)}, x.options());
@@ -945,6 +995,7 @@ TORCH_LIBRARY(kvserve_cpu, m) {
   m.def("bf16_gemv(Tensor x, Tensor w, bool invariant=False) -> Tensor");
   m.def("f16_gemv(Tensor x, Tensor w, bool invariant=False) -> Tensor");
   m.def("q8g_gemv(Tensor x, Tensor codes, Tensor scales, Tensor? mins, int group) -> Tensor");
+  m.def("q8g_dequantize(Tensor codes, Tensor scales, Tensor? mins, int group, ScalarType dtype) -> Tensor");
   m.def("q4g_gemv(Tensor x, Tensor codes, Tensor scales, Tensor mins) -> Tensor");
   m.def("q4g_dequantize(Tensor codes, Tensor scales, Tensor mins) -> Tensor");
   m.def("q5g_gemv(Tensor x, Tensor packed, Tensor scales, Tensor mins) -> Tensor");
@@ -957,6 +1008,7 @@ TORCH_LIBRARY_IMPL(kvserve_cpu, CPU, m) {
   m.impl("bf16_gemv", bf16_gemv);
   m.impl("f16_gemv", f16_gemv);
   m.impl("q8g_gemv", q8g_gemv);
+  m.impl("q8g_dequantize", q8g_dequantize);
   m.impl("q4g_gemv", q4g_gemv);
   m.impl("q4g_dequantize", q4g_dequantize);
   m.impl("q5g_gemv", q5g_gemv);
@@ -971,6 +1023,7 @@ TORCH_LIBRARY_IMPL(kvserve_cpu, Meta, m) {
   m.impl("bf16_gemv", bf16_gemv_meta);
   m.impl("f16_gemv", f16_gemv_meta);
   m.impl("q8g_gemv", q8g_gemv_meta);
+  m.impl("q8g_dequantize", q8g_dequantize_meta);
   m.impl("q4g_gemv", q4g_gemv_meta);
   m.impl("q4g_dequantize", q4g_dequantize_meta);
   m.impl("q5g_gemv", q4g_gemv_meta);
