@@ -157,7 +157,8 @@ def test_a_bfloat16_copy_serves_steps_of_many_rows(fmt):
 
 def test_the_engine_adds_bfloat16_copies_when_asked(monkeypatch):
     """bf16_weight_copy: 'on' always, 'off' never, 'auto' on a CPU with bfloat16 units when the copy
-    fits in a quarter of the available RAM; fused groups' layers included."""
+    fits in a quarter of the available RAM, for the layers that do not widen per call in C++ (the
+    int4 groups do where the C++ ops build; int8 per channel does not); fused groups' layers included."""
     from kvserve.config import EngineConfig
     from kvserve.engine import builder
     from kvserve.model.layers import Fused
@@ -179,8 +180,12 @@ def test_the_engine_adds_bfloat16_copies_when_asked(monkeypatch):
     assert copies("on", slow_half=lambda d: True) == [True, True, False]
     assert copies("off", slow_half=lambda d: False) == [False, False, False]
     assert copies("auto", slow_half=lambda d: True) == [False, False, False]       # no bfloat16 units
-    assert copies("auto", slow_half=lambda d: False, device_memory=lambda d: 1 << 30) == [True, True, False]
-    assert copies("auto", device_memory=lambda d: 4 * 2 * (64 * 64 + 32 * 64) - 4) == [False, False, False]
+    int4_widens = model().plain.widens
+    assert int4_widens == quant.q4g_kernel(torch.device("cpu"))
+    want = [not int4_widens, True, False]
+    assert copies("auto", slow_half=lambda d: False, device_memory=lambda d: 1 << 30) == want
+    need = 2 * (32 * 64 + (0 if int4_widens else 64 * 64))
+    assert copies("auto", device_memory=lambda d: 4 * need - 4) == [False, False, False]
     with pytest.raises(ValueError, match="bf16_weight_copy"):
         EngineConfig(bf16_weight_copy="yes").validate()
 
