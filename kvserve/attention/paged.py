@@ -96,13 +96,16 @@ def write_one(k: torch.Tensor, v: torch.Tensor, k_pool: torch.Tensor, v_pool: to
     v_pool.view(-1, *v_pool.shape[2:]).index_put_((slot,), v.to(v_pool.dtype))
 
 
-def one_token_blocks(table: torch.Tensor, start: int, end: int, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+def one_token_blocks(table: torch.Tensor, start: int, end: int, block_size: int,
+                     mark: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """paged_decode_one's (blocks, span) for positions [start, end) of a block table row: the
-    blocks that hold them, their length marked unbacked, so that the one-token graph holds no
-    guard on it (a backed size there gets one: Inductor's CPU reductions switch to a cascade sum
-    past 4096 elements and guard on that, recompiling the graph as a stream crosses it)."""
+    blocks that hold them, their length marked unbacked (unless `mark` is False: for the native
+    decode stack, which no graph traces), so that the one-token graph holds no guard on it (a
+    backed size there gets one: Inductor's CPU reductions switch to a cascade sum past 4096
+    elements and guard on that, recompiling the graph as a stream crosses it)."""
     b0 = start // block_size
     blocks = table[b0:(end - 1) // block_size + 1].clone()   # its own storage: no offset to guard on
-    torch._dynamo.decorators.mark_unbacked(blocks, 0)
+    if mark:
+        torch._dynamo.decorators.mark_unbacked(blocks, 0)
     lo = b0 * block_size
     return blocks, torch.tensor([start - lo, end - lo], device=table.device)

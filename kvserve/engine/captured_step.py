@@ -57,13 +57,14 @@ class CapturedStep:
         rows = meta.num_decodes
         if meta.prefills or rows == 0 or rows > STACK_ROWS:
             return None
+        mark = self.stack is None   # only graphs need the unbacked sizes (marking imports torch._dynamo)
         if rows == 1:
-            views = [one_token_blocks(md.decode.tables[0], int(md.decode.start), int(md.decode.end), self.block_size)
-                     for md in meta.groups]
+            views = [one_token_blocks(md.decode.tables[0], int(md.decode.start), int(md.decode.end), self.block_size,
+                                      mark) for md in meta.groups]
             return self._with(self.decode, tuple(md.slot_mapping for md in meta.groups), views, self.pools)
         if self.batch is None:
             return None
-        views = [batch_tables(md.decode.tables, md.decode.start, md.decode.end) for md in meta.groups]
+        views = [batch_tables(md.decode.tables, md.decode.start, md.decode.end, mark) for md in meta.groups]
         return self._with(self.batch, tuple(md.slot_mapping for md in meta.groups), views, self.pools)
 
     def warm_up_inputs(self, rows: int = 1) -> CapturedInputs | None:
@@ -90,12 +91,15 @@ class CapturedStep:
                               tuple(span for _, span in views), self.groups, self.stack if stack else None)
 
 
-def batch_tables(tables: torch.Tensor, starts: torch.Tensor, ends: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def batch_tables(tables: torch.Tensor, starts: torch.Tensor, ends: torch.Tensor,
+                 mark: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """paged_decode_batch's (tables, ranges) for decode rows attending over [starts[i], ends[i]) of
     their block tables [R, W]: the tables in storage of their own, the width marked unbacked (one
-    graph for every context length, as one_token_blocks), and the ranges as one [2, R] tensor."""
+    graph for every context length, as one_token_blocks; not with `mark` False: the native stack),
+    and the ranges as one [2, R] tensor."""
     own = tables.clone(memory_format=torch.contiguous_format)
-    torch._dynamo.decorators.mark_unbacked(own, 1)
+    if mark:
+        torch._dynamo.decorators.mark_unbacked(own, 1)
     return own, torch.stack((starts, ends))
 
 
