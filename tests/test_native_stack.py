@@ -127,3 +127,21 @@ def test_bad_input_gets_a_clear_error_and_the_engine_keeps_serving(stacked):
         stack.stack.run(torch.zeros(2, hidden), slot, cos, sin, [slot], [blocks], [span])
     greedy = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
     assert len(stacked.generate(PROMPTS[0], greedy, use_tqdm=False)[0].outputs[0].token_ids) == 4
+
+
+def test_an_engine_on_the_stack_never_imports_the_compiler(tmp_path):
+    """No compile and no graph input to mark: a fresh process serving the bundled model on the stack
+    (a prompt, a few decodes, three at once) never imports torch._dynamo, Inductor or triton (about
+    150 MiB of its memory)."""
+    import subprocess
+    import sys
+    script = (
+        "import sys\n"
+        "from kvserve import LLM, SamplingParams\n"
+        "llm = LLM(kv_cache_memory='16MiB', max_model_len=256)\n"
+        "assert llm.engine.runner.native_stack is not None and not llm.engine.compiled\n"
+        "llm.generate(['Hello there', 'a b c', 'One two'], SamplingParams(max_tokens=6), use_tqdm=False)\n"
+        "print(sorted(m for m in ('torch._dynamo', 'torch._inductor', 'triton') if m in sys.modules))\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip().splitlines()[-1] == "[]"
