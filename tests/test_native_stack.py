@@ -129,7 +129,7 @@ def test_bad_input_gets_a_clear_error_and_the_engine_keeps_serving(stacked):
     assert len(stacked.generate(PROMPTS[0], greedy, use_tqdm=False)[0].outputs[0].token_ids) == 4
 
 
-def test_an_engine_on_the_stack_never_imports_the_compiler(tmp_path):
+def test_an_engine_on_the_stack_never_imports_the_compiler():
     """No compile and no graph input to mark: a fresh process serving the bundled model on the stack
     (a prompt, a few decodes, three at once) never imports torch._dynamo, Inductor or triton (about
     150 MiB of its memory)."""
@@ -145,3 +145,30 @@ def test_an_engine_on_the_stack_never_imports_the_compiler(tmp_path):
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.strip().splitlines()[-1] == "[]"
+
+
+FAMILIES = ["qwen2", "qwen3", "mistral", "gemma3"]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_each_family_decodes_on_the_stack_as_its_layers_do(family, tmp_path_factory):
+    """Tiny random checkpoints in int4 (the q4g GEMV): Qwen2's Q/K/V biases, Qwen3's q/k norms,
+    Mistral's sliding window, Gemma 3's sandwich norms, (1 + w) norm factors, tanh-GELU, two rotary
+    bases and sliding layers beside a global one. The stack runs every decode step; its logits are
+    the eager layers' to float rounding at every teacher-forced step across the window (8 tokens),
+    and its greedy tokens theirs."""
+    from family_checkpoints import make_tiny_checkpoint
+    path = make_tiny_checkpoint(family, tmp_path_factory.mktemp(family))
+    opts = dict(weights="int4", kv_cache_memory="4MiB", max_model_len=256, block_size=4, enforce_eager=True)
+    stacked, unstacked = LLM(path, **opts), LLM(path, native_stack="off", **opts)
+    assert isinstance(_stack(stacked), native.NativeStack) and _stack(unstacked) is None
+    ids = list(range(3, 43))
+    forced = [(ids[:5], ids[5:40])]
+    got = run_forced(stacked, forced, [])[0][0]
+    want = run_forced(unstacked, forced, [])[0][0]
+    assert (got - want).abs().max() < 1e-3 * want.abs().max(), family
+    assert (got.argmax(-1) == want.argmax(-1)).all()
+    greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    prompts = [{"prompt_token_ids": ids[:n]} for n in (3, 11, 20)]
+    out = [o.outputs[0].token_ids for o in stacked.generate(prompts, greedy, use_tqdm=False)]
+    assert out == [o.outputs[0].token_ids for o in unstacked.generate(prompts, greedy, use_tqdm=False)]

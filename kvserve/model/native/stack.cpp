@@ -1,7 +1,8 @@
-// A decode step's whole decoder stack in one call: a Llama-family layer's RMSNorm, Q/K/V projection,
-// rotary embedding, paged decode attention (writing the new K/V), output projection, residual, MLP
-// norm, gate/up projection, SiLU product and down projection, layer after layer, with no Python and
-// no dispatcher boxing between them. The projections and the attention are kvserve's own kernels
+// A decode step's whole decoder stack in one call: a layer's RMSNorm, Q/K/V projection (and per-head
+// q/k norms), rotary embedding, paged decode attention (writing the new K/V), output projection
+// (and its norm), residual, MLP norm, gate/up projection, SiLU or tanh-GELU product, down projection
+// (and its norm), layer after layer, with no Python and no dispatcher boxing between them: Llama,
+// Qwen3 and Gemma 3 layers (a norm's weight is passed as the factor it applies: Gemma's 1 + w). The projections and the attention are kvserve's own kernels
 // (kvserve_cpu's GEMVs, kvserve_attn's decode ops), called through typed dispatcher handles; the
 // element-wise work between them runs here on one thread (a few thousand values a row). Float32
 // activations. Built at run time by kvserve/model/native/__init__.py and registered as the torch
@@ -105,9 +106,11 @@ struct Projection {
 };
 
 struct Layer {
-  Tensor in_norm, post_norm;      // [H] float32
+  Tensor in_norm, mlp_norm;         // [H] float32: before attention, before the MLP
+  OptTensor attn_out_norm, mlp_out_norm;   // Gemma's sandwich norms: on o_proj's and down's outputs
+  OptTensor q_norm, k_norm;         // [head_dim]: per-head norms of Q and K before the rotation
   double eps, scale;
-  int64_t k_pool, v_pool, group;  // the layer's pools among the stack's, its KV group
+  int64_t k_pool, v_pool, group, rope;   // the layer's pools among the stack's, its KV group, its rotary tables
   Projection qkv, o, gate_up, down;
 };
 
@@ -124,6 +127,26 @@ void rms_norm_row(const float* x, const float* w, int64_t n, double eps, float* 
   for (; i < n; ++i) sum += x[i] * x[i];
   const float r = 1.f / std::sqrt(sum / static_cast<float>(n) + static_cast<float>(eps));
   for (i = 0; i < n; ++i) y[i] = w[i] * (x[i] * r);
+}
+
+// rms_norm of each row of x [R, n] (row stride any) with weight w -> a new [R, n].
+Tensor norm_rows(const Tensor& x, const Tensor& w, double eps) {
+  const int64_t rows = x.size(0), n = x.size(1);
+  Tensor y = at::empty({rows, n}, x.options());
+  for (int64_t r = 0; r < rows; ++r)
+    rms_norm_row(x.data_ptr<float>() + r * x.stride(0), w.data_ptr<float>(), n, eps, y.data_ptr<float>() + r * n);
+  return y;
+}
+
+// rms_norm of each head of x [R, heads * d] (row stride any) with weight w [d] -> a new [R, heads * d].
+Tensor norm_heads(const Tensor& x, int64_t heads, int64_t d, const Tensor& w, double eps) {
+  const int64_t rows = x.size(0);
+  Tensor y = at::empty({rows, heads * d}, x.options());
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t h = 0; h < heads; ++h)
+      rms_norm_row(x.data_ptr<float>() + r * x.stride(0) + h * d, w.data_ptr<float>(), d, eps,
+                   y.data_ptr<float>() + (r * heads + h) * d);
+  return y;
 }
 
 // h += a (when given), then y = rms_norm(h) with weight w; h, a, y [R, H], a possibly strided by row.
@@ -169,8 +192,36 @@ Tensor rope(const Tensor& x, int64_t heads, int64_t d, const Tensor& positions, 
   return out;
 }
 
-// silu(gate) * up, gate and up [R, n] (row strides any) -> [R, n].
-Tensor silu_mul(const Tensor& gate, const Tensor& up) {
+// The gate's activation: SiLU (Llama) or GELU with the tanh approximation (Gemma).
+enum Activation : int64_t { kSilu, kGeluTanh };
+
+inline vf silu(vf x) {
+  const vf t = exp_nonpositive(x < 0 ? x : -x);   // exp(-|x|)
+  return x * (x < 0 ? t / (1.f + t) : 1.f / (1.f + t));
+}
+
+inline vf gelu_tanh(vf x) {   // 0.5 x (1 + tanh(u)), u = sqrt(2 / pi) (x + 0.044715 x^3)
+  const vf u = 0.7978845608f * (x + 0.044715f * x * x * x);
+  const vf t = exp_nonpositive(u < 0 ? 2.f * u : -2.f * u);   // exp(-2 |u|)
+  const vf th = (1.f - t) / (1.f + t);                          // tanh(|u|)
+  return 0.5f * x * (1.f + (u < 0 ? -th : th));
+}
+
+template <Activation A>
+inline vf activate(vf x) {
+  if constexpr (A == kSilu) return silu(x);
+  else return gelu_tanh(x);
+}
+
+template <Activation A>
+inline float activate(float x) {
+  vf v = vf{} + x;
+  return activate<A>(v)[0];
+}
+
+// act(gate) * up, gate and up [R, n] (row strides any) -> [R, n].
+template <Activation A>
+Tensor act_mul(const Tensor& gate, const Tensor& up) {
   const int64_t rows = gate.size(0), n = gate.size(1);
   Tensor out = at::empty({rows, n}, gate.options());
   for (int64_t r = 0; r < rows; ++r) {
@@ -179,16 +230,10 @@ Tensor silu_mul(const Tensor& gate, const Tensor& up) {
     float* o = out.data_ptr<float>() + r * n;
     int64_t i = 0;
     for (; i + kLanes <= n; i += kLanes) {
-      const vf x = loadv(g + i);
-      const vf t = exp_nonpositive(x < 0 ? x : -x);   // exp(-|x|)
-      const vf sig = x < 0 ? t / (1.f + t) : 1.f / (1.f + t);
-      const vf y = x * sig * loadv(u + i);
+      const vf y = activate<A>(loadv(g + i)) * loadv(u + i);
       std::memcpy(o + i, &y, sizeof y);
     }
-    for (; i < n; ++i) {
-      const float t = exp_nonpositive(-std::fabs(g[i]));
-      o[i] = g[i] * (g[i] < 0 ? t / (1.f + t) : 1.f / (1.f + t)) * u[i];
-    }
+    for (; i < n; ++i) o[i] = activate<A>(g[i]) * u[i];
   }
   return out;
 }
@@ -198,26 +243,41 @@ void check_float(const Tensor& t, const char* what) {
               " must be a contiguous float32 CPU tensor");
 }
 
+void check_norm(const OptTensor& w, int64_t n) {
+  if (!w) return;
+  check_float(*w, "a norm weight");
+  TORCH_CHECK(w->numel() == n, "native stack: a norm weight of ", w->numel(), " values where ", n, " are normed");
+}
+
 struct Stack : torch::CustomClassHolder {
   int64_t heads, kv_heads, head_dim, hidden, intermediate;
+  Tensor (*act_mul_fn)(const Tensor&, const Tensor&);   // the activation's product, chosen once
   std::vector<Layer> layers;
   std::vector<Tensor> pools;
   Ops ops;
 
   Stack(int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t hidden, int64_t intermediate,
-        std::vector<Tensor> pools)
+        const std::string& activation, std::vector<Tensor> pools)
       : heads(heads), kv_heads(kv_heads), head_dim(head_dim), hidden(hidden), intermediate(intermediate),
-        pools(std::move(pools)) {}
+        pools(std::move(pools)) {
+    TORCH_CHECK(activation == "silu" || activation == "gelu_tanh", "native stack: no activation '", activation,
+                "' (silu, gelu_tanh)");
+    act_mul_fn = activation == "silu" ? &act_mul<kSilu> : &act_mul<kGeluTanh>;
+  }
 
-  void add_layer(Tensor in_norm, Tensor post_norm, double eps, double scale, int64_t k_pool, int64_t v_pool,
-                 int64_t group) {
-    check_float(in_norm, "a norm weight");
-    check_float(post_norm, "a norm weight");
-    TORCH_CHECK(in_norm.numel() == hidden && post_norm.numel() == hidden, "native stack: norm weights of ",
-                in_norm.numel(), " values for a hidden size of ", hidden);
+  // A layer: its norms' weights (as the factors they apply), epsilon, attention scale, K and V pool
+  // indices among the stack's, KV group and rotary tables' index.
+  void add_layer(Tensor in_norm, Tensor mlp_norm, OptTensor attn_out_norm, OptTensor mlp_out_norm,
+                 OptTensor q_norm, OptTensor k_norm, double eps, double scale, int64_t k_pool, int64_t v_pool,
+                 int64_t group, int64_t rope) {
+    for (const OptTensor& w : {OptTensor(in_norm), OptTensor(mlp_norm), attn_out_norm, mlp_out_norm})
+      check_norm(w, hidden);
+    check_norm(q_norm, head_dim);
+    check_norm(k_norm, head_dim);
     TORCH_CHECK(k_pool >= 0 && k_pool < (int64_t)pools.size() && v_pool >= 0 && v_pool < (int64_t)pools.size(),
                 "native stack: a pool index outside the stack's ", pools.size(), " pools");
-    layers.push_back(Layer{in_norm, post_norm, eps, scale, k_pool, v_pool, group, {}, {}, {}, {}});
+    layers.push_back(Layer{in_norm, mlp_norm, attn_out_norm, mlp_out_norm, q_norm, k_norm, eps, scale, k_pool,
+                           v_pool, group, rope, {}, {}, {}, {}});
   }
 
   // A linear of the last layer's projection `which` (qkv, o, gate_up, down), in order.
@@ -233,14 +293,18 @@ struct Stack : torch::CustomClassHolder {
     p->parts.push_back(Linear{k, a, b, c, group, bias});
   }
 
-  // x [R, H] float32 (R decode rows) through every layer -> [R, H]; per KV group the rows' slots, and
-  // what they read: one row its visible blocks [n] and span [2], more rows their tables [R, W] and
-  // ranges [2, R] (kvserve_attn's decode_one / decode_batch).
-  Tensor run(Tensor x, Tensor positions, Tensor cos, Tensor sin, std::vector<Tensor> slots,
+  // x [R, H] float32 (R decode rows) through every layer -> [R, H]; the rotary tables (cos[i], sin[i]
+  // [positions, head_dim] the layers' `rope` index); per KV group the rows' slots, and what they
+  // read: one row its visible blocks [n] and span [2], more rows their tables [R, W] and ranges
+  // [2, R] (kvserve_attn's decode_one / decode_batch).
+  Tensor run(Tensor x, Tensor positions, std::vector<Tensor> cos, std::vector<Tensor> sin, std::vector<Tensor> slots,
              std::vector<Tensor> blocks, std::vector<Tensor> spans) {
     check_float(x, "x");
-    check_float(cos, "cos");
-    check_float(sin, "sin");
+    TORCH_CHECK(cos.size() == sin.size(), "native stack: as many cos as sin tables");
+    for (size_t i = 0; i < cos.size(); ++i) {
+      check_float(cos[i], "cos");
+      check_float(sin[i], "sin");
+    }
     TORCH_CHECK(x.dim() == 2 && x.size(1) == hidden, "native stack: x of shape ", x.sizes(), ", hidden size ",
                 hidden);
     TORCH_CHECK(positions.scalar_type() == at::kLong && positions.is_contiguous() && positions.numel() == x.size(0),
@@ -256,16 +320,21 @@ struct Stack : torch::CustomClassHolder {
       const Layer& l = layers[i];
       TORCH_CHECK(l.group >= 0 && l.group < (int64_t)slots.size() && slots.size() == blocks.size() &&
                   slots.size() == spans.size(), "native stack: no slots, blocks and spans for KV group ", l.group);
+      TORCH_CHECK(l.rope >= 0 && l.rope < (int64_t)cos.size(), "native stack: no rotary tables ", l.rope);
       std::vector<Tensor> qkv = l.qkv(ops, xn, qkv_sizes);
-      Tensor q = rope(qkv[0], heads, head_dim, positions, cos, sin);
-      Tensor k = rope(qkv[1], kv_heads, head_dim, positions, cos, sin);
+      const Tensor qs = l.q_norm ? norm_heads(qkv[0], heads, head_dim, *l.q_norm, l.eps) : qkv[0];
+      const Tensor ks = l.k_norm ? norm_heads(qkv[1], kv_heads, head_dim, *l.k_norm, l.eps) : qkv[1];
+      Tensor q = rope(qs, heads, head_dim, positions, cos[l.rope], sin[l.rope]);
+      Tensor k = rope(ks, kv_heads, head_dim, positions, cos[l.rope], sin[l.rope]);
       Tensor v = qkv[2].view({rows, kv_heads, head_dim});
       Tensor o = decode.call(q, k, v, pools[l.k_pool], pools[l.v_pool], slots[l.group], blocks[l.group],
                              spans[l.group], l.scale);
       Tensor attn = l.o(ops, o.view({rows, heads * head_dim}), {hidden})[0];
-      xn = add_norm(h, &attn, l.post_norm, l.eps);
+      if (l.attn_out_norm) attn = norm_rows(attn, *l.attn_out_norm, l.eps);
+      xn = add_norm(h, &attn, l.mlp_norm, l.eps);
       std::vector<Tensor> gu = l.gate_up(ops, xn, mlp_sizes);
-      Tensor down = l.down(ops, silu_mul(gu[0], gu[1]), {hidden})[0];
+      Tensor down = l.down(ops, act_mul_fn(gu[0], gu[1]), {hidden})[0];
+      if (l.mlp_out_norm) down = norm_rows(down, *l.mlp_out_norm, l.eps);
       if (i + 1 < layers.size()) {
         xn = add_norm(h, &down, layers[i + 1].in_norm, layers[i + 1].eps);
       } else {
@@ -280,7 +349,7 @@ struct Stack : torch::CustomClassHolder {
 
 TORCH_LIBRARY(kvserve_stack, m) {
   m.class_<Stack>("Stack")
-      .def(torch::init<int64_t, int64_t, int64_t, int64_t, int64_t, std::vector<Tensor>>())
+      .def(torch::init<int64_t, int64_t, int64_t, int64_t, int64_t, std::string, std::vector<Tensor>>())
       .def("add_layer", &Stack::add_layer)
       .def("add_linear", &Stack::add_linear)
       .def("run", &Stack::run);
