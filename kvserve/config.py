@@ -119,7 +119,7 @@ class EngineConfig:
                                 "when the copy takes at most a quarter of the available RAM), on, off",
                                 choices=["auto", "on", "off"])
     native_stack: str = opt("auto", "decode steps of up to 8 rows as one C++ call for the whole layer stack: auto "
-                            "(where it runs the model: Llama-family layers on kvserve's CPU kernels; the "
+                            "(where it runs the model: Llama-family and Gemma 3 layers on kvserve's CPU kernels; the "
                             "model's other steps then run eagerly, with no compile), off (the compiled "
                             "graphs, as for other models); docs/KERNELS.md", choices=["auto", "off"])
     device: str = opt("auto", "auto (cuda if available), cpu, cuda[:N]")
