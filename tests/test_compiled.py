@@ -195,24 +195,27 @@ def test_the_row_kernel_head_holds_q8_0_weights_exactly():
     assert head(torch.randn(3, k)).shape == (3, n)       # more rows: the float16 weight
 
 
-def test_a_hybrid_sliding_model_decodes_in_the_one_token_graph_like_eager(monkeypatch):
+@pytest.mark.parametrize("stack", ["off", "auto"])
+def test_a_hybrid_sliding_model_decodes_in_the_one_token_graph_like_eager(stack, monkeypatch):
     """Gemma-3 (five sliding-window layers per full one, six KV groups): a lone decode past the
-    512-token window runs the one-token paged graph, each group with its own visible blocks, and
-    makes the eager engine's greedy tokens."""
+    512-token window runs the one-token paged graph (or the native decode stack, no compile), each
+    group with its own visible blocks, and makes the eager layers' greedy tokens."""
     from kvserve.tools.evaluate import common_prefix
     prompt = " ".join(["The quick brown fox jumps over the lazy dog near the river bank."] * 60)
     greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-    eager = LLM("gemma3-270m", weights="int4", kv_cache_memory="64MiB", max_model_len=1024, enforce_eager=True)
+    opts = dict(weights="int4", kv_cache_memory="64MiB", max_model_len=1024)
+    eager = LLM("gemma3-270m", enforce_eager=True, native_stack="off", **opts)
     want = eager.generate(prompt, greedy, use_tqdm=False)[0]
     del eager
     monkeypatch.setenv(EAGER_ENV, "0")
-    llm = LLM("gemma3-270m", weights="int4", kv_cache_memory="64MiB", max_model_len=1024, compile_mode="blocking")
+    llm = LLM("gemma3-270m", compile_mode="blocking", native_stack=stack, **opts)
     runner = llm.engine.runner
     assert runner.captured is not None and len(set(runner.captured.groups)) == len(runner.backends) > 1
+    assert llm.engine.compiled == (stack == "off")
+    holder, name = (runner.captured, "stack") if stack == "auto" else (llm.engine.model.model.regions, "one_token_paged")
     calls = []
-    real = llm.engine.model.model.regions.one_token_paged
-    monkeypatch.setattr(llm.engine.model.model.regions, "one_token_paged",
-                        lambda *a: calls.append(1) or real(*a))
+    real = getattr(holder, name)
+    monkeypatch.setattr(holder, name, lambda *a: calls.append(1) or real(*a))
     got = llm.generate(prompt, greedy, use_tqdm=False)[0]
     assert len(got.prompt_token_ids) > 512 and len(calls) == 11
     assert common_prefix(got.outputs[0].token_ids, want.outputs[0].token_ids) >= 8

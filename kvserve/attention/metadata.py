@@ -80,9 +80,10 @@ class PagedMetadata(SpanMetadata):
 class CapturedInputs:
     """What the captured decode step (engine/captured_step.py) runs its decode rows with: the fixed
     parts (the attention op, the distinct pool tensors, each layer's (K, V) index among them and its
-    KV group, the native decode stack where it is built) and this step's, per group: the rows' slots, what they read (one token: its visible
-    blocks [n] and the visible positions [2] among them; 2 to STACK_ROWS rows: their block tables
-    [R, W] and each row's visible positions [2, R], starts then ends)."""
+    KV group, the native decode stack where it is built) and this step's, per group: the rows'
+    slots, what they read (one token: its visible blocks [n] and the visible positions [2] among
+    them; 2 to STACK_ROWS rows: their block tables [R, W] and each row's visible positions [2, R],
+    starts then ends)."""
 
     decode: Callable
     pools: tuple[torch.Tensor, ...]

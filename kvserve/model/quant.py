@@ -22,7 +22,7 @@ its GEMVs are switched (`use_gemv`). `make_linear` picks the class from the form
   INT4_WIDE_ROWS, then the unpacked weight); off the CPU nibbles unpacked inside the matmul.
 - `Int8GroupLinear` (int8 codes in groups of 32 or 16 with float16 scales and mins where the file
   stores them so, else float32: GGUF's Q8_0 / Q5_* / Q6_K, exact): the C++ `q8g_gemv` (integer
-  products, as q4g) up to SMALL_ROWS rows, then widened.
+  products, as q4g) up to SMALL_ROWS rows, then widened (`q8g_dequantize`).
 - `Int5GroupLinear` (the 5-bit types Q5_0 / Q5_1 / Q5_K on a CPU with kvserve's ops: 20 bytes a group
   of 32 and the file's scales and mins): the C++ `q5g_gemv` up to INT4_WIDE_ROWS rows, then the
   weight dequantized for a float32 matmul.
@@ -34,7 +34,8 @@ CPU default for a GGUF: docs/WEIGHTS.md), a quantized embedding as a `GroupEmbed
 
 Every widened path applies the kernel's roundings (16-bit inputs and outputs), so a row's result
 does not depend on how many rows share its step, except where a bfloat16 GEMM runs (the copy, and
-int4 prefill chunks on a CPU with bfloat16 units): there the weight is rounded to bfloat16 too.
+on a CPU with bfloat16 units the int4, 5-bit and int8-group weights widened for a step of many
+rows): there the weight is rounded to bfloat16 too.
 The row thresholds below are where the measured kernels cross (docs/WEIGHTS.md, "Which kernel runs").
 """
 
