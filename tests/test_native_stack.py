@@ -116,15 +116,17 @@ def test_compiled_regions_for_the_stack_leave_out_the_stack_graphs(stacked):
 def test_bad_input_gets_a_clear_error_and_the_engine_keeps_serving(stacked):
     stack = _stack(stacked)
     hidden = stacked.engine.model_config.hidden_size
-    cos, sin = stack.rope.cos, stack.rope.sin
+    cos, sin = [r.cos for r in stack.ropes], [r.sin for r in stack.ropes]
     slot = torch.zeros(1, dtype=torch.long)
     blocks, span = torch.zeros(1, dtype=torch.long), torch.tensor([0, 1])
     with pytest.raises(RuntimeError, match="native stack: x of shape"):
         stack.stack.run(torch.zeros(1, hidden + 1), slot, cos, sin, [slot], [blocks], [span])
     with pytest.raises(RuntimeError, match="beyond the rotary tables"):
-        stack.stack.run(torch.zeros(1, hidden), torch.tensor([cos.shape[0]]), cos, sin, [slot], [blocks], [span])
+        stack.stack.run(torch.zeros(1, hidden), torch.tensor([cos[0].shape[0]]), cos, sin, [slot], [blocks], [span])
     with pytest.raises(RuntimeError, match="one int64 position a row"):
         stack.stack.run(torch.zeros(2, hidden), slot, cos, sin, [slot], [blocks], [span])
+    with pytest.raises(RuntimeError, match="as many cos as sin tables"):
+        stack.stack.run(torch.zeros(1, hidden), slot, cos, [], [slot], [blocks], [span])
     greedy = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
     assert len(stacked.generate(PROMPTS[0], greedy, use_tqdm=False)[0].outputs[0].token_ids) == 4
 

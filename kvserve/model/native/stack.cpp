@@ -29,17 +29,6 @@ using kvserve::vf;
 using Tensor = at::Tensor;
 using OptTensor = std::optional<Tensor>;
 
-// The kinds of projection a layer may hold; names as the Python side passes them.
-enum Kind : int64_t { kQ4g, kQ5g, kQ8g, kBf16, kF16, kFloat };
-
-Kind kind_of(const std::string& name) {
-  static const std::pair<const char*, Kind> kinds[] = {{"q4g", kQ4g}, {"q5g", kQ5g}, {"q8g", kQ8g},
-                                                       {"bf16", kBf16}, {"f16", kF16}, {"float", kFloat}};
-  for (const auto& [n, k] : kinds)
-    if (name == n) return k;
-  TORCH_CHECK(false, "native stack: no projection kind '", name, "'");
-}
-
 template <typename Fn>
 c10::TypedOperatorHandle<Fn> op(const char* name) {
   return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Fn>();
@@ -62,28 +51,48 @@ struct Ops {
   c10::TypedOperatorHandle<Decode> batch = op<Decode>("kvserve_attn::decode_batch");
 };
 
-// One projection: y [R, N] = x [R, K] W^T (+ bias), W in the tensors of its kind.
+struct Linear;
+using Kernel = Tensor (*)(const Ops&, const Linear&, const Tensor&);
+
+// One projection: y [R, N] = x [R, K] W^T (+ bias), W in the tensors of its kind, run by the kernel
+// its kind names (picked once, in add_linear).
 struct Linear {
-  Kind kind;
+  Kernel kernel;
   Tensor a, b;      // q4g: nibbles, scales; q5g: packed, scales; q8g: codes, scales; 16-bit / float: weight
   OptTensor c;      // q4g / q5g: mins [K/32, N]; q8g: mins_t or none
   int64_t group;    // q8g's group
   OptTensor bias;
 
   Tensor operator()(const Ops& ops, const Tensor& x) const {
-    Tensor y;
-    switch (kind) {
-      case kQ4g: y = ops.q4g.call(x, a, b, *c); break;
-      case kQ5g: y = ops.q5g.call(x, a, b, *c); break;
-      case kQ8g: y = ops.q8g.call(x, a, b, c, group); break;
-      case kBf16: y = ops.bf16.call(x.to(at::kBFloat16), a, false).to(at::kFloat); break;
-      case kF16: y = ops.f16.call(x.to(at::kHalf), a, false).to(at::kFloat); break;
-      case kFloat: y = at::linear(x, a); break;
-    }
+    Tensor y = kernel(ops, *this, x);
     if (bias) y.add_(*bias);
     return y;
   }
 };
+
+Tensor q4g(const Ops& ops, const Linear& l, const Tensor& x) { return ops.q4g.call(x, l.a, l.b, *l.c); }
+Tensor q5g(const Ops& ops, const Linear& l, const Tensor& x) { return ops.q5g.call(x, l.a, l.b, *l.c); }
+Tensor q8g(const Ops& ops, const Linear& l, const Tensor& x) { return ops.q8g.call(x, l.a, l.b, l.c, l.group); }
+Tensor bf16(const Ops& ops, const Linear& l, const Tensor& x) {
+  return ops.bf16.call(x.to(at::kBFloat16), l.a, false).to(at::kFloat);
+}
+Tensor f16(const Ops& ops, const Linear& l, const Tensor& x) {
+  return ops.f16.call(x.to(at::kHalf), l.a, false).to(at::kFloat);
+}
+Tensor float32(const Ops&, const Linear& l, const Tensor& x) { return at::linear(x, l.a); }
+
+// The kernel of each projection kind, by the name the Python side passes; whether it needs mins.
+Kernel kernel_of(const std::string& name, bool& needs_mins) {
+  static const struct { const char* name; Kernel kernel; bool mins; } kinds[] = {
+      {"q4g", &q4g, true}, {"q5g", &q5g, true}, {"q8g", &q8g, false},
+      {"bf16", &bf16, false}, {"f16", &f16, false}, {"float", &float32, false}};
+  for (const auto& k : kinds)
+    if (name == k.name) {
+      needs_mins = k.mins;
+      return k.kernel;
+    }
+  TORCH_CHECK(false, "native stack: no projection kind '", name, "'");
+}
 
 // A fused group's output pieces: one linear split by column sizes, or one linear a piece.
 struct Projection {
@@ -288,8 +297,9 @@ struct Stack : torch::CustomClassHolder {
     Projection* p = which == "qkv" ? &l.qkv : which == "o" ? &l.o : which == "gate_up" ? &l.gate_up
                     : which == "down" ? &l.down : nullptr;
     TORCH_CHECK(p != nullptr, "native stack: no projection '", which, "'");
-    const Kind k = kind_of(kind);
-    TORCH_CHECK((k != kQ4g && k != kQ5g) || c.has_value(), "native stack: a ", kind, " linear needs its mins");
+    bool needs_mins = false;
+    const Kernel k = kernel_of(kind, needs_mins);
+    TORCH_CHECK(!needs_mins || c.has_value(), "native stack: a ", kind, " linear needs its mins");
     p->parts.push_back(Linear{k, a, b, c, group, bias});
   }
 
