@@ -132,6 +132,31 @@ def test_q4g_layer_holds_gguf_blocks_exactly():
     assert ((layer.dequantize() - want).abs() <= bound).all()
 
 
+@pytest.mark.parametrize("rows", [1, 3, 4, 9])
+@pytest.mark.parametrize("n,k", [(37, 96), (192, 576)])
+def test_without_mins_the_4_and_5_bit_codes_are_centred(rows, n, k):
+    """q4g / q5g with no mins take Q4_0's and Q5_0's centred codes, w = (code - 8) * scale and (code -
+    16) * scale: against the float64 product of the GEMV's int16 rows, within 1e-5 of the largest
+    value, every row as it is alone; the dequantized weights are the float64 ones to a float32 rounding."""
+    assert cpu.available()
+    ops = torch.ops.kvserve_cpu
+    g = torch.Generator().manual_seed(rows * 10 + k)
+    x = torch.randn(rows, k, generator=g)
+    codes4, nibbles, scales4, _, _ = _q4g_operands(n, k, g)
+    codes5 = torch.randint(0, 32, (n, k), generator=g, dtype=torch.uint8)
+    scales5 = (torch.rand(n, k // 32, generator=g) * 0.02 + 1e-3).half()
+    for name, (gemv, dequantize), codes, stored, scales, offset in [
+            ("q4g", (ops.q4g_gemv, ops.q4g_dequantize), codes4, nibbles, scales4, 8),
+            ("q5g", (ops.q5g_gemv, ops.q5g_dequantize), codes5, ops.q5g_pack(codes5), scales5, 16)]:
+        w = ((codes.double() - offset).view(n, k // 32, 32) * scales.double()[..., None]).view(n, k)
+        got = gemv(x, stored, scales, None)
+        want = int16_rows(x).double() @ w.T
+        assert (got.double() - want).abs().max() <= 1e-5 * want.abs().max(), name
+        alone = torch.cat([gemv(x[i:i + 1], stored, scales, None) for i in range(rows)])
+        assert torch.equal(got, alone), name
+        assert ((dequantize(stored, scales, None).double() - w).abs() <= 2**-23 * w.abs() * 2 + 1e-30).all(), name
+
+
 def _q5g_operands(n: int, k: int, g: torch.Generator, half: bool):
     """codes [N, K] 0..31, their q5g_pack layout, scales and mins [N, K/32] (float16 as Q5_0 / Q5_1
     store them, or float32 as Q5_K's products; some groups of Q5_0's form min = -16 scale)."""

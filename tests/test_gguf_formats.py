@@ -262,6 +262,7 @@ def test_the_5_bit_types_run_on_the_5_bit_layer_at_every_row_count(qtype):
     layer = make_linear(layout, None, "int8g")
     assert isinstance(layer, Int5GroupLinear)
     assert layer.packed.numel() == n * k * 20 // 32 and layer.scales.dtype == layout.scales.dtype
+    assert (layer.mins_t is None) == (qtype == QT.Q5_0)   # Q5_0's centred codes: no mins to read
     w = layout.dequantize()
     assert ((layer.dequantize() - w).abs() <= 2**-23 * w.abs().max()).all()
     wide = 2 ** -7 if layer.bf16_units else 1e-5   # past the GEMV: a bfloat16 matmul on CPUs with its units
@@ -272,6 +273,42 @@ def test_the_5_bit_types_run_on_the_5_bit_layer_at_every_row_count(qtype):
     x = torch.randn(20, k)
     _close_to_float64(layer(x), x, w, 2 ** -7)
     assert make_linear(layout, None, "int8g", copies=False).__class__.__name__ == "Int8GroupLinear"   # a tied head
+
+
+def test_q4_0_keeps_no_mins_and_its_layer_computes_x_w_t():
+    """A Q4_0 tensor decodes to centred int4 groups (every low -8 * scale): its int4 layer keeps the
+    codes and float16 scales but no mins (a tenth fewer bytes), its dequantized weight is gguf's to a
+    float32 rounding, and y = x W^T on the GEMV (1-16 rows) and past it; Q4_1 keeps its mins; fused
+    Q4_0 members stay centred, fused with a Q4_1 they do not."""
+    from kvserve.model.quant import Int4GroupLinear, fuse_kept, make_linear
+    n, k = 48, 256
+    kept = {q: decode(fake_tensor(random_blocks(q, n * k // 32, seed=int(q)), q, n, k)) for q in (QT.Q4_0, QT.Q4_1)}
+    q40 = kept[QT.Q4_0].layout
+    assert q40.centered and not kept[QT.Q4_1].layout.centered and torch.equal(q40.lows, -8 * q40.scales)
+    layer = make_linear(q40, None, "int4")
+    assert isinstance(layer, Int4GroupLinear) and layer.mins is None
+    assert q40.nbytes == n * k // 2 + 2 * n * k // 32 == sum(b.numel() * b.element_size() for b in layer.buffers())
+    w = q40.dequantize()
+    assert ((layer.dequantize() - w).abs() <= 2**-23 * w.abs() + 1e-30).all()
+    for rows in (1, 5, 40):
+        x = torch.randn(rows, k)
+        _close_to_float64(layer(x), x, w, 1e-5 if rows <= 16 else 2 ** -7, int16=rows <= 16)
+    assert make_linear(kept[QT.Q4_1].layout, None, "int4").mins is not None
+    assert fuse_kept([kept[QT.Q4_0], kept[QT.Q4_0]]).layout.centered
+    assert not fuse_kept([kept[QT.Q4_0], kept[QT.Q4_1]]).layout.centered
+
+
+def test_q5_0_members_fuse_centred():
+    """Two Q5_0 members fuse into one 5-bit layout with signed codes and no mins, the same weight: its
+    layer reads no mins."""
+    from kvserve.model.quant import Int5GroupLinear, fuse_kept, kept_layer
+    n, k = 8, 256
+    a, b = (decode(fake_tensor(random_blocks(QT.Q5_0, n * k // 32, seed=s), QT.Q5_0, n, k)) for s in (1, 2))
+    fused = fuse_kept([a, b])
+    assert fused.layout.bits == 5 and fused.layout.mins is None
+    assert torch.equal(fused.dequantize(), torch.cat([a.dequantize(), b.dequantize()]))
+    layer = kept_layer(fused, None)
+    assert isinstance(layer, Int5GroupLinear) and layer.mins_t is None
 
 
 def test_5_bit_members_fuse_as_5_bits_with_codes_from_zero_and_an_8_bit_one_makes_int8():
@@ -368,8 +405,10 @@ def test_the_kept_layouts_cache_round_trips(mixed_gguf, tmp_path):
         u = second[2][name]
         assert (t.gguf_type, t.kind, t.note, t.shape) == (u.gguf_type, u.kind, u.note, u.shape)
         assert getattr(t.layout, "bits", None) == getattr(u.layout, "bits", None)
+        assert getattr(t.layout, "centered", None) == getattr(u.layout, "centered", None)
         assert torch.equal(t.dequantize(), u.dequantize())
     assert first[2]["model.layers.1.self_attn.o_proj.weight"].layout.bits == 5   # Q5_1
+    assert second[2]["model.layers.0.mlp.gate_proj.weight"].layout.centered      # Q4_0
 
 
 @pytest.mark.parametrize("tokens", [5, 40])
@@ -437,3 +476,23 @@ def test_an_engine_on_the_mixed_file_logs_its_formats_and_explicit_weights_still
     assert int8.engine.weight_format == "int8" and {m.fmt for m in body} == {"int8", "float16"}
     assert all(isinstance(m, (Int8Linear, F16Linear)) for m in body)
     assert kept.engine.planner.namespace() != int8.engine.planner.namespace()
+
+
+def test_the_native_stack_runs_the_mixed_file_as_its_layers_do(mixed_gguf):
+    """The native decode stack over every kept layout of the mixed file (Q4_0's and Q5_0's centred
+    codes with no mins among them): teacher-forced decode steps give the eager layers' logits to float
+    rounding (the same kernels; only the element-wise work's order differs)."""
+    from kvserve import LLM
+    from kvserve.model import native
+    from kvserve.tools.evaluate import run_forced
+    if not native.available():
+        pytest.skip("needs the C++ kernels (a C++ compiler)")
+    options = dict(model=mixed_gguf, kv_cache_memory="16MiB", max_model_len=128, enforce_eager=True)
+    stacked, eager = LLM(**options), LLM(native_stack="off", **options)
+    assert stacked.engine.runner.native_stack and not eager.engine.runner.native_stack
+    mlp = stacked.engine.model.model.layers[0].mlp
+    assert mlp.gate_proj.mins is None and mlp.up_proj.mins_t is None   # Q4_0, Q5_0
+    ids = stacked.engine.tokenizer.encode("The three most useful things to know about a KV cache are")
+    forced = [(ids[:4], ids[4:])]
+    got, want = run_forced(stacked, forced, [])[0][0], run_forced(eager, forced, [])[0][0]
+    assert (got - want).abs().max() < 1e-3 * want.abs().max()

@@ -67,19 +67,22 @@ class Int8Groups:
     @property
     def nbytes(self) -> int:
         """As the CPU layer holds it: 5-bit codes packed (5/8 of a byte each, with mins), else a byte a code."""
-        if self.bits == 5:
-            return self.codes.numel() * 5 // 8 + 2 * self.scales.numel() * self.scales.element_size()
+        if self.bits == 5:   # a signed type's layer (Q5_0) keeps no mins: its codes are centred
+            mins = 0 if self.mins is None else self.scales.numel() * self.scales.element_size()
+            return self.codes.numel() * 5 // 8 + self.scales.numel() * self.scales.element_size() + mins
         return sum(t.numel() * t.element_size() for t in (self.codes, self.scales, self.mins) if t is not None)
 
 
 @dataclass
 class Int4Groups:
-    """4-bit codes [N, K] (uint8 0..15), scales and lows [N, K / 32] float32: w = code * scale + low."""
+    """4-bit codes [N, K] (uint8 0..15), scales and lows [N, K / 32] float32: w = code * scale + low.
+    `centered`: every low is -8 * scale (Q4_0), so a layer can keep no lows: w = (code - 8) * scale."""
 
     codes: torch.Tensor
     scales: torch.Tensor
     lows: torch.Tensor
     group: int = QK
+    centered: bool = False
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         return affine(self.codes, self.scales, self.lows, self.group).to(dtype)
@@ -89,11 +92,11 @@ class Int4Groups:
         return Int8Groups(self.codes.to(torch.int8), self.scales, self.lows, self.group)
 
     def permute_rows(self, perm) -> Int4Groups:
-        return Int4Groups(perm(self.codes), perm(self.scales), perm(self.lows), self.group)
+        return Int4Groups(perm(self.codes), perm(self.scales), perm(self.lows), self.group, self.centered)
 
     @property
-    def nbytes(self) -> int:   # as the int4 layer holds it: half a byte a code, float16 scale and min
-        return self.codes.numel() // 2 + 2 * 2 * self.scales.numel()
+    def nbytes(self) -> int:   # as the int4 layer holds it: half a byte a code, float16 scale (and min)
+        return self.codes.numel() // 2 + 2 * (1 if self.centered else 2) * self.scales.numel()
 
 
 @dataclass
@@ -200,6 +203,9 @@ def _q6_k(b):
     return codes, _f16(b[:, 208:210]) * b[:, 192:208].view(np.int8).astype(np.float32), None
 
 
+CENTERED_TYPES = {"Q4_0"}   # 4-bit types whose every low is -8 * scale (_q4_0)
+
+
 def _q4_0(b):
     d = _f16(b[:, :2])
     return _nibbles(b[:, 2:], 16), d, d * np.float32(-8)
@@ -269,7 +275,7 @@ def _decode_blocks(tensor, name: str, n: int, k: int) -> Int8Groups | Int4Groups
     codes_t = torch.from_numpy(codes.reshape(n, k))
     scales_t, offsets_t = (torch.from_numpy(a.reshape(n, k // group)) for a in (scales, offsets))
     if layout is Int4Groups:
-        return Int4Groups(codes_t, scales_t, offsets_t)
+        return Int4Groups(codes_t, scales_t, offsets_t, centered=name in CENTERED_TYPES)
     if name in FLOAT16_SCALES:
         scales_t, offsets_t = scales_t.half(), offsets_t.half()
     return Int8Groups(codes_t, scales_t, offsets_t if has_offsets else None, group, CODE_BITS.get(name, 8))

@@ -283,7 +283,8 @@ def kept_to_tensors(floats: dict[str, torch.Tensor], kept: dict[str, KeptTensor]
             f: getattr(layout, f) for f in ("codes", "scales", "mins", "lows") if getattr(layout, f, None) is not None}
         tensors.update({f"{name}:{part}": v.contiguous() for part, v in parts.items()})
         meta[name] = json.dumps({"type": t.gguf_type, "kind": t.kind, "group": getattr(layout, "group", 0),
-                                 "bits": getattr(layout, "bits", 0), "note": t.note})
+                                 "bits": getattr(layout, "bits", 0), "centered": getattr(layout, "centered", False),
+                                 "note": t.note})
     return tensors, meta
 
 
@@ -300,7 +301,8 @@ def read_kept(file: Path) -> tuple[dict[str, torch.Tensor], dict[str, KeptTensor
         if info["kind"] == "float":
             layout = part["weight"]
         elif info["kind"] == "int4":
-            layout = Int4Groups(part["codes"], part["scales"], part["lows"], info["group"])
+            layout = Int4Groups(part["codes"], part["scales"], part["lows"], info["group"],
+                                info.get("centered", info["type"] == "Q4_0"))
         else:
             layout = Int8Groups(part["codes"], part["scales"], part["mins"], info["group"], info["bits"])
         kept[name] = KeptTensor(info["type"], layout, info["note"])

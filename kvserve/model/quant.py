@@ -521,8 +521,9 @@ class Int4GroupLinear(PackedGroupLinear):
     """int4 on a CPU with kvserve's C++ ops: the codes in GGUF's own nibble order ([N, K/2]: per group
     of 32 inputs, input i's code in byte i's low nibble, input 16 + i's in its high), a float16 scale
     ([N, K/32]) and min ([K/32, N]: the GEMV sums eight channels' at once) per group: w = code *
-    scale + min (Q4_0 and Q4_1 exactly as the file stores them; Q4_K's sub-block scale and min,
-    d * scale6, rounded to float16).
+    scale + min (Q4_1 exactly as the file stores them; Q4_K's sub-block scale and min, d * scale6,
+    rounded to float16); Q4_0's centred codes keep no mins (w = (code - 8) * scale: a tenth fewer
+    bytes a step reads).
     - up to INT4_WIDE_ROWS rows (float32 or bfloat16 activations): the C++ `q4g_gemv`, which
       quantizes each row to int16 per group of 32 (llama.cpp's Q8_1 with 16-bit codes: an error of
       1/65534 of the group's largest value) and takes integer dot products; a row's result does not
@@ -539,7 +540,8 @@ class Int4GroupLinear(PackedGroupLinear):
         self._setup(groups.codes.shape, bias, device or groups.codes.device)
         self.register_buffer("nibbles", gguf_nibbles(groups.codes))
         self.register_buffer("scales", groups.scales.to(torch.float16).contiguous())
-        self.register_buffer("mins", groups.lows.to(torch.float16).t().contiguous())   # [K/32, N]
+        # [K/32, N]; none where the codes are centred (Q4_0: every min is -8 * scale, so none is read)
+        self.register_buffer("mins", None if groups.centered else groups.lows.to(torch.float16).t().contiguous())
         self.gemv = True
         self.pick_kernels()
 
@@ -723,7 +725,8 @@ class Int5GroupLinear(PackedGroupLinear):
     """GGUF's 5-bit types (Q5_0, Q5_1, Q5_K: Int8Groups of 5-bit codes in groups of 32) on a CPU with
     kvserve's C++ ops: 20 bytes a group (the low four bits in GGUF's nibble order, the fifth bits as a
     32-bit word, `q5g_pack`), the scales as kept (float16 for Q5_0 / Q5_1, Q5_K's products float32) and
-    a min per group (Q5_0's -16 * scale): w = code * scale + min, as the file's values.
+    a min per group: w = code * scale + min, as the file's values; Q5_0 (signed codes) keeps no mins:
+    w = (code - 16) * scale.
     - up to INT4_WIDE_ROWS rows: the C++ `q5g_gemv` (integer products, as q4g: a row's result does not
       depend on the rows beside it);
     - more rows: the bfloat16 copy from COPY_ROWS where the engine keeps one, else the weight
@@ -734,11 +737,12 @@ class Int5GroupLinear(PackedGroupLinear):
     def __init__(self, groups: Int8Groups, bias: torch.Tensor | None = None, device: torch.device | None = None):
         super().__init__()
         self._setup(groups.codes.shape, bias, device or groups.codes.device)
+        centered = groups.mins is None   # a signed type (Q5_0): w = (code - 16) * scale, no min to read
         groups = groups.unsigned()
         self.register_buffer("packed", q5g_pack(groups.codes))
         scales = scale_tensor(groups.scales)
         self.register_buffer("scales", scales.contiguous())
-        self.register_buffer("mins_t", groups.mins.to(scales.dtype).t().contiguous())   # [K/32, N]
+        self.register_buffer("mins_t", None if centered else groups.mins.to(scales.dtype).t().contiguous())   # [K/32, N]
         self.gemv = True
         self.pick_kernels()
 
@@ -1019,7 +1023,7 @@ def fuse_kept(members: list[KeptTensor]) -> KeptTensor | None:
         g = min(x.group for x in layouts)
         bits = max(x.bits for x in layouts)
         parts = [x.regroup(g) for x in layouts]
-        if bits == FIVE_BITS:    # one 5-bit layer: every member's codes from 0, with mins
+        if bits == FIVE_BITS and any(p.mins is not None for p in parts):   # one 5-bit layer: codes from 0, mins
             parts = [p.unsigned() for p in parts]
         mins = None
         if any(p.mins is not None for p in parts):
@@ -1027,8 +1031,8 @@ def fuse_kept(members: list[KeptTensor]) -> KeptTensor | None:
         return KeptTensor(types, Int8Groups(_rows([p.codes for p in parts]),
                                             _rows([p.scales for p in parts]), mins, g, bits))
     if kinds == {"int4"}:
-        return KeptTensor(types, Int4Groups(*(_rows([getattr(x, f) for x in layouts])
-                                              for f in ("codes", "scales", "lows"))))
+        return KeptTensor(types, Int4Groups(*(_rows([getattr(x, f) for x in layouts]) for f in ("codes", "scales", "lows")),
+                                            centered=all(x.centered for x in layouts)))
     if kinds == {"float"} and len({x.dtype for x in layouts}) == 1:
         return KeptTensor(types, _rows(layouts))
     return None

@@ -12,12 +12,13 @@
 //     (a GGUF block's codes as the format stores them: Q8_0, Q5_0, Q6_K signed, Q5_1 / Q5_K
 //     unsigned with mins).
 //   q4g_gemv(x [M, K] float32|bfloat16, codes [N, K/2] uint8, scales [N, K/32], mins [K/32, N]
-//            float16) -> [M, N] in x's dtype: 4-bit codes in GGUF's nibble order, w = code * scale
-//     + min.
+//            float16 or None) -> [M, N] in x's dtype: 4-bit codes in GGUF's nibble order, w = code *
+//     scale + min, or without mins (Q4_0's form) w = (code - 8) * scale.
 //   q4g_dequantize(codes, scales, mins) -> W [N, K] float32.
 //   q5g_gemv(x [M, K] float32|bfloat16, packed [N, K/32 * 20] uint8, scales [N, K/32], mins [K/32, N]
-//            float16 or float32) -> [M, N] in x's dtype: 5-bit codes (0..31) packed by
-//     q5g_pack(codes [N, K] uint8), w = code * scale + min; q5g_dequantize(packed, scales, mins).
+//            float16 or float32, or None) -> [M, N] in x's dtype: 5-bit codes (0..31) packed by
+//     q5g_pack(codes [N, K] uint8), w = code * scale + min, or without mins (Q5_0's form)
+//     w = (code - 16) * scale; q5g_dequantize(packed, scales, mins).
 // q8g, q5g and q4g quantize x to int16 per block of 32 and multiply in integers ("Integer products"
 // below); their rows never depend on the call's row count or thread count. int8, bfloat16 and
 // float16: sixteen output channels at a time: each channel's dot product runs along K with several
@@ -525,6 +526,21 @@ struct Bytes {
 #endif
 };
 
+// Codes of a symmetric format (Q4_0, Q5_0: w = (code - Offset) * scale, no min a group): Base's codes
+// less Offset as they are unpacked (signed, so the integer products take them as they take Bytes'),
+// and no mins to read.
+template <typename Base, int Offset>
+struct Centered : Base {
+  static int32_t code(const uint8_t* p, int i) { return Base::code(p, i) - Offset; }
+#if defined(__AVX2__)
+  static void unpack(const uint8_t* p, __m256i& lo, __m256i& hi) {
+    Base::unpack(p, lo, hi);
+    lo = _mm256_sub_epi16(lo, _mm256_set1_epi16(Offset));
+    hi = _mm256_sub_epi16(hi, _mm256_set1_epi16(Offset));
+  }
+#endif
+};
+
 template <typename S>
 struct IntArgs {
   const uint8_t* w;      // codes, a channel's K / 32 blocks of Codes::kBytes
@@ -761,49 +777,55 @@ void check_rows(const char* op, const at::Tensor& x, const at::Tensor& codes, in
               ": float32 or bfloat16 x expected, got ", x.scalar_type());
 }
 
-at::Tensor q4g_gemv(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& mins) {
+// Without mins the codes are Q4_0's: w = (code - 8) * scale.
+at::Tensor q4g_gemv(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
+                    const std::optional<at::Tensor>& mins) {
   const int64_t m = x.size(0), k = x.size(1), n = codes.size(0);
   check_rows("q4g_gemv", x, codes, k);
   TORCH_CHECK(codes.scalar_type() == at::kByte && codes.size(1) * 2 == k, "q4g_gemv: uint8 codes [N, K/2] expected");
-  check_group_operands("q4g", scales, &mins, n, k / kQBlock, at::kHalf);
+  check_group_operands("q4g", scales, mins ? &*mins : nullptr, n, k / kQBlock, at::kHalf);
   at::Tensor y = at::empty({m, n}, x.options().dtype(at::kFloat));
   if (m == 0 || n == 0) return y.to(x.scalar_type());
   const at::Tensor xf = float_rows(x, false);
-  int_run<Nibbles, 32, uint16_t>(xf.const_data_ptr<float>(), codes.const_data_ptr<uint8_t>(),
-                                 static_cast<const uint16_t*>(scales.const_data_ptr()),
-                                 static_cast<const uint16_t*>(mins.const_data_ptr()), k, y);
+  const float* xp = xf.const_data_ptr<float>();
+  const uint8_t* wp = codes.const_data_ptr<uint8_t>();
+  const uint16_t* sp = static_cast<const uint16_t*>(scales.const_data_ptr());
+  if (mins) int_run<Nibbles, 32, uint16_t>(xp, wp, sp, static_cast<const uint16_t*>(mins->const_data_ptr()), k, y);
+  else int_run<Centered<Nibbles, 8>, 32, uint16_t>(xp, wp, sp, nullptr, k, y);
   return x.scalar_type() == at::kFloat ? y : y.to(x.scalar_type());
 }
 
-at::Tensor q4g_gemv_meta(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& mins) {
+at::Tensor q4g_gemv_meta(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
+                         const std::optional<at::Tensor>& mins) {
   return at::empty_symint({x.sym_size(0), codes.sym_size(0)}, x.options());
 }
 
 // W [N, K] in float32 from the q4g layout (code * scale + min): the weight of a step with more rows
 // than the GEMV serves.
-at::Tensor q4g_dequantize(const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& mins) {
+at::Tensor q4g_dequantize(const at::Tensor& codes, const at::Tensor& scales, const std::optional<at::Tensor>& mins) {
   TORCH_CHECK(codes.dim() == 2 && codes.is_contiguous() && codes.scalar_type() == at::kByte,
               "q4g_dequantize: contiguous uint8 codes [N, K/2] expected");
   const int64_t n = codes.size(0), k = codes.size(1) * 2, groups = k / kQBlock;
   TORCH_CHECK(k % kQBlock == 0, "q4g_dequantize: K must be a multiple of 32, got ", k);
-  check_group_operands("q4g", scales, &mins, n, groups, at::kHalf);
+  check_group_operands("q4g", scales, mins ? &*mins : nullptr, n, groups, at::kHalf);
   at::Tensor w = at::empty({n, k}, codes.options().dtype(at::kFloat));
   const uint8_t* cp = codes.const_data_ptr<uint8_t>();
   const uint16_t* sp = static_cast<const uint16_t*>(scales.const_data_ptr());
-  const uint16_t* mp = static_cast<const uint16_t*>(mins.const_data_ptr());
+  const uint16_t* mp = mins ? static_cast<const uint16_t*>(mins->const_data_ptr()) : nullptr;
   float* wp = w.data_ptr<float>();
   at::parallel_for(0, n * groups, 256, [&](int64_t g0, int64_t g1) {
     for (int64_t g = g0; g < g1; ++g) {
       const uint8_t* p = cp + g * 16;
       float* out = wp + g * kQBlock;
-      const float scale = scale_value(sp[g]), min = scale_value(mp[g % groups * n + g / groups]);
+      const float scale = scale_value(sp[g]), min = mp ? scale_value(mp[g % groups * n + g / groups]) : -8.0f * scale;
       for (int i = 0; i < 32; ++i) out[i] = static_cast<float>(Nibbles::code(p, i)) * scale + min;
     }
   });
   return w;
 }
 
-at::Tensor q4g_dequantize_meta(const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& mins) {
+at::Tensor q4g_dequantize_meta(const at::Tensor& codes, const at::Tensor& scales,
+                               const std::optional<at::Tensor>& mins) {
   return at::empty_symint({codes.sym_size(0), codes.sym_size(1) * 2}, codes.options().dtype(at::kFloat));
 }
 
@@ -844,23 +866,30 @@ bool half_scales(const char* op, const at::Tensor& scales, const at::Tensor* min
   return half;
 }
 
-at::Tensor q5g_gemv(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales, const at::Tensor& mins) {
+// y for the 5-bit codes with scales (and mins) of type S; without mins the codes are Q5_0's:
+// w = (code - 16) * scale.
+template <typename S>
+void q5g_run(const float* x, const uint8_t* w, const at::Tensor& scales, const std::optional<at::Tensor>& mins,
+             int64_t k, at::Tensor& y) {
+  const S* sp = static_cast<const S*>(scales.const_data_ptr());
+  if (mins) int_run<FiveBits, 32, S>(x, w, sp, static_cast<const S*>(mins->const_data_ptr()), k, y);
+  else int_run<Centered<FiveBits, 16>, 32, S>(x, w, sp, nullptr, k, y);
+}
+
+at::Tensor q5g_gemv(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
+                    const std::optional<at::Tensor>& mins) {
   const int64_t m = x.size(0), k = x.size(1), n = packed.size(0);
   check_rows("q5g_gemv", x, packed, k);
   TORCH_CHECK(packed.scalar_type() == at::kByte && packed.size(1) == k / kQBlock * FiveBits::kBytes,
               "q5g_gemv: uint8 packed codes [N, K/32 * 20] expected (q5g_pack)");
-  const bool half = half_scales("q5g_gemv", scales, &mins, n, k / kQBlock);
+  const bool half = half_scales("q5g_gemv", scales, mins ? &*mins : nullptr, n, k / kQBlock);
   at::Tensor y = at::empty({m, n}, x.options().dtype(at::kFloat));
   if (m == 0 || n == 0) return y.to(x.scalar_type());
   const at::Tensor xf = float_rows(x, false);
   const float* xp = xf.const_data_ptr<float>();
   const uint8_t* wp = packed.const_data_ptr<uint8_t>();
-  if (half) {
-    int_run<FiveBits, 32, uint16_t>(xp, wp, static_cast<const uint16_t*>(scales.const_data_ptr()),
-                                    static_cast<const uint16_t*>(mins.const_data_ptr()), k, y);
-  } else {
-    int_run<FiveBits, 32, float>(xp, wp, scales.const_data_ptr<float>(), mins.const_data_ptr<float>(), k, y);
-  }
+  if (half) q5g_run<uint16_t>(xp, wp, scales, mins, k, y);
+  else q5g_run<float>(xp, wp, scales, mins, k, y);
   return x.scalar_type() == at::kFloat ? y : y.to(x.scalar_type());
 }
 
@@ -870,30 +899,32 @@ void q5g_widen(const uint8_t* packed, const S* scales, const S* mins, int64_t n,
   at::parallel_for(0, n * groups, 256, [&](int64_t g0, int64_t g1) {
     for (int64_t g = g0; g < g1; ++g) {
       const uint8_t* p = packed + g * FiveBits::kBytes;
-      const float scale = scale_value(scales[g]), min = scale_value(mins[g % groups * n + g / groups]);
+      const float scale = scale_value(scales[g]);
+      const float min = mins ? scale_value(mins[g % groups * n + g / groups]) : -16.0f * scale;
       for (int i = 0; i < 32; ++i) w[g * kQBlock + i] = static_cast<float>(FiveBits::code(p, i)) * scale + min;
     }
   });
 }
 
-at::Tensor q5g_dequantize(const at::Tensor& packed, const at::Tensor& scales, const at::Tensor& mins) {
+at::Tensor q5g_dequantize(const at::Tensor& packed, const at::Tensor& scales, const std::optional<at::Tensor>& mins) {
   TORCH_CHECK(packed.dim() == 2 && packed.is_contiguous() && packed.scalar_type() == at::kByte &&
                   packed.size(1) % FiveBits::kBytes == 0,
               "q5g_dequantize: contiguous uint8 packed codes [N, K/32 * 20] expected");
   const int64_t n = packed.size(0), groups = packed.size(1) / FiveBits::kBytes;
-  const bool half = half_scales("q5g_dequantize", scales, &mins, n, groups);
+  const bool half = half_scales("q5g_dequantize", scales, mins ? &*mins : nullptr, n, groups);
   at::Tensor w = at::empty({n, groups * kQBlock}, packed.options().dtype(at::kFloat));
   if (half) {
     q5g_widen(packed.const_data_ptr<uint8_t>(), static_cast<const uint16_t*>(scales.const_data_ptr()),
-              static_cast<const uint16_t*>(mins.const_data_ptr()), n, groups, w.data_ptr<float>());
+              mins ? static_cast<const uint16_t*>(mins->const_data_ptr()) : nullptr, n, groups, w.data_ptr<float>());
   } else {
-    q5g_widen(packed.const_data_ptr<uint8_t>(), scales.const_data_ptr<float>(), mins.const_data_ptr<float>(), n,
-              groups, w.data_ptr<float>());
+    q5g_widen(packed.const_data_ptr<uint8_t>(), scales.const_data_ptr<float>(),
+              mins ? mins->const_data_ptr<float>() : nullptr, n, groups, w.data_ptr<float>());
   }
   return w;
 }
 
-at::Tensor q5g_dequantize_meta(const at::Tensor& packed, const at::Tensor& scales, const at::Tensor& mins) {
+at::Tensor q5g_dequantize_meta(const at::Tensor& packed, const at::Tensor& scales,
+                               const std::optional<at::Tensor>& mins) {
   return at::empty_symint({packed.sym_size(0), packed.sym_size(1) / FiveBits::kBytes * kQBlock},
                           packed.options().dtype(at::kFloat));
 }
@@ -996,11 +1027,11 @@ TORCH_LIBRARY(kvserve_cpu, m) {
   m.def("f16_gemv(Tensor x, Tensor w, bool invariant=False) -> Tensor");
   m.def("q8g_gemv(Tensor x, Tensor codes, Tensor scales, Tensor? mins, int group) -> Tensor");
   m.def("q8g_dequantize(Tensor codes, Tensor scales, Tensor? mins, int group, ScalarType dtype) -> Tensor");
-  m.def("q4g_gemv(Tensor x, Tensor codes, Tensor scales, Tensor mins) -> Tensor");
-  m.def("q4g_dequantize(Tensor codes, Tensor scales, Tensor mins) -> Tensor");
-  m.def("q5g_gemv(Tensor x, Tensor packed, Tensor scales, Tensor mins) -> Tensor");
+  m.def("q4g_gemv(Tensor x, Tensor codes, Tensor scales, Tensor? mins) -> Tensor");
+  m.def("q4g_dequantize(Tensor codes, Tensor scales, Tensor? mins) -> Tensor");
+  m.def("q5g_gemv(Tensor x, Tensor packed, Tensor scales, Tensor? mins) -> Tensor");
   m.def("q5g_pack(Tensor codes) -> Tensor");
-  m.def("q5g_dequantize(Tensor packed, Tensor scales, Tensor mins) -> Tensor");
+  m.def("q5g_dequantize(Tensor packed, Tensor scales, Tensor? mins) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(kvserve_cpu, CPU, m) {

@@ -34,7 +34,7 @@ c10::TypedOperatorHandle<Fn> op(const char* name) {
   return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Fn>();
 }
 
-using FourTensors = Tensor(const Tensor&, const Tensor&, const Tensor&, const Tensor&);
+using Grouped = Tensor(const Tensor&, const Tensor&, const Tensor&, const OptTensor&);
 using Q8g = Tensor(const Tensor&, const Tensor&, const Tensor&, const OptTensor&, int64_t);
 using Half = Tensor(const Tensor&, const Tensor&, bool);
 using Decode = Tensor(const Tensor&, const Tensor&, const Tensor&, Tensor, Tensor, const Tensor&, const Tensor&,
@@ -42,8 +42,8 @@ using Decode = Tensor(const Tensor&, const Tensor&, const Tensor&, Tensor, Tenso
 
 // The ops, looked up once (their libraries are loaded before a Stack is built).
 struct Ops {
-  c10::TypedOperatorHandle<FourTensors> q4g = op<FourTensors>("kvserve_cpu::q4g_gemv");
-  c10::TypedOperatorHandle<FourTensors> q5g = op<FourTensors>("kvserve_cpu::q5g_gemv");
+  c10::TypedOperatorHandle<Grouped> q4g = op<Grouped>("kvserve_cpu::q4g_gemv");
+  c10::TypedOperatorHandle<Grouped> q5g = op<Grouped>("kvserve_cpu::q5g_gemv");
   c10::TypedOperatorHandle<Q8g> q8g = op<Q8g>("kvserve_cpu::q8g_gemv");
   c10::TypedOperatorHandle<Half> bf16 = op<Half>("kvserve_cpu::bf16_gemv");
   c10::TypedOperatorHandle<Half> f16 = op<Half>("kvserve_cpu::f16_gemv");
@@ -59,7 +59,7 @@ using Kernel = Tensor (*)(const Ops&, const Linear&, const Tensor&);
 struct Linear {
   Kernel kernel;
   Tensor a, b;      // q4g: nibbles, scales; q5g: packed, scales; q8g: codes, scales; 16-bit / float: weight
-  OptTensor c;      // q4g / q5g: mins [K/32, N]; q8g: mins_t or none
+  OptTensor c;      // q4g / q5g / q8g: mins [K/group, N], or none (q4g / q5g: Q4_0's, Q5_0's centred codes)
   int64_t group;    // q8g's group
   OptTensor bias;
 
@@ -70,8 +70,8 @@ struct Linear {
   }
 };
 
-Tensor q4g(const Ops& ops, const Linear& l, const Tensor& x) { return ops.q4g.call(x, l.a, l.b, *l.c); }
-Tensor q5g(const Ops& ops, const Linear& l, const Tensor& x) { return ops.q5g.call(x, l.a, l.b, *l.c); }
+Tensor q4g(const Ops& ops, const Linear& l, const Tensor& x) { return ops.q4g.call(x, l.a, l.b, l.c); }
+Tensor q5g(const Ops& ops, const Linear& l, const Tensor& x) { return ops.q5g.call(x, l.a, l.b, l.c); }
 Tensor q8g(const Ops& ops, const Linear& l, const Tensor& x) { return ops.q8g.call(x, l.a, l.b, l.c, l.group); }
 Tensor bf16(const Ops& ops, const Linear& l, const Tensor& x) {
   return ops.bf16.call(x.to(at::kBFloat16), l.a, false).to(at::kFloat);
@@ -81,16 +81,12 @@ Tensor f16(const Ops& ops, const Linear& l, const Tensor& x) {
 }
 Tensor float32(const Ops&, const Linear& l, const Tensor& x) { return at::linear(x, l.a); }
 
-// The kernel of each projection kind, by the name the Python side passes; whether it needs mins.
-Kernel kernel_of(const std::string& name, bool& needs_mins) {
-  static const struct { const char* name; Kernel kernel; bool mins; } kinds[] = {
-      {"q4g", &q4g, true}, {"q5g", &q5g, true}, {"q8g", &q8g, false},
-      {"bf16", &bf16, false}, {"f16", &f16, false}, {"float", &float32, false}};
+// The kernel of each projection kind, by the name the Python side passes.
+Kernel kernel_of(const std::string& name) {
+  static const struct { const char* name; Kernel kernel; } kinds[] = {
+      {"q4g", &q4g}, {"q5g", &q5g}, {"q8g", &q8g}, {"bf16", &bf16}, {"f16", &f16}, {"float", &float32}};
   for (const auto& k : kinds)
-    if (name == k.name) {
-      needs_mins = k.mins;
-      return k.kernel;
-    }
+    if (name == k.name) return k.kernel;
   TORCH_CHECK(false, "native stack: no projection kind '", name, "'");
 }
 
@@ -297,10 +293,7 @@ struct Stack : torch::CustomClassHolder {
     Projection* p = which == "qkv" ? &l.qkv : which == "o" ? &l.o : which == "gate_up" ? &l.gate_up
                     : which == "down" ? &l.down : nullptr;
     TORCH_CHECK(p != nullptr, "native stack: no projection '", which, "'");
-    bool needs_mins = false;
-    const Kernel k = kernel_of(kind, needs_mins);
-    TORCH_CHECK(!needs_mins || c.has_value(), "native stack: a ", kind, " linear needs its mins");
-    p->parts.push_back(Linear{k, a, b, c, group, bias});
+    p->parts.push_back(Linear{kernel_of(kind), a, b, c, group, bias});
   }
 
   // x [R, H] float32 (R decode rows) through every layer -> [R, H]; the rotary tables (cos[i], sin[i]
