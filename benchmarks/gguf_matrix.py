@@ -81,6 +81,27 @@ def tensor_types(path: Path | str) -> Counter:
     return Counter(t.tensor_type.name for t in GGUFReader(str(path)).tensors)
 
 
+def peer_step_bytes(path: Path | str) -> int:
+    """Weight bytes llama.cpp reads a decode step: every 2-D tensor of the file, the embedding only
+    where it is also the LM head (no separate `output.weight`: one row of it is read otherwise)."""
+    from gguf import GGUFReader
+    tensors = [t for t in GGUFReader(str(path)).tensors if len(t.shape) == 2]
+    tied = not any(t.name == "output.weight" for t in tensors)
+    return sum(int(t.n_bytes) for t in tensors if tied or t.name != "token_embd.weight")
+
+
+def engine_step_bytes(model) -> int:
+    """Weight bytes kvserve reads a one-row decode step: every kept-format layer's buffers (a tied
+    head shares the embedding's codes: counted once), not the bfloat16 copies many-row steps read."""
+    from kvserve.model.quant import quant_layers
+    seen = {}
+    for layer in quant_layers(model):
+        for name, b in layer.named_buffers():
+            if "bf16" not in name:
+                seen[b.data_ptr()] = b.numel() * b.element_size()
+    return sum(seen.values())
+
+
 def types_text(types: Counter) -> str:
     return " ".join(f"{name}×{n}" for name, n in types.most_common())
 
@@ -157,7 +178,8 @@ def kvserve_single(job: dict) -> dict:
     picked = f"{eng.weight_format} weights, {str(eng.dtype).removeprefix('torch.')} activations"
     picked += ", compiled" if eng.compiled else ", eager"
     return {"decode": decode, "prefill": prefill, "idle": idle, "peak": peak, "load_s": load_s,
-            "compiled_s": compiled_s, "max_model_len": eng.max_model_len, "picked": picked}
+            "compiled_s": compiled_s, "max_model_len": eng.max_model_len, "picked": picked,
+            "step_bytes": engine_step_bytes(eng.model)}
 
 
 def llama_single(job: dict) -> dict:
@@ -165,7 +187,7 @@ def llama_single(job: dict) -> dict:
     from single_stream import llamacpp_job
     decode, prefill = llamacpp_job(job)
     idle, peak = rss_mib()
-    return {"decode": decode, "prefill": prefill, "idle": idle, "peak": peak}
+    return {"decode": decode, "prefill": prefill, "idle": idle, "peak": peak, "step_bytes": peer_step_bytes(job["gguf"])}
 
 
 def quality(job: dict) -> dict:
@@ -296,14 +318,25 @@ def table(results: list[FileResult]) -> str:
     return md_table(header, rows)
 
 
+def streamed(d: dict | None) -> str:
+    """'MB a step, GB/s at the decode rate' of one engine."""
+    step, rate = get(d, "step_bytes"), get(d, "decode")
+    if step is None:
+        return "—"
+    return f"{step / 1e6:.1f} MB" + ("" if rate is None else f", {step * rate / 1e9:.1f} GB/s")
+
+
 def details(results: list[FileResult]) -> str:
-    """What each engine ran per file: kvserve's picked formats, load time, context, idle RSS."""
+    """What each engine ran per file: kvserve's picked formats, load time, context, idle RSS, and the
+    weight bytes a decode step reads (decode on two cores streams its weights from memory: bytes are time)."""
     header = ["file", "kvserve picked", "LLM() load s / compiled s", "context (kvserve max_model_len = llama.cpp n_ctx)",
-              "idle RSS MiB kvserve / llama.cpp", "llama-quantize fallbacks"]
+              "idle RSS MiB kvserve / llama.cpp", "weights a decode step reads: kvserve", "llama.cpp",
+              "llama-quantize fallbacks"]
     rows = [[r.path.name, (r.ours or {}).get("picked", "—"),
              f"{fmt(get(r.ours, 'load_s'), digits=1)} / {fmt(get(r.ours, 'compiled_s'), digits=1)}",
              str((r.ours or {}).get("max_model_len", "—")),
              f"{fmt(get(r.ours, 'idle'), digits=0)} / {fmt(get(r.peer, 'idle'), digits=0)}",
+             streamed(r.ours), streamed(r.peer),
              quantize_note(r.name) or "(shipped file)"] for r in results]
     return md_table(header, rows)
 
