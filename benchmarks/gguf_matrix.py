@@ -14,8 +14,10 @@ llama-quantize stores many of them in other types: the table gives the types eac
 For each file, every engine in a child process of its own (so each RSS is that engine's alone):
 - kvserve as `LLM(model=path)`, no other option, and llama-cpp-python (n_threads = the usable
   cores, n_ctx = kvserve's max_model_len): greedy decode tok/s after a short prompt and prefill
-  tok/s of a `--prefill-len` prompt, best of `--repeats` (single_stream.py's measurements); peak
-  (VmHWM) and idle (VmRSS after the runs) RSS of each process;
+  tok/s of a `--prefill-len` prompt, best of `--repeats` (single_stream.py's measurements), in
+  `--rounds` processes an engine taken in turn (the best kept: this VM's speed drifts by minutes);
+  peak (VmHWM) and idle (VmRSS after the runs) RSS of each process; the weight bytes a decode step
+  reads and the rate each engine streams them at its decode speed;
 - `kvserve serve --model path` against `llama-server -np <clients>`: `--clients` streaming clients,
   one prompt of 64-512 tokens each, `--max-tokens` output tokens (serve_peers.py's measurement);
 - the quality gate: kvserve eval weights' harness (`kvserve eval weights --model path --formats auto`),
@@ -341,6 +343,14 @@ def details(results: list[FileResult]) -> str:
     return md_table(header, rows)
 
 
+def faster(best: dict | None, new: dict | None) -> dict | None:
+    """One engine's single-stream result over rounds: the best decode and prefill, the highest peak RSS."""
+    if best is None or new is None:
+        return best or new
+    return {**best, "decode": max(best["decode"], new["decode"]), "prefill": max(best["prefill"], new["prefill"]),
+            "peak": max(best["peak"], new["peak"])}
+
+
 def run_file(name: str, path: Path, args, bar) -> FileResult:
     """Every measurement of one file, each phase a step of `bar`."""
     from kvserve.model.tokenizer import Tokenizer
@@ -349,13 +359,14 @@ def run_file(name: str, path: Path, args, bar) -> FileResult:
     tokenizer = Tokenizer.load(str(path))
     prefill = make_prompts(tokenizer, 1, args.prefill_len, args.prefill_len, seed=3)[0]
     job = {"gguf": str(path), "prefill": prefill, "n": args.tokens, "repeats": args.repeats}
-    bar.set_description(f"{name}: kvserve single stream")
-    res.ours = in_child("kvserve", job, log)
-    bar.update()
-    bar.set_description(f"{name}: llama.cpp single stream")
-    n_ctx = args.ctx or (res.ours or {}).get("max_model_len") or 2048
-    res.peer = in_child("llama.cpp", {**job, "threads": args.threads, "n_ctx": n_ctx}, log)
-    bar.update()
+    for _ in range(args.rounds):   # the engines in turn: a machine whose speed drifts meets both alike
+        bar.set_description(f"{name}: kvserve single stream")
+        res.ours = faster(res.ours, in_child("kvserve", job, log))
+        bar.update()
+        bar.set_description(f"{name}: llama.cpp single stream")
+        n_ctx = args.ctx or (res.ours or {}).get("max_model_len") or 2048
+        res.peer = faster(res.peer, in_child("llama.cpp", {**job, "threads": args.threads, "n_ctx": n_ctx}, log))
+        bar.update()
     if not args.skip_serving:
         bar.set_description(f"{name}: serving")
         res.serve = serving(str(path), tokenizer, args, log)
@@ -380,7 +391,8 @@ def report(results: list[FileResult], args, facts: dict, load: tuple[str, str], 
         + (f"; other processes kept {other:.2f} cores busy" if other is not None else "") + ".", "",
         f"kvserve runs as `LLM(model=path)` / `kvserve serve --model path` (the default configuration, no "
         f"other option). Single stream: greedy decode of {args.tokens} tokens after a short prompt, prefill "
-        f"of a {args.prefill_len}-token prompt, best of {args.repeats}; llama-cpp-python with n_threads "
+        f"of a {args.prefill_len}-token prompt, best of {args.repeats} in each of {args.rounds} process(es) "
+        f"an engine, the engines in turn; llama-cpp-python with n_threads "
         f"{args.threads} and n_ctx = kvserve's max_model_len; each engine in its own process, RSS is that "
         "process's peak (VmHWM; idle VmRSS below). "
         + ("Serving: skipped. " if args.skip_serving else
@@ -413,6 +425,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tokens", type=int, default=128, help="single-stream decode tokens")
     p.add_argument("--prefill-len", type=int, default=800)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--rounds", type=int, default=1,
+                   help="single-stream runs of each engine, in turn (each a fresh process; the best is kept)")
     p.add_argument("--clients", type=int, default=32, help="serving clients (and llama-server -np)")
     p.add_argument("--max-tokens", type=int, default=128, help="serving output tokens per request")
     p.add_argument("--seed", type=int, default=0)
@@ -443,7 +457,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from tqdm import tqdm
     facts, load_before, other = machine_facts(), load_average(), OtherLoad()
-    phases = 2 + (not args.skip_serving) + (not args.skip_eval)
+    phases = 2 * args.rounds + (not args.skip_serving) + (not args.skip_eval)
     results = []
     with tqdm(total=len(paths) * phases, unit="phase") as bar:
         for name, path in paths.items():
