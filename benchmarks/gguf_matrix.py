@@ -1,7 +1,7 @@
 """The GGUF matrix: kvserve's default configuration against llama.cpp, file by file, one run.
 
     python benchmarks/gguf_matrix.py                          # every file; results to BENCHMARKS.md "GGUF matrix"
-    python benchmarks/gguf_matrix.py --files q8_0 --tokens 16 --skip-serving --no-write   # one file, small
+    python benchmarks/gguf_matrix.py --files q8_0 --tokens 16 --rounds 1 --skip-serving --no-write   # one file, small
     python benchmarks/gguf_matrix.py --files-only             # make the quantized files, print their types
 
 Files: the bundled SmolLM2-135M (Q4_1) requantized by llama.cpp's own llama-quantize (built by
@@ -383,7 +383,7 @@ def run_file(name: str, path: Path, args, bar) -> FileResult:
 def report(results: list[FileResult], args, facts: dict, load: tuple[str, str], other: float | None,
            server_peer: dict | None) -> str:
     from kvserve.tools.evaluate_weights import GATE_KL, GATE_TOP1
-    small = args.tokens < 128 or args.skip_serving or args.skip_eval or args.repeats < 3
+    small = args.tokens < 128 or args.skip_serving or args.skip_eval or args.repeats < 3 or args.rounds < 3
     body = [
         f"Command: `{command_line()}`", "",
         "Machine: " + "; ".join(f"{k} {v}" for k, v in facts.items())
@@ -425,7 +425,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tokens", type=int, default=128, help="single-stream decode tokens")
     p.add_argument("--prefill-len", type=int, default=800)
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--rounds", type=int, default=1,
+    p.add_argument("--rounds", type=int, default=3,
                    help="single-stream runs of each engine, in turn (each a fresh process; the best is kept)")
     p.add_argument("--clients", type=int, default=32, help="serving clients (and llama-server -np)")
     p.add_argument("--max-tokens", type=int, default=128, help="serving output tokens per request")
