@@ -17,7 +17,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from kvserve.model.config import ModelConfig
-from kvserve.model.gguf_blocks import Int4Groups, Int8Groups, KeptTensor, decode
+from kvserve.model.gguf_blocks import CENTERED_TYPES, Int4Groups, Int8Groups, KeptTensor, decode
 from kvserve.model.gguf_file import GGUFFile
 from kvserve.model.names import model_display_name
 from kvserve.paths import default_cache_root
@@ -302,7 +302,7 @@ def read_kept(file: Path) -> tuple[dict[str, torch.Tensor], dict[str, KeptTensor
             layout = part["weight"]
         elif info["kind"] == "int4":
             layout = Int4Groups(part["codes"], part["scales"], part["lows"], info["group"],
-                                info.get("centered", info["type"] == "Q4_0"))
+                                info.get("centered", info["type"] in CENTERED_TYPES))
         else:
             layout = Int8Groups(part["codes"], part["scales"], part["mins"], info["group"], info["bits"])
         kept[name] = KeptTensor(info["type"], layout, info["note"])
