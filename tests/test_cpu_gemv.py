@@ -60,13 +60,14 @@ def test_int8_gemv_rounds_as_torchs_int8_kernel(rows, n, k, dtype):
 
 
 def _q4g_operands(n: int, k: int, g: torch.Generator):
-    """codes [N, K] 0..15, their GGUF nibbles, float16 scales and mins [N, K/32] (Q4_1-like: negative
-    mins, some groups of Q4_0's form min = -8 scale)."""
+    """codes [N, K] 0..15, the GEMV's (tiles, tile scales) of them (q4g_tile from GGUF's nibbles),
+    float16 scales and mins [N, K/32] (Q4_1-like: negative mins, some groups of Q4_0's form min = -8
+    scale), the mins [K/32, N]."""
     codes = torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8)
     scales = (torch.rand(n, k // 32, generator=g) * 0.02 + 1e-3).half()
     mins = (-8 * scales.float() * (torch.rand(n, k // 32, generator=g) * 0.5 + 0.75)).half()
     mins[::3] = -8 * scales[::3]
-    return codes, gguf_nibbles(codes), scales, mins, mins.t().contiguous()
+    return codes, torch.ops.kvserve_cpu.q4g_tile(gguf_nibbles(codes), scales), scales, mins, mins.t().contiguous()
 
 
 def _q4g_float64(x, codes, scales, mins) -> torch.Tensor:
@@ -82,15 +83,15 @@ def _check_q4g(rows: int, n: int, k: int) -> None:
     error of the float product of the weight (a row's error is at most 1/65534 of its group's largest)."""
     assert cpu.available()
     g = torch.Generator().manual_seed(rows * 100 + n + k)
-    codes, nibbles, scales, mins, mins_t = _q4g_operands(n, k, g)
+    codes, tiled, scales, mins, mins_t = _q4g_operands(n, k, g)
     x = torch.randn(rows, k, generator=g)
-    got = torch.ops.kvserve_cpu.q4g_gemv(x, nibbles, scales, mins_t)
+    got = torch.ops.kvserve_cpu.q4g_gemv(x, *tiled, mins_t, n)
     want = _q4g_float64(x, codes, scales, mins)
     case = f"{rows}x{k} -> {n}"
     assert got.dtype == torch.float32 and got.shape == (rows, n), case
     assert (got.double() - want).abs().max() <= 1e-5 * want.abs().max(), case
-    got16 = torch.ops.kvserve_cpu.q4g_gemv(x.bfloat16(), nibbles, scales, mins_t)   # float32 sums, rounded once
-    assert torch.equal(got16, torch.ops.kvserve_cpu.q4g_gemv(x.bfloat16().float(), nibbles, scales, mins_t).bfloat16())
+    got16 = torch.ops.kvserve_cpu.q4g_gemv(x.bfloat16(), *tiled, mins_t, n)   # float32 sums, rounded once
+    assert torch.equal(got16, torch.ops.kvserve_cpu.q4g_gemv(x.bfloat16().float(), *tiled, mins_t, n).bfloat16())
     w = codes.double().view(n, k // 32, 32) * scales.double()[..., None] + mins.double()[..., None]
     exact = x.double() @ w.view(n, k).T
     bound = (x.double().view(rows, k // 32, 32).abs().amax(-1) / 65534).repeat_interleave(32, 1) @ w.view(n, k).abs().T
@@ -108,11 +109,12 @@ def test_q4g_rows_do_not_depend_on_the_row_count():
     """Each row of a 1..130-row call is bit-identical to the same row alone (every tile computes a
     row alike): a step verifying speculated tokens decodes them as one-row steps would."""
     g = torch.Generator().manual_seed(5)
-    _, nibbles, scales, _, mins = _q4g_operands(75, 576, g)
+    _, tiled, _, _, mins = _q4g_operands(75, 576, g)
     x = torch.randn(130, 576, generator=g)
-    alone = torch.cat([torch.ops.kvserve_cpu.q4g_gemv(x[i:i + 1], nibbles, scales, mins) for i in range(130)])
-    for rows in (2, 3, 4, 5, 6, 7, 8, 9, 17, 64, 130):
-        assert torch.equal(torch.ops.kvserve_cpu.q4g_gemv(x[:rows], nibbles, scales, mins), alone[:rows]), rows
+    for m in (mins, None):
+        alone = torch.cat([torch.ops.kvserve_cpu.q4g_gemv(x[i:i + 1], *tiled, m, 75) for i in range(130)])
+        for rows in (2, 3, 4, 5, 6, 7, 8, 9, 17, 64, 130):
+            assert torch.equal(torch.ops.kvserve_cpu.q4g_gemv(x[:rows], *tiled, m, 75), alone[:rows]), rows
 
 
 def test_q4g_layer_holds_gguf_blocks_exactly():
@@ -126,7 +128,8 @@ def test_q4g_layer_holds_gguf_blocks_exactly():
     layer = make_linear(groups, None, "int4")
     assert isinstance(layer, Int4GroupLinear)
     assert torch.equal(layer.codes(), codes)
-    assert torch.equal(layer.scales, scales) and torch.equal(layer.mins, mins_t)
+    assert torch.equal(layer.group_scales(), scales)
+    assert torch.equal(layer.mins, mins_t)
     want = groups.dequantize()
     bound = 2**-23 * (scales.float().abs().max() * 15 + mins.float().abs().max())
     assert ((layer.dequantize() - want).abs() <= bound).all()
@@ -142,20 +145,21 @@ def test_without_mins_the_4_and_5_bit_codes_are_centred(rows, n, k):
     ops = torch.ops.kvserve_cpu
     g = torch.Generator().manual_seed(rows * 10 + k)
     x = torch.randn(rows, k, generator=g)
-    codes4, nibbles, scales4, _, _ = _q4g_operands(n, k, g)
+    codes4, tiled, scales4, _, _ = _q4g_operands(n, k, g)
     codes5 = torch.randint(0, 32, (n, k), generator=g, dtype=torch.uint8)
     scales5 = (torch.rand(n, k // 32, generator=g) * 0.02 + 1e-3).half()
     for name, (gemv, dequantize), codes, stored, scales, offset in [
-            ("q4g", (ops.q4g_gemv, ops.q4g_dequantize), codes4, nibbles, scales4, 8),
-            ("q5g", (ops.q5g_gemv, ops.q5g_dequantize), codes5, ops.q5g_pack(codes5), scales5, 16)]:
+            ("q4g", (lambda x, *w: ops.q4g_gemv(x, *w, n), lambda *w: ops.q4g_dequantize(*w, n)), codes4,
+             tiled, scales4, 8),
+            ("q5g", (ops.q5g_gemv, ops.q5g_dequantize), codes5, (ops.q5g_pack(codes5), scales5), scales5, 16)]:
         w = ((codes.double() - offset).view(n, k // 32, 32) * scales.double()[..., None]).view(n, k)
-        got = gemv(x, stored, scales, None)
+        got = gemv(x, *stored, None)
         want = int16_rows(x).double() @ w.T
         assert (got.double() - want).abs().max() <= 1e-5 * want.abs().max(), name
-        alone = torch.cat([gemv(x[i:i + 1], stored, scales, None) for i in range(rows)])
+        alone = torch.cat([gemv(x[i:i + 1], *stored, None) for i in range(rows)])
         assert torch.equal(got, alone), name
         terms = ((codes.double() + offset).view(n, k // 32, 32) * scales.double()[..., None]).view(n, k)
-        assert ((dequantize(stored, scales, None).double() - w).abs() <= 2**-23 * terms).all(), name   # fused or not
+        assert ((dequantize(*stored, None).double() - w).abs() <= 2**-23 * terms).all(), name   # fused or not
 
 
 def _q5g_operands(n: int, k: int, g: torch.Generator, half: bool):
@@ -269,13 +273,13 @@ def _integer_calls(n: int, k: int, g: torch.Generator) -> dict:
     drawn from g."""
     assert cpu.available()
     ops = torch.ops.kvserve_cpu
-    _, nibbles, s4, _, m4 = _q4g_operands(n, k, g)
+    _, tiled, s4, _, m4 = _q4g_operands(n, k, g)
     _, packed, s5, m5 = _q5g_operands(n, k, g, True)
     m5 = m5.t().contiguous()
     codes = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8)
     s32, s16 = torch.rand(n, k // 32, generator=g) * 0.01, torch.rand(n, k // 16, generator=g) * 0.01
     m16 = -torch.rand(k // 16, n, generator=g) * 0.1
-    return {"q4g": lambda x: ops.q4g_gemv(x, nibbles, s4, m4),
+    return {"q4g": lambda x: ops.q4g_gemv(x, *tiled, m4, n),
             "q5g": lambda x: ops.q5g_gemv(x, packed, s5, m5),
             "q8g-32": lambda x: ops.q8g_gemv(x, codes, s32, None, 32),
             "q8g-16-mins": lambda x: ops.q8g_gemv(x, codes, s16, m16, 16)}
@@ -469,9 +473,16 @@ def test_zero_rows_give_an_empty_result():
     for x in (torch.randn(0, 64), torch.randn(0, 64).bfloat16()):
         y = torch.ops.kvserve_cpu.q8g_gemv(x, w, torch.ones(32, 2), torch.ones(2, 32), 32)
         assert y.shape == (0, 32) and y.dtype == x.dtype
-        y = torch.ops.kvserve_cpu.q4g_gemv(x, w.view(torch.uint8)[:, :32].contiguous(), torch.ones(32, 2).half(),
-                                           torch.ones(2, 32).half())
+        tiled = torch.ops.kvserve_cpu.q4g_tile(w.view(torch.uint8)[:, :32].contiguous(), torch.ones(32, 2).half())
+        y = torch.ops.kvserve_cpu.q4g_gemv(x, *tiled, torch.ones(2, 32).half(), 32)
         assert y.shape == (0, 32) and y.dtype == x.dtype
+
+
+def _q4g(x=None, tiles=None, scales=None, mins=None, n=32):
+    """q4g_gemv on valid operands (K = 64, 32 channels) but for the one given."""
+    good_tiles, good_scales = torch.ops.kvserve_cpu.q4g_tile(torch.zeros(32, 32, dtype=torch.uint8), torch.ones(32, 2).half())
+    return torch.ops.kvserve_cpu.q4g_gemv(torch.randn(1, 64) if x is None else x, good_tiles if tiles is None else tiles,
+                                          good_scales if scales is None else scales, mins, n)
 
 
 def _q8g(x=None, codes=None, scales=None, mins=None, group=32, k=64):
@@ -503,15 +514,14 @@ def _q8g(x=None, codes=None, scales=None, mins=None, group=32, k=64):
     (lambda: _q8g(mins=torch.ones(2, 32).bfloat16()), r"Float mins \[K/group, N\] = \[2, 32\] expected, got BFloat16"),
     (lambda: _q8g(mins=torch.ones(32, 2)), r"Float mins \[K/group, N\] = \[2, 32\] expected, got Float \[32, 2\]"),
     (lambda: _q8g(scales=torch.ones(32, 2).half(), mins=torch.ones(2, 32)), r"Half mins \[K/group, N\] = \[2, 32\] expected, got Float"),
-    (lambda: torch.ops.kvserve_cpu.q4g_gemv(torch.randn(1, 48), torch.zeros(32, 24, dtype=torch.uint8),
-                                            torch.ones(32, 1).half(), torch.ones(32, 1).half()), "K must be a multiple of 32"),
-    (lambda: torch.ops.kvserve_cpu.q4g_gemv(torch.randn(1, 64), torch.zeros(32, 64, dtype=torch.uint8),
-                                            torch.ones(32, 2).half(), torch.ones(32, 2).half()), r"uint8 codes \[N, K/2\]"),
-    (lambda: torch.ops.kvserve_cpu.q4g_gemv(torch.randn(1, 64).half(), torch.zeros(32, 32, dtype=torch.uint8),
-                                            torch.ones(32, 2).half(), torch.ones(32, 2).half()), "float32 or bfloat16 x"),
-    (lambda: torch.ops.kvserve_cpu.q4g_gemv(torch.randn(1, 64), torch.zeros(32, 32, dtype=torch.uint8),
-                                            torch.ones(32, 2).half(), torch.ones(2, 32)),
-     r"Half mins \[K/group, N\] = \[2, 32\] expected, got Float"),
+    (lambda: torch.ops.kvserve_cpu.q4g_tile(torch.zeros(32, 24, dtype=torch.uint8), torch.ones(32, 1).half()),
+     "K must be a multiple of 32"),
+    (lambda: _q4g(tiles=torch.zeros(32, 32, dtype=torch.uint8)), r"uint8 tiles \[N/16, K/32, 256\] \(q4g_tile's\)"),
+    (lambda: _q4g(n=40), "2 tiles hold 17..32 channels, not 40"),
+    (lambda: _q4g(x=torch.randn(1, 64).half()), "float32 or bfloat16 x"),
+    (lambda: _q4g(x=torch.randn(1, 96)), r"contiguous x \[M, 64\] expected"),
+    (lambda: _q4g(scales=torch.ones(2, 2, 16)), r"float16 scales \[N/16, K/32, 16\] expected, got Float"),
+    (lambda: _q4g(mins=torch.ones(2, 32)), r"Half mins \[K/group, N\] = \[2, 32\] expected, got Float"),
 ])
 def test_bad_shapes_get_a_clear_error(call, message):
     """The ops check their inputs (the layers only call them with shapes they take)."""

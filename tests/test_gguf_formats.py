@@ -115,7 +115,7 @@ def test_the_int4_layer_holds_a_q4_1_tensor_exactly():
     groups = decode(t).layout
     layer = make_linear(groups, None, "int4")
     assert isinstance(layer, Int4GroupLinear)
-    assert torch.equal(layer.scales.float(), groups.scales) and torch.equal(layer.mins.float().t(), groups.lows)
+    assert torch.equal(layer.group_scales().float(), groups.scales) and torch.equal(layer.mins.float().t(), groups.lows)
     assert torch.equal(layer.codes(), groups.codes)
     exact = torch.from_numpy(gguf.quants.dequantize(t.data, t.tensor_type).reshape(n, k))
     assert ((layer.dequantize() - exact).abs() <= 2 ** -23 * exact.abs() + 1e-30).all()

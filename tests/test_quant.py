@@ -21,7 +21,7 @@ def test_dequantized_weight_is_within_half_a_step(fmt, n):
     if fmt == "int8":
         assert (err <= q.scale[:, None] / 2 + 1e-6).all()
     else:  # float16 scale and min per group of GROUP_SIZE: 2^-11 of |min| more
-        step = q.scales.float().repeat_interleave(GROUP_SIZE, dim=1)
+        step = q.group_scales().float().repeat_interleave(GROUP_SIZE, dim=1)
         low = q.mins.float().t().abs().repeat_interleave(GROUP_SIZE, dim=1)
         assert (err <= step / 2 + low * 2**-10 + 1e-6).all()
         assert isinstance(q, Int4GroupLinear)   # kvserve's CPU layout at any row count

@@ -518,12 +518,14 @@ class PackedGroupLinear(KeptLinear):
 
 
 class Int4GroupLinear(PackedGroupLinear):
-    """int4 on a CPU with kvserve's C++ ops: the codes in GGUF's own nibble order ([N, K/2]: per group
-    of 32 inputs, input i's code in byte i's low nibble, input 16 + i's in its high), a float16 scale
-    ([N, K/32]) and min ([K/32, N]: the GEMV sums eight channels' at once) per group: w = code *
-    scale + min (Q4_1 exactly as the file stores them; Q4_K's sub-block scale and min, d * scale6,
-    rounded to float16); Q4_0's centred codes keep no mins (w = (code - 8) * scale: a tenth fewer
-    bytes a step reads).
+    """int4 on a CPU with kvserve's C++ ops: GGUF's 4-bit codes re-laid in tiles of 16 output
+    channels (`q4g_tile`: per tile and group of 32 inputs 256 bytes, one vector holding the tile's 16
+    channels' codes of a pair of inputs, so the GEMV multiplies sixteen channels in each integer
+    product instruction), a float16 scale per group ([N/16, K/32, 16] beside the tiles) and a
+    float16 min ([K/32, N]: the GEMV sums sixteen channels' at once): w = code * scale + min (Q4_1
+    exactly as the file stores them; Q4_K's sub-block scale and min, d * scale6, rounded to
+    float16); Q4_0's centred codes keep no mins (w = (code - 8) * scale: a tenth fewer bytes a step
+    reads).
     - up to INT4_WIDE_ROWS rows (float32 or bfloat16 activations): the C++ `q4g_gemv`, which
       quantizes each row to int16 per group of 32 (llama.cpp's Q8_1 with 16-bit codes: an error of
       1/65534 of the group's largest value) and takes integer dot products; a row's result does not
@@ -538,8 +540,9 @@ class Int4GroupLinear(PackedGroupLinear):
     def __init__(self, groups: Int4Groups, bias: torch.Tensor | None = None, device: torch.device | None = None):
         super().__init__()
         self._setup(groups.codes.shape, bias, device or groups.codes.device)
-        self.register_buffer("nibbles", gguf_nibbles(groups.codes))
-        self.register_buffer("scales", groups.scales.to(torch.float16).contiguous())
+        tiles, tile_scales = q4g_tiles(groups.codes, groups.scales.to(torch.float16))
+        self.register_buffer("tiles", tiles)
+        self.register_buffer("tile_scales", tile_scales)
         # [K/32, N]; none where the codes are centred (Q4_0: every min is -8 * scale, so none is read)
         self.register_buffer("mins", None if groups.centered else groups.lows.to(torch.float16).t().contiguous())
         self.gemv = True
@@ -547,22 +550,43 @@ class Int4GroupLinear(PackedGroupLinear):
 
     def codes(self) -> torch.Tensor:
         """The 4-bit codes [N, K] (uint8 0..15)."""
-        n, k = self.out_features, self.in_features
-        v = self.nibbles.view(n, k // GROUP_SIZE, 1, GROUP_SIZE // 2)
-        return torch.cat([v & 15, v >> 4], dim=2).view(n, k)
+        t, blocks = self.tiles.shape[:2]
+        v = self.tiles.view(t, blocks, 8, TILE, 2)                # [tile, group, quad, channel, input % 2]
+        both = torch.stack([v & 15, v >> 4], dim=4)               # [.., channel, input % 4 // 2, input % 2]
+        return both.permute(0, 3, 1, 2, 4, 5).reshape(t * TILE, -1)[:self.out_features].contiguous()
+
+    def group_scales(self) -> torch.Tensor:
+        """The float16 scale of each channel and group of 32 [N, K/32]."""
+        t, blocks = self.tile_scales.shape[:2]
+        return self.tile_scales.permute(0, 2, 1).reshape(t * TILE, blocks)[:self.out_features]
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        return torch.ops.kvserve_cpu.q4g_dequantize(self.nibbles, self.scales, self.mins).to(dtype)
+        return torch.ops.kvserve_cpu.q4g_dequantize(self.tiles, self.tile_scales, self.mins,
+                                                    self.out_features).to(dtype)
 
     def q4g_gemv(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype not in GEMV_DTYPES:
             return self.dequantized_linear(x)
-        return torch.ops.kvserve_cpu.q4g_gemv(x.contiguous(), self.nibbles, self.scales, self.mins)
+        return torch.ops.kvserve_cpu.q4g_gemv(x.contiguous(), self.tiles, self.tile_scales, self.mins, self.out_features)
 
     gemv_kernel = q4g_gemv
 
     def native_form(self, rows):
-        return ("q4g", (self.nibbles, self.scales, self.mins), 0) if self.runs(type(self).gemv_kernel, rows) else None
+        form = ("q4g", (self.tiles, self.tile_scales, self.mins), self.out_features)
+        return form if self.runs(type(self).gemv_kernel, rows) else None
+
+
+TILE = 16   # output channels a q4g tile holds
+
+
+def q4g_tiles(codes: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """4-bit codes [N, K] and float16 scales [N, K/32] as q4g_gemv's tiles and tile scales."""
+    n, k = codes.shape
+    if codes.is_meta:   # a weight-cache build: the shapes (the ops' meta path imports torch._dynamo)
+        t = -(-n // TILE)
+        return (torch.empty((t, k // GROUP_SIZE, 256), dtype=torch.uint8, device="meta"),
+                torch.empty((t, k // GROUP_SIZE, TILE), dtype=torch.float16, device="meta"))
+    return torch.ops.kvserve_cpu.q4g_tile(gguf_nibbles(codes), scales.contiguous())
 
 
 def gguf_nibbles(codes: torch.Tensor) -> torch.Tensor:

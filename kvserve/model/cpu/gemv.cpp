@@ -11,10 +11,13 @@
 //               + mins[g, n] * sum_{k in g} x[m, k]
 //     (a GGUF block's codes as the format stores them: Q8_0, Q5_0, Q6_K signed, Q5_1 / Q5_K
 //     unsigned with mins).
-//   q4g_gemv(x [M, K] float32|bfloat16, codes [N, K/2] uint8, scales [N, K/32], mins [K/32, N]
-//            float16 or None) -> [M, N] in x's dtype: 4-bit codes in GGUF's nibble order, w = code *
-//     scale + min, or without mins (Q4_0's form) w = (code - 8) * scale.
-//   q4g_dequantize(codes, scales, mins) -> W [N, K] float32.
+//   q4g_tile(nibbles [N, K/2] uint8 in GGUF's nibble order, scales [N, K/32] float16) -> (tiles
+//            [ceil(N/16), K/32, 256] uint8, tile scales [ceil(N/16), K/32, 16] float16): 4-bit codes
+//     re-laid in tiles of 16 output channels (see "4-bit codes in tiles" below).
+//   q4g_gemv(x [M, K] float32|bfloat16, tiles, tile scales, mins [K/32, N] float16 or None, int N)
+//            -> [M, N] in x's dtype: w = code * scale + min, or without mins (Q4_0's form)
+//     w = (code - 8) * scale.
+//   q4g_dequantize(tiles, tile scales, mins, N) -> W [N, K] float32.
 //   q5g_gemv(x [M, K] float32|bfloat16, packed [N, K/32 * 20] uint8, scales [N, K/32], mins [K/32, N]
 //            float16 or float32, or None) -> [M, N] in x's dtype: 5-bit codes (0..31) packed by
 //     q5g_pack(codes [N, K] uint8), w = code * scale + min, or without mins (Q5_0's form)
@@ -33,6 +36,7 @@
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -393,6 +397,7 @@ inline float scale_value(uint16_t bits) {  // a float16 scale or min (F16C's con
 struct QRows {                // x's rows as int16 per block of 32
   std::vector<int16_t> q;     // [M, K], each block in its codes' lane order (lane_of)
   std::vector<float> d, s;    // d [M, K/32]: the block's scale; s [M, K/G]: d * the sum of a group's codes
+  std::vector<int32_t> sum;   // [M, K/G]: the sum of a group's codes
 };
 
 // Where input i of a block of 32 sits in q: in order, or (codes unpacked by shifts inside 16-bit
@@ -444,6 +449,7 @@ void quantize_rows(const float* x, int64_t m, int64_t k, int64_t group, bool int
   out.q.resize(m * k);
   out.d.resize(m * blocks);
   out.s.resize(m * k / group);
+  out.sum.resize(m * k / group);
   for (int64_t b = 0; b < m * blocks; ++b) {
     const float* xb = x + b * kQBlock;
     int32_t codes[kQBlock];
@@ -455,6 +461,7 @@ void quantize_rows(const float* x, int64_t m, int64_t k, int64_t group, bool int
         sum += codes[i];
       }
       out.s[b * per + j] = d * static_cast<float>(sum);
+      out.sum[b * per + j] = sum;
     }
     out.d[b] = d;
   }
@@ -777,56 +784,256 @@ void check_rows(const char* op, const at::Tensor& x, const at::Tensor& codes, in
               ": float32 or bfloat16 x expected, got ", x.scalar_type());
 }
 
+// ---- 4-bit codes in tiles of 16 channels (q4g): GGUF's Q4_0 / Q4_1 / Q4_K codes re-laid so that one
+// vector holds sixteen channels' codes and each integer product instruction takes a pair of inputs
+// for all of them (x's pair broadcast): no per-channel reduction, no per-block shuffles. Per tile of
+// 16 output channels (the last one padded with zero codes and scales) and block of 32 inputs, 256
+// bytes: for each quad j of inputs (4j .. 4j + 3) 32 bytes, byte 2c + p holding channel c's code of
+// input 4j + p in its low nibble and of input 4j + 2 + p in its high one; the tile's scales
+// [tiles, K/32, 16] float16 beside them. Widened to 16-bit lanes, a quad's bytes are channel c's
+// codes of inputs (4j, 4j + 1) in lane pair c (low nibbles) and (4j + 2, 4j + 3) (high nibbles).
+constexpr int64_t kTile = 16;          // channels a tile
+constexpr int64_t kTileBytes = 256;    // a tile's codes for a block of 32 inputs
+
+inline int32_t tile_code(const uint8_t* block, int c, int i) {   // channel c's code of input i (0..31)
+  const uint8_t byte = block[32 * (i / 4) + 2 * c + (i % 2)];
+  return (i % 4) < 2 ? byte & 15 : byte >> 4;
+}
+
+// [N, K/2] GGUF nibbles and [N, K/32] scales -> tiles [T, K/32, 256], scales [T, K/32, 16].
+std::tuple<at::Tensor, at::Tensor> q4g_tile(const at::Tensor& nibbles, const at::Tensor& scales) {
+  TORCH_CHECK(nibbles.dim() == 2 && nibbles.is_contiguous() && nibbles.scalar_type() == at::kByte,
+              "q4g_tile: contiguous uint8 nibbles [N, K/2] expected");
+  const int64_t n = nibbles.size(0), k = nibbles.size(1) * 2, blocks = k / kQBlock, tiles = (n + kTile - 1) / kTile;
+  TORCH_CHECK(k % kQBlock == 0, "q4g_tile: K must be a multiple of 32, got ", k);
+  check_group_operands("q4g_tile", scales, nullptr, n, blocks, at::kHalf);
+  at::Tensor out = at::zeros({tiles, blocks, kTileBytes}, nibbles.options());
+  at::Tensor out_scales = at::zeros({tiles, blocks, kTile}, scales.options());
+  const uint8_t* src = nibbles.const_data_ptr<uint8_t>();
+  const uint16_t* ssrc = static_cast<const uint16_t*>(scales.const_data_ptr());
+  uint8_t* dst = out.data_ptr<uint8_t>();
+  uint16_t* sdst = static_cast<uint16_t*>(out_scales.data_ptr());
+  at::parallel_for(0, n, 64, [&](int64_t c0, int64_t c1) {
+    for (int64_t ch = c0; ch < c1; ++ch) {
+      const int64_t t = ch / kTile;
+      const int c = static_cast<int>(ch % kTile);
+      for (int64_t b = 0; b < blocks; ++b) {
+        const uint8_t* from = src + ch * (k / 2) + b * Nibbles::kBytes;
+        uint8_t* block = dst + (t * blocks + b) * kTileBytes;
+        for (int i = 0; i < 32; ++i)
+          block[32 * (i / 4) + 2 * c + (i % 2)] |= static_cast<uint8_t>(Nibbles::code(from, i) << ((i % 4) < 2 ? 0 : 4));
+        sdst[(t * blocks + b) * kTile + c] = ssrc[ch * blocks + b];
+      }
+    }
+  });
+  return {out, out_scales};
+}
+
+// R rows of x (from r0) times one tile's codes, into out[R][16] (without the mins): per block, each
+// row's integer products for the 16 channels (exact, int32), less 8 * the sum of the row's block
+// codes where the codes are centred, times scale * d in float32, the blocks alternating between two
+// float accumulators. Every row is computed alike whatever R: a row's result is the same alone.
+template <bool Centred, int R>
+void tile_rows(const uint8_t* tile, const uint16_t* scales, const QRows& x, int64_t r0, int64_t k,
+               const uint8_t* fetch_end, float (*out)[kTile]) {
+  const int64_t blocks = k / kQBlock;
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+  const __m512i mask = _mm512_set1_epi16(15);
+  __m512 f[2][R];
+  for (int r = 0; r < R; ++r) f[0][r] = f[1][r] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < blocks; ++b) {
+    const uint8_t* w = tile + b * kTileBytes;
+    for (int line = 0; line < 4; ++line) prefetch_l2(std::min(w + kFetchAhead + 64 * line, fetch_end));
+    constexpr int kAcc = R == 1 ? 4 : 2;   // independent chains of products per row
+    __m512i acc[R][kAcc];
+    for (int r = 0; r < R; ++r)
+      for (int a = 0; a < kAcc; ++a) acc[r][a] = _mm512_setzero_si512();
+#pragma GCC unroll 8
+    for (int j = 0; j < 8; ++j) {
+      const __m512i v = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 32 * j)));
+      const __m512i lo = _mm512_and_si512(v, mask), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), mask);
+      for (int r = 0; r < R; ++r) {
+        const int32_t* q = reinterpret_cast<const int32_t*>(x.q.data() + (r0 + r) * k + b * kQBlock + 4 * j);
+        const int a = kAcc == 4 ? 2 * (j % 2) : 0;
+        acc[r][a] = _mm512_dpwssd_epi32(acc[r][a], lo, _mm512_set1_epi32(q[0]));
+        acc[r][a + 1] = _mm512_dpwssd_epi32(acc[r][a + 1], hi, _mm512_set1_epi32(q[1]));
+      }
+    }
+    const __m512 scale = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(scales + b * kTile)));
+    for (int r = 0; r < R; ++r) {
+      __m512i sum = _mm512_add_epi32(acc[r][0], acc[r][1]);
+      if constexpr (kAcc == 4) sum = _mm512_add_epi32(sum, _mm512_add_epi32(acc[r][2], acc[r][3]));
+      const int64_t rb = (r0 + r) * blocks + b;
+      if constexpr (Centred) sum = _mm512_sub_epi32(sum, _mm512_set1_epi32(8 * x.sum[rb]));
+      f[b % 2][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(scale, _mm512_set1_ps(x.d[rb])), f[b % 2][r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) _mm512_storeu_ps(out[r], _mm512_add_ps(f[0][r], f[1][r]));
+#elif defined(__AVX2__)
+  const __m256i mask = _mm256_set1_epi16(15);
+  __m256 f[2][R][2];   // [block parity][row][half of the tile]
+  for (int r = 0; r < R; ++r)
+    for (int h = 0; h < 2; ++h) f[0][r][h] = f[1][r][h] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < blocks; ++b) {
+    const uint8_t* w = tile + b * kTileBytes;
+    for (int line = 0; line < 4; ++line) prefetch_l2(std::min(w + kFetchAhead + 64 * line, fetch_end));
+    __m256i acc[R][2][2];   // [row][half][low / high nibbles]
+    for (int r = 0; r < R; ++r)
+      for (int h = 0; h < 2; ++h) acc[r][h][0] = acc[r][h][1] = _mm256_setzero_si256();
+    for (int j = 0; j < 8; ++j)
+      for (int h = 0; h < 2; ++h) {
+        const __m256i v = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + 32 * j + 16 * h)));
+        const __m256i lo = _mm256_and_si256(v, mask), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), mask);
+        for (int r = 0; r < R; ++r) {
+          const int32_t* q = reinterpret_cast<const int32_t*>(x.q.data() + (r0 + r) * k + b * kQBlock + 4 * j);
+          acc[r][h][0] = _mm256_add_epi32(acc[r][h][0], _mm256_madd_epi16(lo, _mm256_set1_epi32(q[0])));
+          acc[r][h][1] = _mm256_add_epi32(acc[r][h][1], _mm256_madd_epi16(hi, _mm256_set1_epi32(q[1])));
+        }
+      }
+    for (int h = 0; h < 2; ++h) {
+      const __m256 scale = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(scales + b * kTile + 8 * h)));
+      for (int r = 0; r < R; ++r) {
+        __m256i sum = _mm256_add_epi32(acc[r][h][0], acc[r][h][1]);
+        const int64_t rb = (r0 + r) * blocks + b;
+        if constexpr (Centred) sum = _mm256_sub_epi32(sum, _mm256_set1_epi32(8 * x.sum[rb]));
+        f[b % 2][r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_mul_ps(scale, _mm256_set1_ps(x.d[rb])), f[b % 2][r][h]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int h = 0; h < 2; ++h) _mm256_storeu_ps(out[r] + 8 * h, _mm256_add_ps(f[0][r][h], f[1][r][h]));
+#else
+  (void)fetch_end;
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < kTile; ++c) {
+      float f[2] = {0.0f, 0.0f};
+      for (int64_t b = 0; b < blocks; ++b) {
+        const int16_t* q = x.q.data() + (r0 + r) * k + b * kQBlock;
+        int32_t dot = 0;
+        for (int i = 0; i < 32; ++i) dot += tile_code(tile + b * kTileBytes, c, i) * q[i];
+        const int64_t rb = (r0 + r) * blocks + b;
+        if (Centred) dot -= 8 * x.sum[rb];
+        f[b % 2] = std::fma(static_cast<float>(dot), scale_value(scales[b * kTile + c]) * x.d[rb], f[b % 2]);
+      }
+      out[r][c] = f[0] + f[1];
+    }
+#endif
+}
+
+// y [M, n] (float32) = x (float32 rows) times the tiles (plus the mins' terms), tiles split over
+// torch's threads, rows four at a time (five where four would leave one).
+template <bool Centred>
+void tile_run(const float* x, const uint8_t* tiles, const uint16_t* scales, const uint16_t* mins, int64_t k,
+              at::Tensor& y) {
+  const int64_t m = y.size(0), n = y.size(1), blocks = k / kQBlock, count = (n + kTile - 1) / kTile;
+  thread_local QRows mine;
+  quantize_rows(x, m, k, kQBlock, false, mine);
+  const QRows& xq = mine;   // this thread's, named outside the threads' lambda (each has its own `mine`)
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, count, 1, [&](int64_t t0, int64_t t1) {
+    const uint8_t* fetch_end = tiles + t1 * blocks * kTileBytes;
+    for (const uint8_t* p = tiles + t0 * blocks * kTileBytes; p < std::min(tiles + t0 * blocks * kTileBytes + kFetchAhead, fetch_end); p += 64)
+      prefetch_l2(p);
+    for (int64_t t = t0; t < t1; ++t) {
+      const uint8_t* tile = tiles + t * blocks * kTileBytes;
+      const uint16_t* ts = scales + t * blocks * kTile;
+      const int64_t width = std::min(kTile, n - t * kTile);
+      float out[5][kTile];
+      auto emit = [&](int64_t r0, int rows) {
+        for (int r = 0; r < rows; ++r) std::memcpy(yp + (r0 + r) * n + t * kTile, out[r], width * sizeof(float));
+      };
+      int64_t r = 0;
+      for (; r + 4 <= m && m - r != 5; r += 4) {
+        tile_rows<Centred, 4>(tile, ts, xq, r, k, fetch_end, out);
+        emit(r, 4);
+      }
+      switch (m - r) {
+        case 5: tile_rows<Centred, 5>(tile, ts, xq, r, k, fetch_end, out); emit(r, 5); break;
+        case 3: tile_rows<Centred, 3>(tile, ts, xq, r, k, fetch_end, out); emit(r, 3); break;
+        case 2: tile_rows<Centred, 2>(tile, ts, xq, r, k, fetch_end, out); emit(r, 2); break;
+        case 1: tile_rows<Centred, 1>(tile, ts, xq, r, k, fetch_end, out); emit(r, 1); break;
+        default: break;
+      }
+    }
+    if (mins != nullptr) {
+      const IntArgs<uint16_t> a{nullptr, nullptr, mins, &xq, k, n, kQBlock, yp};
+      add_mins(a, t0 * kTile, std::min(n, t1 * kTile), m);
+    }
+  });
+}
+
+// tiles [T, K/32, 256] and scales [T, K/32, 16] (q4g_tile's), mins [K/32, n] or none, for n channels.
+int64_t check_tiles(const char* op, const at::Tensor& tiles, const at::Tensor& scales,
+                    const std::optional<at::Tensor>& mins, int64_t n) {
+  TORCH_CHECK(tiles.dim() == 3 && tiles.is_contiguous() && tiles.scalar_type() == at::kByte && tiles.size(2) == kTileBytes,
+              op, ": contiguous uint8 tiles [N/16, K/32, 256] (q4g_tile's) expected, got ", tiles.sizes());
+  TORCH_CHECK(n > (tiles.size(0) - 1) * kTile && n <= tiles.size(0) * kTile, op, ": ", tiles.size(0),
+              " tiles hold ", (tiles.size(0) - 1) * kTile + 1, "..", tiles.size(0) * kTile, " channels, not ", n);
+  TORCH_CHECK(scales.scalar_type() == at::kHalf && scales.is_contiguous() && scales.dim() == 3 &&
+              scales.size(0) == tiles.size(0) && scales.size(1) == tiles.size(1) && scales.size(2) == kTile,
+              op, ": contiguous float16 scales [N/16, K/32, 16] expected, got ", scales.scalar_type(), " ", scales.sizes());
+  const int64_t blocks = tiles.size(1);
+  if (mins)
+    check_group_operands(op, at::empty({n, blocks}, scales.options().device(at::kMeta)), &*mins, n, blocks, at::kHalf);
+  return blocks * kQBlock;
+}
+
 // Without mins the codes are Q4_0's: w = (code - 8) * scale.
-at::Tensor q4g_gemv(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
-                    const std::optional<at::Tensor>& mins) {
-  const int64_t m = x.size(0), k = x.size(1), n = codes.size(0);
-  check_rows("q4g_gemv", x, codes, k);
-  TORCH_CHECK(codes.scalar_type() == at::kByte && codes.size(1) * 2 == k, "q4g_gemv: uint8 codes [N, K/2] expected");
-  check_group_operands("q4g", scales, mins ? &*mins : nullptr, n, k / kQBlock, at::kHalf);
-  at::Tensor y = at::empty({m, n}, x.options().dtype(at::kFloat));
-  if (m == 0 || n == 0) return y.to(x.scalar_type());
+at::Tensor q4g_gemv(const at::Tensor& x, const at::Tensor& tiles, const at::Tensor& scales,
+                    const std::optional<at::Tensor>& mins, int64_t n) {
+  const int64_t k = check_tiles("q4g_gemv", tiles, scales, mins, n);
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.size(1) == k, "q4g_gemv: contiguous x [M, ", k, "] expected, got ",
+              x.sizes());
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,
+              "q4g_gemv: float32 or bfloat16 x expected, got ", x.scalar_type());
+  at::Tensor y = at::empty({x.size(0), n}, x.options().dtype(at::kFloat));
+  if (x.size(0) == 0) return y.to(x.scalar_type());
   const at::Tensor xf = float_rows(x, false);
   const float* xp = xf.const_data_ptr<float>();
-  const uint8_t* wp = codes.const_data_ptr<uint8_t>();
+  const uint8_t* wp = tiles.const_data_ptr<uint8_t>();
   const uint16_t* sp = static_cast<const uint16_t*>(scales.const_data_ptr());
-  if (mins) int_run<Nibbles, 32, uint16_t>(xp, wp, sp, static_cast<const uint16_t*>(mins->const_data_ptr()), k, y);
-  else int_run<Centered<Nibbles, 8>, 32, uint16_t>(xp, wp, sp, nullptr, k, y);
+  if (mins) tile_run<false>(xp, wp, sp, static_cast<const uint16_t*>(mins->const_data_ptr()), k, y);
+  else tile_run<true>(xp, wp, sp, nullptr, k, y);
   return x.scalar_type() == at::kFloat ? y : y.to(x.scalar_type());
 }
 
-at::Tensor q4g_gemv_meta(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
-                         const std::optional<at::Tensor>& mins) {
-  return at::empty_symint({x.sym_size(0), codes.sym_size(0)}, x.options());
+at::Tensor q4g_gemv_meta(const at::Tensor& x, const at::Tensor& tiles, const at::Tensor& scales,
+                         const std::optional<at::Tensor>& mins, int64_t n) {
+  return at::empty_symint({x.sym_size(0), c10::SymInt(n)}, x.options());
 }
 
-// W [N, K] in float32 from the q4g layout (code * scale + min): the weight of a step with more rows
-// than the GEMV serves.
-at::Tensor q4g_dequantize(const at::Tensor& codes, const at::Tensor& scales, const std::optional<at::Tensor>& mins) {
-  TORCH_CHECK(codes.dim() == 2 && codes.is_contiguous() && codes.scalar_type() == at::kByte,
-              "q4g_dequantize: contiguous uint8 codes [N, K/2] expected");
-  const int64_t n = codes.size(0), k = codes.size(1) * 2, groups = k / kQBlock;
-  TORCH_CHECK(k % kQBlock == 0, "q4g_dequantize: K must be a multiple of 32, got ", k);
-  check_group_operands("q4g", scales, mins ? &*mins : nullptr, n, groups, at::kHalf);
-  at::Tensor w = at::empty({n, k}, codes.options().dtype(at::kFloat));
-  const uint8_t* cp = codes.const_data_ptr<uint8_t>();
+// W [n, K] in float32 from the tiles (code * scale + min, or (code - 8) * scale written as code *
+// scale - 8 * scale): the weight of a step with more rows than the GEMV serves.
+at::Tensor q4g_dequantize(const at::Tensor& tiles, const at::Tensor& scales, const std::optional<at::Tensor>& mins,
+                          int64_t n) {
+  const int64_t k = check_tiles("q4g_dequantize", tiles, scales, mins, n), blocks = k / kQBlock;
+  at::Tensor w = at::empty({n, k}, tiles.options().dtype(at::kFloat));
+  const uint8_t* tp = tiles.const_data_ptr<uint8_t>();
   const uint16_t* sp = static_cast<const uint16_t*>(scales.const_data_ptr());
   const uint16_t* mp = mins ? static_cast<const uint16_t*>(mins->const_data_ptr()) : nullptr;
   float* wp = w.data_ptr<float>();
-  at::parallel_for(0, n * groups, 256, [&](int64_t g0, int64_t g1) {
+  at::parallel_for(0, n * blocks, 256, [&](int64_t g0, int64_t g1) {
     for (int64_t g = g0; g < g1; ++g) {
-      const uint8_t* p = cp + g * 16;
+      const int64_t ch = g / blocks, b = g % blocks, t = ch / kTile;
+      const int c = static_cast<int>(ch % kTile);
+      const uint8_t* block = tp + (t * blocks + b) * kTileBytes;
       float* out = wp + g * kQBlock;
-      const float scale = scale_value(sp[g]), min = mp ? scale_value(mp[g % groups * n + g / groups]) : -8.0f * scale;
-      for (int i = 0; i < 32; ++i) out[i] = static_cast<float>(Nibbles::code(p, i)) * scale + min;
+      const float scale = scale_value(sp[(t * blocks + b) * kTile + c]);
+      const float min = mp ? scale_value(mp[b * n + ch]) : -8.0f * scale;
+      for (int i = 0; i < 32; ++i) out[i] = static_cast<float>(tile_code(block, c, i)) * scale + min;
     }
   });
   return w;
 }
 
-at::Tensor q4g_dequantize_meta(const at::Tensor& codes, const at::Tensor& scales,
-                               const std::optional<at::Tensor>& mins) {
-  return at::empty_symint({codes.sym_size(0), codes.sym_size(1) * 2}, codes.options().dtype(at::kFloat));
+at::Tensor q4g_dequantize_meta(const at::Tensor& tiles, const at::Tensor& scales,
+                               const std::optional<at::Tensor>& mins, int64_t n) {
+  return at::empty_symint({c10::SymInt(n), tiles.sym_size(1) * kQBlock}, tiles.options().dtype(at::kFloat));
+}
+
+at::Tensor q5g_gemv_meta(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
+                         const std::optional<at::Tensor>& mins) {
+  return at::empty_symint({x.sym_size(0), packed.sym_size(0)}, x.options());
 }
 
 // ---- 5-bit codes (FiveBits): GGUF's Q5_0 / Q5_1 / Q5_K codes in 20 bytes per group of 32, with a
@@ -1027,8 +1234,9 @@ TORCH_LIBRARY(kvserve_cpu, m) {
   m.def("f16_gemv(Tensor x, Tensor w, bool invariant=False) -> Tensor");
   m.def("q8g_gemv(Tensor x, Tensor codes, Tensor scales, Tensor? mins, int group) -> Tensor");
   m.def("q8g_dequantize(Tensor codes, Tensor scales, Tensor? mins, int group, ScalarType dtype) -> Tensor");
-  m.def("q4g_gemv(Tensor x, Tensor codes, Tensor scales, Tensor? mins) -> Tensor");
-  m.def("q4g_dequantize(Tensor codes, Tensor scales, Tensor? mins) -> Tensor");
+  m.def("q4g_tile(Tensor nibbles, Tensor scales) -> (Tensor, Tensor)");
+  m.def("q4g_gemv(Tensor x, Tensor tiles, Tensor scales, Tensor? mins, int n) -> Tensor");
+  m.def("q4g_dequantize(Tensor tiles, Tensor scales, Tensor? mins, int n) -> Tensor");
   m.def("q5g_gemv(Tensor x, Tensor packed, Tensor scales, Tensor? mins) -> Tensor");
   m.def("q5g_pack(Tensor codes) -> Tensor");
   m.def("q5g_dequantize(Tensor packed, Tensor scales, Tensor? mins) -> Tensor");
@@ -1040,6 +1248,7 @@ TORCH_LIBRARY_IMPL(kvserve_cpu, CPU, m) {
   m.impl("f16_gemv", f16_gemv);
   m.impl("q8g_gemv", q8g_gemv);
   m.impl("q8g_dequantize", q8g_dequantize);
+  m.impl("q4g_tile", q4g_tile);
   m.impl("q4g_gemv", q4g_gemv);
   m.impl("q4g_dequantize", q4g_dequantize);
   m.impl("q5g_gemv", q5g_gemv);
@@ -1057,7 +1266,7 @@ TORCH_LIBRARY_IMPL(kvserve_cpu, Meta, m) {
   m.impl("q8g_dequantize", q8g_dequantize_meta);
   m.impl("q4g_gemv", q4g_gemv_meta);
   m.impl("q4g_dequantize", q4g_dequantize_meta);
-  m.impl("q5g_gemv", q4g_gemv_meta);
+  m.impl("q5g_gemv", q5g_gemv_meta);
   m.impl("q5g_pack", q5g_pack_meta);
   m.impl("q5g_dequantize", q5g_dequantize_meta);
 }
