@@ -4,8 +4,8 @@
 machine's memory bandwidth for one to a few rows (a decode step), where torch's own CPU paths
 (`_weight_int8pack_mm`, oneDNN's bfloat16 GEMM) read about half as fast; `q8g_gemv` multiplies by
 int8 codes with a float32 scale (and min) per group of 16 or 32 inputs, a GGUF block's own codes,
-and `q4g_gemv` 4-bit codes in GGUF's nibble order (integer dot products with the rows quantized to
-int8 per group, as llama.cpp multiplies). The source compiles
+and `q4g_gemv` 4-bit codes in tiles of 16 output channels (`q4g_tile`; integer dot products with the rows quantized to
+int16 per group, llama.cpp's Q8_1 with 16-bit codes). The source compiles
 against torch's headers with the system compiler (kvserve/native.py: cached, keyed by source,
 flags and CPU; $KVSERVE_CPU_KERNEL_FLAGS adds compiler flags, e.g. `-mno-avx512f` for the AVX2
 path, `-mno-avx` for the portable one) and loads with `torch.ops.load_library`, so compiled graphs call the ops through
