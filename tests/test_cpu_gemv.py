@@ -151,7 +151,8 @@ def test_without_mins_the_4_and_5_bit_codes_are_centred(rows, n, k):
     for name, (gemv, dequantize), codes, stored, scales, offset in [
             ("q4g", (lambda x, *w: ops.q4g_gemv(x, *w, n), lambda *w: ops.q4g_dequantize(*w, n)), codes4,
              tiled, scales4, 8),
-            ("q5g", (ops.q5g_gemv, ops.q5g_dequantize), codes5, (ops.q5g_pack(codes5), scales5), scales5, 16)]:
+            ("q5g", (lambda x, *w: ops.q5g_gemv(x, *w, n), lambda *w: ops.q5g_dequantize(*w, n)), codes5,
+             ops.q5g_tile(codes5, scales5), scales5, 16)]:
         w = ((codes.double() - offset).view(n, k // 32, 32) * scales.double()[..., None]).view(n, k)
         got = gemv(x, *stored, None)
         want = int16_rows(x).double() @ w.T
@@ -163,15 +164,16 @@ def test_without_mins_the_4_and_5_bit_codes_are_centred(rows, n, k):
 
 
 def _q5g_operands(n: int, k: int, g: torch.Generator, half: bool):
-    """codes [N, K] 0..31, their q5g_pack layout, scales and mins [N, K/32] (float16 as Q5_0 / Q5_1
-    store them, or float32 as Q5_K's products; some groups of Q5_0's form min = -16 scale)."""
+    """codes [N, K] 0..31, the GEMV's (tiles, tile scales) of them (q5g_tile), scales and mins [N, K/32]
+    (float16 as Q5_0 / Q5_1 store them, or float32 as Q5_K's products; some groups of Q5_0's form min
+    = -16 scale)."""
     codes = torch.randint(0, 32, (n, k), generator=g, dtype=torch.uint8)
     scales = torch.rand(n, k // 32, generator=g) * 0.02 + 1e-3
     mins = -16 * scales * (torch.rand(n, k // 32, generator=g) * 0.5 + 0.75)
     mins[::3] = -16 * scales[::3]
     if half:
         scales, mins = scales.half(), mins.half()
-    return codes, torch.ops.kvserve_cpu.q5g_pack(codes), scales, mins
+    return codes, torch.ops.kvserve_cpu.q5g_tile(codes, scales), scales, mins
 
 
 def _check_q5g(rows: int, n: int, k: int) -> None:
@@ -182,19 +184,19 @@ def _check_q5g(rows: int, n: int, k: int) -> None:
     ops = torch.ops.kvserve_cpu
     for half in (True, False):
         g = torch.Generator().manual_seed(rows * 100 + n + k + half)
-        codes, packed, scales, mins = _q5g_operands(n, k, g, half)
+        codes, tiled, scales, mins = _q5g_operands(n, k, g, half)
         mins_t = mins.t().contiguous()
         w = codes.double().view(n, k // 32, 32) * scales.double()[..., None] + mins.double()[..., None]
         w = w.view(n, k)
         x = torch.randn(rows, k, generator=g)
-        got = ops.q5g_gemv(x, packed, scales, mins_t)
+        got = ops.q5g_gemv(x, *tiled, mins_t, n)
         want = int16_rows(x).double() @ w.T
         case = f"{rows}x{k} -> {n}, {scales.dtype}"
         assert got.dtype == torch.float32 and got.shape == (rows, n), case
         assert (got.double() - want).abs().max() <= 1e-5 * want.abs().max(), case
-        got16 = ops.q5g_gemv(x.bfloat16(), packed, scales, mins_t)
-        assert torch.equal(got16, ops.q5g_gemv(x.bfloat16().float(), packed, scales, mins_t).bfloat16()), case
-        wide = ops.q5g_dequantize(packed, scales, mins_t)   # a product and a sum, fused or not
+        got16 = ops.q5g_gemv(x.bfloat16(), *tiled, mins_t, n)
+        assert torch.equal(got16, ops.q5g_gemv(x.bfloat16().float(), *tiled, mins_t, n).bfloat16()), case
+        wide = ops.q5g_dequantize(*tiled, mins_t, n)   # a product and a sum, fused or not
         terms = codes.double().view(n, k // 32, 32) * scales.double()[..., None] - mins.double()[..., None]
         assert ((wide.double() - w).abs() <= 2**-23 * terms.abs().view(n, k)).all(), case
 
@@ -202,37 +204,39 @@ def _check_q5g(rows: int, n: int, k: int) -> None:
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 9, 16])
 @pytest.mark.parametrize("n,k", [(16, 32), (37, 96), (192, 576), (96, 1536)])
 def test_q5g_gemv_against_the_float64_product(rows, n, k):
-    """Every tile of rows and channels, one to 48 groups of 20-byte blocks (the high bits' word
-    unpacked into both lane orders), float16 and float32 scales."""
+    """Every tile of rows, whole and padded tiles of channels, one to 48 groups (the fifth bits of both
+    nibbles' lanes), float16 and float32 scales."""
     _check_q5g(rows, n, k)
 
 
 def test_q5g_rows_do_not_depend_on_the_row_count():
     g = torch.Generator().manual_seed(6)
-    _, packed, scales, mins = _q5g_operands(75, 576, g, True)
-    mins_t = mins.t().contiguous()
+    _, tiled, scales, mins = _q5g_operands(75, 576, g, True)
     x = torch.randn(130, 576, generator=g)
-    alone = torch.cat([torch.ops.kvserve_cpu.q5g_gemv(x[i:i + 1], packed, scales, mins_t) for i in range(130)])
-    for rows in (2, 3, 5, 8, 17, 130):
-        assert torch.equal(torch.ops.kvserve_cpu.q5g_gemv(x[:rows], packed, scales, mins_t), alone[:rows]), rows
+    for m in (mins.t().contiguous(), None):
+        alone = torch.cat([torch.ops.kvserve_cpu.q5g_gemv(x[i:i + 1], *tiled, m, 75) for i in range(130)])
+        for rows in (2, 3, 5, 8, 17, 130):
+            assert torch.equal(torch.ops.kvserve_cpu.q5g_gemv(x[:rows], *tiled, m, 75), alone[:rows]), rows
 
 
-def test_q5g_pack_keeps_every_code_and_refuses_wider_ones():
-    """Each code alone (one bit set at a time in a block of zeros) comes back from q5g_dequantize at its
-    own input: the high bits' order covers all 32 inputs once."""
+def test_the_tiles_keep_every_code_and_refuse_wider_ones():
+    """Every code of every channel and input comes back from the tiles as it went in (dequantized with
+    scale 1 and min 0), 4-bit and 5-bit (a tile's every lane and fifth bit), the last tile padded;
+    codes past 5 bits and tiles of another layout are refused."""
     ops = torch.ops.kvserve_cpu
-    codes = torch.zeros(64, 32, dtype=torch.uint8)
-    for i in range(32):
-        codes[2 * i, i] = 16       # only the fifth bit
-        codes[2 * i + 1, i] = 9    # only low bits
-    ones = torch.ones(64, 1)
-    wide = ops.q5g_dequantize(ops.q5g_pack(codes), ones, torch.zeros(1, 64))
-    assert torch.equal(wide, codes.float())
+    g = torch.Generator().manual_seed(3)
+    n, k = 37, 64
+    ones, zeros = torch.ones(n, k // 32), torch.zeros(k // 32, n)
+    codes5 = torch.randint(0, 32, (n, k), generator=g, dtype=torch.uint8)
+    assert torch.equal(ops.q5g_dequantize(*ops.q5g_tile(codes5, ones), zeros, n), codes5.float())
+    assert torch.equal(ops.q5g_dequantize(*ops.q5g_tile(codes5, ones.half()), zeros.half(), n), codes5.float())
+    codes4 = codes5 % 16
+    tiled4 = ops.q4g_tile(gguf_nibbles(codes4), ones.half())
+    assert torch.equal(ops.q4g_dequantize(*tiled4, zeros.half(), n), codes4.float())
     with pytest.raises(RuntimeError, match="codes must lie in 0..31, got 32"):
-        ops.q5g_pack(torch.full((16, 32), 32, dtype=torch.uint8))
-    with pytest.raises(RuntimeError, match=r"packed codes \[N, K/32 \* 20\] expected"):
-        ops.q5g_gemv(torch.randn(1, 64), torch.zeros(16, 32, dtype=torch.uint8), ones[:16].half(),
-                     torch.zeros(2, 16).half())
+        ops.q5g_tile(torch.full((16, 32), 32, dtype=torch.uint8), torch.ones(16, 1))
+    with pytest.raises(RuntimeError, match=r"uint8 tiles \[N/16, K/32, 320\] expected"):
+        ops.q5g_gemv(torch.randn(1, 64), *tiled4, None, n)
 
 
 def _invariant_operands(kind: str, n: int, k: int, g: torch.Generator):
@@ -274,13 +278,13 @@ def _integer_calls(n: int, k: int, g: torch.Generator) -> dict:
     assert cpu.available()
     ops = torch.ops.kvserve_cpu
     _, tiled, s4, _, m4 = _q4g_operands(n, k, g)
-    _, packed, s5, m5 = _q5g_operands(n, k, g, True)
+    _, tiled5, s5, m5 = _q5g_operands(n, k, g, True)
     m5 = m5.t().contiguous()
     codes = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8)
     s32, s16 = torch.rand(n, k // 32, generator=g) * 0.01, torch.rand(n, k // 16, generator=g) * 0.01
     m16 = -torch.rand(k // 16, n, generator=g) * 0.1
     return {"q4g": lambda x: ops.q4g_gemv(x, *tiled, m4, n),
-            "q5g": lambda x: ops.q5g_gemv(x, packed, s5, m5),
+            "q5g": lambda x: ops.q5g_gemv(x, *tiled5, m5, n),
             "q8g-32": lambda x: ops.q8g_gemv(x, codes, s32, None, 32),
             "q8g-16-mins": lambda x: ops.q8g_gemv(x, codes, s16, m16, 16)}
 
@@ -437,7 +441,7 @@ for rows in (1, 3, 5):
     t._check_q5g(rows, 37, 576)
 t.test_q4g_rows_do_not_depend_on_the_row_count()
 t.test_q5g_rows_do_not_depend_on_the_row_count()
-t.test_q5g_pack_keeps_every_code_and_refuses_wider_ones()
+t.test_the_tiles_keep_every_code_and_refuse_wider_ones()
 pa.test_cpu_kernel_equals_attention_formula(64, 3, 9)
 pa.test_cpu_kernel_float32_queries_over_bfloat16_pools(4, 64)
 print(cpu.library())
@@ -516,7 +520,7 @@ def _q8g(x=None, codes=None, scales=None, mins=None, group=32, k=64):
     (lambda: _q8g(scales=torch.ones(32, 2).half(), mins=torch.ones(2, 32)), r"Half mins \[K/group, N\] = \[2, 32\] expected, got Float"),
     (lambda: torch.ops.kvserve_cpu.q4g_tile(torch.zeros(32, 24, dtype=torch.uint8), torch.ones(32, 1).half()),
      "K must be a multiple of 32"),
-    (lambda: _q4g(tiles=torch.zeros(32, 32, dtype=torch.uint8)), r"uint8 tiles \[N/16, K/32, 256\] \(q4g_tile's\)"),
+    (lambda: _q4g(tiles=torch.zeros(32, 32, dtype=torch.uint8)), r"uint8 tiles \[N/16, K/32, 256\] expected"),
     (lambda: _q4g(n=40), "2 tiles hold 17..32 channels, not 40"),
     (lambda: _q4g(x=torch.randn(1, 64).half()), "float32 or bfloat16 x"),
     (lambda: _q4g(x=torch.randn(1, 96)), r"contiguous x \[M, 64\] expected"),

@@ -260,7 +260,7 @@ def test_the_5_bit_types_run_on_the_5_bit_layer_at_every_row_count(qtype):
     assert isinstance(layout, Int8Groups) and layout.bits == 5
     layer = make_linear(layout, None, "int8g")
     assert isinstance(layer, Int5GroupLinear)
-    assert layer.packed.numel() == n * k * 20 // 32 and layer.scales.dtype == layout.scales.dtype
+    assert layer.tiles.numel() == 48 * k * 20 // 32 and layer.tile_scales.dtype == layout.scales.dtype   # 3 tiles
     assert (layer.mins_t is None) == (qtype == QT.Q5_0)   # Q5_0's centred codes: no mins to read
     w = layout.dequantize()
     assert ((layer.dequantize() - w).abs() <= 2**-23 * w.abs().max()).all()

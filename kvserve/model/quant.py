@@ -747,9 +747,10 @@ class Int8GroupLinear(KeptLinear):
 
 class Int5GroupLinear(PackedGroupLinear):
     """GGUF's 5-bit types (Q5_0, Q5_1, Q5_K: Int8Groups of 5-bit codes in groups of 32) on a CPU with
-    kvserve's C++ ops: 20 bytes a group (the low four bits in GGUF's nibble order, the fifth bits as a
-    32-bit word, `q5g_pack`), the scales as kept (float16 for Q5_0 / Q5_1, Q5_K's products float32) and
-    a min per group: w = code * scale + min, as the file's values; Q5_0 (signed codes) keeps no mins:
+    kvserve's C++ ops: the codes in tiles of 16 output channels (`q5g_tile`: per tile and group of 32
+    inputs q4g's 256 bytes of low four bits and 64 bytes of fifth bits, 20 bytes a channel's group),
+    the scales as kept (float16 for Q5_0 / Q5_1, Q5_K's products float32) beside them and a min per
+    group: w = code * scale + min, as the file's values; Q5_0 (signed codes) keeps no mins:
     w = (code - 16) * scale.
     - up to INT4_WIDE_ROWS rows: the C++ `q5g_gemv` (integer products, as q4g: a row's result does not
       depend on the rows beside it);
@@ -763,29 +764,33 @@ class Int5GroupLinear(PackedGroupLinear):
         self._setup(groups.codes.shape, bias, device or groups.codes.device)
         centered = groups.mins is None   # a signed type (Q5_0): w = (code - 16) * scale, no min to read
         groups = groups.unsigned()
-        self.register_buffer("packed", q5g_pack(groups.codes))
         scales = scale_tensor(groups.scales)
-        self.register_buffer("scales", scales.contiguous())
+        tiles, tile_scales = q5g_tiles(groups.codes, scales)
+        self.register_buffer("tiles", tiles)
+        self.register_buffer("tile_scales", tile_scales)
         self.register_buffer("mins_t", None if centered else groups.mins.to(scales.dtype).t().contiguous())   # [K/32, N]
         self.gemv = True
         self.pick_kernels()
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        return torch.ops.kvserve_cpu.q5g_dequantize(self.packed, self.scales, self.mins_t).to(dtype)
+        return torch.ops.kvserve_cpu.q5g_dequantize(self.tiles, self.tile_scales, self.mins_t,
+                                                    self.out_features).to(dtype)
 
     def q5g_gemv(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype not in GEMV_DTYPES:
             return self.dequantized_linear(x)
-        return torch.ops.kvserve_cpu.q5g_gemv(x.contiguous(), self.packed, self.scales, self.mins_t)
+        return torch.ops.kvserve_cpu.q5g_gemv(x.contiguous(), self.tiles, self.tile_scales, self.mins_t,
+                                              self.out_features)
 
     gemv_kernel = q5g_gemv
 
     def native_form(self, rows):
-        return ("q5g", (self.packed, self.scales, self.mins_t), 0) if self.runs(type(self).gemv_kernel, rows) else None
+        form = ("q5g", (self.tiles, self.tile_scales, self.mins_t), self.out_features)
+        return form if self.runs(type(self).gemv_kernel, rows) else None
 
 
 FIVE_BITS = 5
-Q5G_GROUP_BYTES = 20   # a group of 32 5-bit codes in q5g_pack's layout (gemv.cpp's FiveBits::kBytes)
+Q5G_TILE_BYTES = 320   # a tile's 16 channels' 5-bit codes for a group of 32 inputs (gemv.cpp's FiveBitTile)
 
 
 def five_bit_layer(groups: Int8Groups, device: torch.device) -> bool:
@@ -794,13 +799,15 @@ def five_bit_layer(groups: Int8Groups, device: torch.device) -> bool:
             and q5g_kernel(device))
 
 
-def q5g_pack(codes: torch.Tensor) -> torch.Tensor:
-    """5-bit codes [N, K] (0..31) in q5g_gemv's layout [N, K/32 * 20]; on the meta device (a weight-cache
-    build) only the shape."""
+def q5g_tiles(codes: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """5-bit codes [N, K] (0..31) and scales [N, K/32] as q5g_gemv's tiles and tile scales; on the meta
+    device (a weight-cache build) only the shapes."""
     n, k = codes.shape
     if codes.is_meta:
-        return torch.empty((n, k // GROUP_SIZE * Q5G_GROUP_BYTES), dtype=torch.uint8, device="meta")
-    return torch.ops.kvserve_cpu.q5g_pack(codes.to(torch.uint8).contiguous())
+        t = -(-n // TILE)
+        return (torch.empty((t, k // GROUP_SIZE, Q5G_TILE_BYTES), dtype=torch.uint8, device="meta"),
+                torch.empty((t, k // GROUP_SIZE, TILE), dtype=scales.dtype, device="meta"))
+    return torch.ops.kvserve_cpu.q5g_tile(codes.to(torch.uint8).contiguous(), scales.contiguous())
 
 
 def _q8_row(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:

@@ -13,15 +13,16 @@
 //     unsigned with mins).
 //   q4g_tile(nibbles [N, K/2] uint8 in GGUF's nibble order, scales [N, K/32] float16) -> (tiles
 //            [ceil(N/16), K/32, 256] uint8, tile scales [ceil(N/16), K/32, 16] float16): 4-bit codes
-//     re-laid in tiles of 16 output channels (see "4-bit codes in tiles" below).
+//     re-laid in tiles of 16 output channels (see "Codes in tiles" below).
 //   q4g_gemv(x [M, K] float32|bfloat16, tiles, tile scales, mins [K/32, N] float16 or None, int N)
 //            -> [M, N] in x's dtype: w = code * scale + min, or without mins (Q4_0's form)
 //     w = (code - 8) * scale.
 //   q4g_dequantize(tiles, tile scales, mins, N) -> W [N, K] float32.
-//   q5g_gemv(x [M, K] float32|bfloat16, packed [N, K/32 * 20] uint8, scales [N, K/32], mins [K/32, N]
-//            float16 or float32, or None) -> [M, N] in x's dtype: 5-bit codes (0..31) packed by
-//     q5g_pack(codes [N, K] uint8), w = code * scale + min, or without mins (Q5_0's form)
-//     w = (code - 16) * scale; q5g_dequantize(packed, scales, mins).
+//   q5g_tile(codes [N, K] uint8 0..31, scales [N, K/32] float16 or float32) -> (tiles
+//            [ceil(N/16), K/32, 320] uint8, tile scales [ceil(N/16), K/32, 16]): 5-bit codes in tiles.
+//   q5g_gemv(x, tiles, tile scales, mins [K/32, N] of the scales' dtype or None, int N) -> [M, N]
+//     in x's dtype: w = code * scale + min, or without mins (Q5_0's form) w = (code - 16) * scale;
+//     q5g_dequantize(tiles, tile scales, mins, N).
 // q8g, q5g and q4g quantize x to int16 per block of 32 and multiply in integers ("Integer products"
 // below); their rows never depend on the call's row count or thread count. int8, bfloat16 and
 // float16: sixteen output channels at a time: each channel's dot product runs along K with several
@@ -395,21 +396,10 @@ inline float scale_value(uint16_t bits) {  // a float16 scale or min (F16C's con
 }
 
 struct QRows {                // x's rows as int16 per block of 32
-  std::vector<int16_t> q;     // [M, K], each block in its codes' lane order (lane_of)
+  std::vector<int16_t> q;     // [M, K]
   std::vector<float> d, s;    // d [M, K/32]: the block's scale; s [M, K/G]: d * the sum of a group's codes
   std::vector<int32_t> sum;   // [M, K/G]: the sum of a group's codes
 };
-
-// Where input i of a block of 32 sits in q: in order, or (codes unpacked by shifts inside 16-bit
-// lanes, `interleaved`, AVX2 only) the even inputs of the block's two halves (0, 2 .. 14 | 16, 18 .. 30)
-// and then the odd ones, the order in which such an unpack leaves the codes in its two registers.
-constexpr int lane_of(int i, bool interleaved) {
-#if defined(__AVX2__)
-  return interleaved ? (i % 2) * 16 + (i / 16) * 8 + (i % 16) / 2 : i;
-#else
-  return i;
-#endif
-}
 
 // A block of 32 inputs as int16 codes (in int32s): returns d = max|x| / 32767, codes round(x / d)
 // to nearest even within +-32767 (a NaN input is left out of the maximum and becomes -32767).
@@ -444,7 +434,7 @@ inline float block_codes(const float* xb, int32_t* codes) {
 }
 
 // Into `out`, whose buffers a thread reuses from call to call (no allocation a call once they fit).
-void quantize_rows(const float* x, int64_t m, int64_t k, int64_t group, bool interleaved, QRows& out) {
+void quantize_rows(const float* x, int64_t m, int64_t k, int64_t group, QRows& out) {
   const int64_t blocks = k / kQBlock, per = kQBlock / group;
   out.q.resize(m * k);
   out.d.resize(m * blocks);
@@ -457,7 +447,7 @@ void quantize_rows(const float* x, int64_t m, int64_t k, int64_t group, bool int
     for (int64_t j = 0; j < per; ++j) {
       int32_t sum = 0;
       for (int64_t i = j * group; i < (j + 1) * group; ++i) {
-        out.q[b * kQBlock + lane_of(static_cast<int>(i), interleaved)] = static_cast<int16_t>(codes[i]);
+        out.q[b * kQBlock + i] = static_cast<int16_t>(codes[i]);
         sum += codes[i];
       }
       out.s[b * per + j] = d * static_cast<float>(sum);
@@ -467,83 +457,15 @@ void quantize_rows(const float* x, int64_t m, int64_t k, int64_t group, bool int
   }
 }
 
-// The two code layouts, a block of 32 inputs' codes unpacked into 2 x 16 int16 lanes: nibbles by shifts
-// and masks inside 16-bit lanes (interleaved lane order, no byte shuffles: faster than widening), bytes
-// widened in order (inputs 0-15, 16-31: faster than shifting them).
-struct Nibbles {
-  static constexpr int64_t kBytes = 16;   // per block of 32 inputs: byte j holds inputs j and j + 16
-  static constexpr bool kInterleaved = true;
-  static int32_t code(const uint8_t* p, int i) { return i < 16 ? p[i] & 15 : p[i - 16] >> 4; }
-#if defined(__AVX2__)
-  static void unpack(const uint8_t* p, __m256i& even, __m256i& odd) {
-    // the 16 bytes in both halves; the upper half shifted by a nibble: inputs 16-31 in its low nibbles
-    const __m256i raw = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-    const __m256i u = _mm256_srlv_epi32(raw, _mm256_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4));
-    const __m256i mask = _mm256_set1_epi16(15);
-    even = _mm256_and_si256(u, mask);
-    odd = _mm256_and_si256(_mm256_srli_epi16(u, 8), mask);
-  }
-#endif
-};
-
-// 5-bit codes: per channel and block of 32 inputs, 20 bytes: the low four bits as Nibbles holds them,
-// then the fifth bits as a little-endian 32-bit word, input i's at bit high_bit_of(i): the order in
-// which one variable shift per dword (dword j of the even register by j, of the odd one by j after a
-// byte rotation) lands each lane's bit at its bit 4.
-constexpr int high_bit_of(int i) {
-  const int lane = (i / 16) * 8 + (i % 16) / 2;   // i's 16-bit lane in the even (or odd) register
-  const int j = lane / 2;                          // its dword
-  if (i % 2 == 0) return lane % 2 ? 20 + j : 4 + j;
-  return lane % 2 ? (28 + j) % 32 : 12 + j;
-}
-
-struct FiveBits {
-  static constexpr int64_t kBytes = 20;
-  static constexpr bool kInterleaved = true;
-  static int32_t code(const uint8_t* p, int i) {
-    uint32_t high;
-    std::memcpy(&high, p + 16, 4);
-    return Nibbles::code(p, i) | static_cast<int32_t>((high >> high_bit_of(i)) & 1) << 4;
-  }
-#if defined(__AVX2__)
-  static void unpack(const uint8_t* p, __m256i& even, __m256i& odd) {
-    Nibbles::unpack(p, even, odd);
-    int32_t word;
-    std::memcpy(&word, p + 16, 4);
-    const __m256i high = _mm256_set1_epi32(word);
-    const __m256i shift = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-    const __m256i bit4 = _mm256_set1_epi32(0x00100010);   // bit 4 of both 16-bit lanes
-    const __m256i rotate8 = _mm256_setr_epi8(1, 2, 3, 0, 5, 6, 7, 4, 9, 10, 11, 8, 13, 14, 15, 12,
-                                             1, 2, 3, 0, 5, 6, 7, 4, 9, 10, 11, 8, 13, 14, 15, 12);
-    even = _mm256_or_si256(even, _mm256_and_si256(_mm256_srlv_epi32(high, shift), bit4));
-    odd = _mm256_or_si256(odd, _mm256_and_si256(_mm256_srlv_epi32(_mm256_shuffle_epi8(high, rotate8), shift), bit4));
-  }
-#endif
-};
-
+// Byte codes (q8g): a block of 32 inputs' codes widened in order into 2 x 16 int16 lanes (inputs
+// 0-15, 16-31).
 struct Bytes {
   static constexpr int64_t kBytes = 32;   // input i in byte i
-  static constexpr bool kInterleaved = false;
   static int32_t code(const uint8_t* p, int i) { return static_cast<int8_t>(p[i]); }
 #if defined(__AVX2__)
   static void unpack(const uint8_t* p, __m256i& lo, __m256i& hi) {
     lo = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
     hi = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16)));
-  }
-#endif
-};
-
-// Codes of a symmetric format (Q4_0, Q5_0: w = (code - Offset) * scale, no min a group): Base's codes
-// less Offset as they are unpacked (signed, so the integer products take them as they take Bytes'),
-// and no mins to read.
-template <typename Base, int Offset>
-struct Centered : Base {
-  static int32_t code(const uint8_t* p, int i) { return Base::code(p, i) - Offset; }
-#if defined(__AVX2__)
-  static void unpack(const uint8_t* p, __m256i& lo, __m256i& hi) {
-    Base::unpack(p, lo, hi);
-    lo = _mm256_sub_epi16(lo, _mm256_set1_epi16(Offset));
-    hi = _mm256_sub_epi16(hi, _mm256_set1_epi16(Offset));
   }
 #endif
 };
@@ -659,7 +581,6 @@ void int_tile(const IntArgs<S>& a, int64_t n0, int64_t r0) {
           acc[r][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), scale, acc[r][c]);
         }
       } else {   // groups of 16, in order: a scale for each half of the block
-        static_assert(!Codes::kInterleaved, "groups of 16 need the codes in order");
         for (int r = 0; r < R; ++r) {
           const int16_t* qb = q + r * k + b * kQBlock;
           const float* cs = scale_f + (r * C + c) * groups;
@@ -736,7 +657,7 @@ template <typename Codes, int G, typename S>
 void int_run(const float* x, const uint8_t* w, const S* scales, const S* mins, int64_t k, at::Tensor& y) {
   const int64_t m = y.size(0), n = y.size(1);
   thread_local QRows xq;
-  quantize_rows(x, m, k, G, Codes::kInterleaved, xq);
+  quantize_rows(x, m, k, G, xq);
   const IntArgs<S> shared{w, scales, mins, &xq, k, n, G, y.data_ptr<float>()};   // xq: this thread's
   const int64_t row_bytes = k / kQBlock * Codes::kBytes;
   at::parallel_for(0, (n + kQChunk - 1) / kQChunk, 1, [&](int64_t c0, int64_t c1) {
@@ -784,74 +705,117 @@ void check_rows(const char* op, const at::Tensor& x, const at::Tensor& codes, in
               ": float32 or bfloat16 x expected, got ", x.scalar_type());
 }
 
-// ---- 4-bit codes in tiles of 16 channels (q4g): GGUF's Q4_0 / Q4_1 / Q4_K codes re-laid so that one
-// vector holds sixteen channels' codes and each integer product instruction takes a pair of inputs
-// for all of them (x's pair broadcast): no per-channel reduction, no per-block shuffles. Per tile of
-// 16 output channels (the last one padded with zero codes and scales) and block of 32 inputs, 256
-// bytes: for each quad j of inputs (4j .. 4j + 3) 32 bytes, byte 2c + p holding channel c's code of
-// input 4j + p in its low nibble and of input 4j + 2 + p in its high one; the tile's scales
-// [tiles, K/32, 16] float16 beside them. Widened to 16-bit lanes, a quad's bytes are channel c's
-// codes of inputs (4j, 4j + 1) in lane pair c (low nibbles) and (4j + 2, 4j + 3) (high nibbles).
-constexpr int64_t kTile = 16;          // channels a tile
-constexpr int64_t kTileBytes = 256;    // a tile's codes for a block of 32 inputs
+// ---- Codes in tiles of 16 output channels (q4g, q5g): GGUF's 4-bit (Q4_0 / Q4_1 / Q4_K) and 5-bit
+// (Q5_0 / Q5_1 / Q5_K) codes re-laid so that one vector holds sixteen channels' codes and each
+// integer product instruction takes a pair of inputs for all of them (x's pair broadcast): no
+// per-channel reduction, no per-group shuffle. Per tile of 16 output channels (the last one padded
+// with zero codes and scales) and block of 32 inputs, the low four bits in 256 bytes: for each quad
+// j of inputs (4j .. 4j + 3) 32 bytes, byte 2c + p holding channel c's code of input 4j + p in its
+// low nibble and of input 4j + 2 + p in its high one; widened to 16-bit lanes, a quad's bytes are
+// channel c's codes of inputs (4j, 4j + 1) in lane pair c (low nibbles) and (4j + 2, 4j + 3) (high
+// nibbles). 5-bit tiles add 64 bytes of fifth bits: for quad j a 32-bit word for the low nibbles'
+// lanes and one for the high nibbles', bit 2c + p the fifth bit of the code in lane 2c + p. The
+// tile's scales [tiles, K/32, 16] sit beside the codes; mins stay [K/32, N].
+constexpr int64_t kTile = 16;   // channels a tile
 
-inline int32_t tile_code(const uint8_t* block, int c, int i) {   // channel c's code of input i (0..31)
-  const uint8_t byte = block[32 * (i / 4) + 2 * c + (i % 2)];
-  return (i % 4) < 2 ? byte & 15 : byte >> 4;
+inline int32_t gguf_nibble(const uint8_t* group, int i) {   // GGUF's order: input i in byte i % 16
+  return i < 16 ? group[i] & 15 : group[i - 16] >> 4;
 }
 
-// [N, K/2] GGUF nibbles and [N, K/32] scales -> tiles [T, K/32, 256], scales [T, K/32, 16].
-std::tuple<at::Tensor, at::Tensor> q4g_tile(const at::Tensor& nibbles, const at::Tensor& scales) {
-  TORCH_CHECK(nibbles.dim() == 2 && nibbles.is_contiguous() && nibbles.scalar_type() == at::kByte,
-              "q4g_tile: contiguous uint8 nibbles [N, K/2] expected");
-  const int64_t n = nibbles.size(0), k = nibbles.size(1) * 2, blocks = k / kQBlock, tiles = (n + kTile - 1) / kTile;
-  TORCH_CHECK(k % kQBlock == 0, "q4g_tile: K must be a multiple of 32, got ", k);
-  check_group_operands("q4g_tile", scales, nullptr, n, blocks, at::kHalf);
-  at::Tensor out = at::zeros({tiles, blocks, kTileBytes}, nibbles.options());
-  at::Tensor out_scales = at::zeros({tiles, blocks, kTile}, scales.options());
-  const uint8_t* src = nibbles.const_data_ptr<uint8_t>();
-  const uint16_t* ssrc = static_cast<const uint16_t*>(scales.const_data_ptr());
-  uint8_t* dst = out.data_ptr<uint8_t>();
-  uint16_t* sdst = static_cast<uint16_t*>(out_scales.data_ptr());
-  at::parallel_for(0, n, 64, [&](int64_t c0, int64_t c1) {
-    for (int64_t ch = c0; ch < c1; ++ch) {
-      const int64_t t = ch / kTile;
-      const int c = static_cast<int>(ch % kTile);
-      for (int64_t b = 0; b < blocks; ++b) {
-        const uint8_t* from = src + ch * (k / 2) + b * Nibbles::kBytes;
-        uint8_t* block = dst + (t * blocks + b) * kTileBytes;
-        for (int i = 0; i < 32; ++i)
-          block[32 * (i / 4) + 2 * c + (i % 2)] |= static_cast<uint8_t>(Nibbles::code(from, i) << ((i % 4) < 2 ? 0 : 4));
-        sdst[(t * blocks + b) * kTile + c] = ssrc[ch * blocks + b];
-      }
-    }
-  });
-  return {out, out_scales};
+struct NibbleTile {
+  static constexpr int64_t kBytes = 256;   // a tile's codes for a block of 32 inputs
+  static int32_t code(const uint8_t* block, int c, int i) {
+    const uint8_t byte = block[32 * (i / 4) + 2 * c + (i % 2)];
+    return (i % 4) < 2 ? byte & 15 : byte >> 4;
+  }
+  static void put(uint8_t* block, int c, int i, int32_t code) {   // into a zeroed block
+    block[32 * (i / 4) + 2 * c + (i % 2)] |= static_cast<uint8_t>((code & 15) << ((i % 4) < 2 ? 0 : 4));
+  }
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+  static void quad(const uint8_t* block, int j, __m512i& lo, __m512i& hi) {
+    const __m512i mask = _mm512_set1_epi16(15);
+    const __m512i v = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 32 * j)));
+    lo = _mm512_and_si512(v, mask);
+    hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), mask);
+  }
+#elif defined(__AVX2__)
+  static void quad(const uint8_t* block, int j, int h, __m256i& lo, __m256i& hi) {   // channels 8h .. 8h + 7
+    const __m256i mask = _mm256_set1_epi16(15);
+    const __m256i v = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 32 * j + 16 * h)));
+    lo = _mm256_and_si256(v, mask);
+    hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), mask);
+  }
+#endif
+};
+
+struct FiveBitTile {
+  static constexpr int64_t kBytes = 320;
+  static uint32_t word(const uint8_t* block, int j, int high) {   // quad j's fifth bits, low or high nibbles' lanes
+    uint32_t w;
+    std::memcpy(&w, block + NibbleTile::kBytes + 8 * j + 4 * high, 4);
+    return w;
+  }
+  static int32_t code(const uint8_t* block, int c, int i) {
+    const uint32_t fifth = (word(block, i / 4, (i % 4) / 2) >> (2 * c + i % 2)) & 1;
+    return NibbleTile::code(block, c, i) | static_cast<int32_t>(fifth << 4);
+  }
+  static void put(uint8_t* block, int c, int i, int32_t code) {
+    NibbleTile::put(block, c, i, code);
+    const uint32_t w = word(block, i / 4, (i % 4) / 2) | static_cast<uint32_t>((code >> 4) & 1) << (2 * c + i % 2);
+    std::memcpy(block + NibbleTile::kBytes + 8 * (i / 4) + 4 * ((i % 4) / 2), &w, 4);
+  }
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+  static void quad(const uint8_t* block, int j, __m512i& lo, __m512i& hi) {   // the fifth bit added where set
+    NibbleTile::quad(block, j, lo, hi);
+    const __m512i sixteen = _mm512_set1_epi16(16);
+    lo = _mm512_mask_add_epi16(lo, static_cast<__mmask32>(word(block, j, 0)), lo, sixteen);
+    hi = _mm512_mask_add_epi16(hi, static_cast<__mmask32>(word(block, j, 1)), hi, sixteen);
+  }
+#elif defined(__AVX2__)
+  static __m256i fifth(uint32_t word, int h) {   // 16 where lane L of half h has its bit (16h + L) set
+    const __m256i bit = _mm256_setr_epi16(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384,
+                                          static_cast<int16_t>(0x8000));
+    const __m256i bits = _mm256_set1_epi16(static_cast<int16_t>(word >> (16 * h)));
+    return _mm256_and_si256(_mm256_cmpeq_epi16(_mm256_and_si256(bits, bit), bit), _mm256_set1_epi16(16));
+  }
+  static void quad(const uint8_t* block, int j, int h, __m256i& lo, __m256i& hi) {
+    NibbleTile::quad(block, j, h, lo, hi);
+    lo = _mm256_or_si256(lo, fifth(word(block, j, 0), h));
+    hi = _mm256_or_si256(hi, fifth(word(block, j, 1), h));
+  }
+#endif
+};
+
+#if defined(__AVX512F__)
+inline __m512 sixteen_scales(const uint16_t* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
+inline __m512 sixteen_scales(const float* p) { return _mm512_loadu_ps(p); }
+#endif
 
 // R rows of x (from r0) times one tile's codes, into out[R][16] (without the mins): per block, each
-// row's integer products for the 16 channels (exact, int32), less 8 * the sum of the row's block
-// codes where the codes are centred, times scale * d in float32, the blocks alternating between two
-// float accumulators. Every row is computed alike whatever R: a row's result is the same alone.
-template <bool Centred, int R>
-void tile_rows(const uint8_t* tile, const uint16_t* scales, const QRows& x, int64_t r0, int64_t k,
-               const uint8_t* fetch_end, float (*out)[kTile]) {
+// row's integer products for the 16 channels (exact, int32), less Offset * the sum of the row's block
+// codes where the codes are centred (Q4_0: 8, Q5_0: 16), times scale * d in float32, the blocks
+// alternating between two float accumulators. Every row is computed alike whatever R: a row's result
+// is the same alone.
+template <typename Tile, int Offset, typename S, int R>
+void tile_rows(const uint8_t* tile, const S* scales, const QRows& x, int64_t r0, int64_t k, const uint8_t* fetch_end,
+               float (*out)[kTile]) {
   const int64_t blocks = k / kQBlock;
 #if defined(__AVX512F__) && defined(__AVX512BW__)
-  const __m512i mask = _mm512_set1_epi16(15);
   __m512 f[2][R];
   for (int r = 0; r < R; ++r) f[0][r] = f[1][r] = _mm512_setzero_ps();
   for (int64_t b = 0; b < blocks; ++b) {
-    const uint8_t* w = tile + b * kTileBytes;
-    for (int line = 0; line < 4; ++line) prefetch_l2(std::min(w + kFetchAhead + 64 * line, fetch_end));
+    const uint8_t* w = tile + b * Tile::kBytes;
+    for (int64_t line = 0; line < Tile::kBytes; line += 64) prefetch_l2(std::min(w + kFetchAhead + line, fetch_end));
     constexpr int kAcc = R == 1 ? 4 : 2;   // independent chains of products per row
     __m512i acc[R][kAcc];
     for (int r = 0; r < R; ++r)
       for (int a = 0; a < kAcc; ++a) acc[r][a] = _mm512_setzero_si512();
 #pragma GCC unroll 8
     for (int j = 0; j < 8; ++j) {
-      const __m512i v = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 32 * j)));
-      const __m512i lo = _mm512_and_si512(v, mask), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), mask);
+      __m512i lo, hi;
+      Tile::quad(w, j, lo, hi);
       for (int r = 0; r < R; ++r) {
         const int32_t* q = reinterpret_cast<const int32_t*>(x.q.data() + (r0 + r) * k + b * kQBlock + 4 * j);
         const int a = kAcc == 4 ? 2 * (j % 2) : 0;
@@ -859,31 +823,30 @@ void tile_rows(const uint8_t* tile, const uint16_t* scales, const QRows& x, int6
         acc[r][a + 1] = _mm512_dpwssd_epi32(acc[r][a + 1], hi, _mm512_set1_epi32(q[1]));
       }
     }
-    const __m512 scale = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(scales + b * kTile)));
+    const __m512 scale = sixteen_scales(scales + b * kTile);
     for (int r = 0; r < R; ++r) {
       __m512i sum = _mm512_add_epi32(acc[r][0], acc[r][1]);
       if constexpr (kAcc == 4) sum = _mm512_add_epi32(sum, _mm512_add_epi32(acc[r][2], acc[r][3]));
       const int64_t rb = (r0 + r) * blocks + b;
-      if constexpr (Centred) sum = _mm512_sub_epi32(sum, _mm512_set1_epi32(8 * x.sum[rb]));
+      if constexpr (Offset != 0) sum = _mm512_sub_epi32(sum, _mm512_set1_epi32(Offset * x.sum[rb]));
       f[b % 2][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(scale, _mm512_set1_ps(x.d[rb])), f[b % 2][r]);
     }
   }
   for (int r = 0; r < R; ++r) _mm512_storeu_ps(out[r], _mm512_add_ps(f[0][r], f[1][r]));
 #elif defined(__AVX2__)
-  const __m256i mask = _mm256_set1_epi16(15);
   __m256 f[2][R][2];   // [block parity][row][half of the tile]
   for (int r = 0; r < R; ++r)
     for (int h = 0; h < 2; ++h) f[0][r][h] = f[1][r][h] = _mm256_setzero_ps();
   for (int64_t b = 0; b < blocks; ++b) {
-    const uint8_t* w = tile + b * kTileBytes;
-    for (int line = 0; line < 4; ++line) prefetch_l2(std::min(w + kFetchAhead + 64 * line, fetch_end));
+    const uint8_t* w = tile + b * Tile::kBytes;
+    for (int64_t line = 0; line < Tile::kBytes; line += 64) prefetch_l2(std::min(w + kFetchAhead + line, fetch_end));
     __m256i acc[R][2][2];   // [row][half][low / high nibbles]
     for (int r = 0; r < R; ++r)
       for (int h = 0; h < 2; ++h) acc[r][h][0] = acc[r][h][1] = _mm256_setzero_si256();
     for (int j = 0; j < 8; ++j)
       for (int h = 0; h < 2; ++h) {
-        const __m256i v = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + 32 * j + 16 * h)));
-        const __m256i lo = _mm256_and_si256(v, mask), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), mask);
+        __m256i lo, hi;
+        Tile::quad(w, j, h, lo, hi);
         for (int r = 0; r < R; ++r) {
           const int32_t* q = reinterpret_cast<const int32_t*>(x.q.data() + (r0 + r) * k + b * kQBlock + 4 * j);
           acc[r][h][0] = _mm256_add_epi32(acc[r][h][0], _mm256_madd_epi16(lo, _mm256_set1_epi32(q[0])));
@@ -891,11 +854,11 @@ void tile_rows(const uint8_t* tile, const uint16_t* scales, const QRows& x, int6
         }
       }
     for (int h = 0; h < 2; ++h) {
-      const __m256 scale = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(scales + b * kTile + 8 * h)));
+      const __m256 scale = eight_scales(scales + b * kTile + 8 * h);
       for (int r = 0; r < R; ++r) {
         __m256i sum = _mm256_add_epi32(acc[r][h][0], acc[r][h][1]);
         const int64_t rb = (r0 + r) * blocks + b;
-        if constexpr (Centred) sum = _mm256_sub_epi32(sum, _mm256_set1_epi32(8 * x.sum[rb]));
+        if constexpr (Offset != 0) sum = _mm256_sub_epi32(sum, _mm256_set1_epi32(Offset * x.sum[rb]));
         f[b % 2][r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_mul_ps(scale, _mm256_set1_ps(x.d[rb])), f[b % 2][r][h]);
       }
     }
@@ -910,9 +873,9 @@ void tile_rows(const uint8_t* tile, const uint16_t* scales, const QRows& x, int6
       for (int64_t b = 0; b < blocks; ++b) {
         const int16_t* q = x.q.data() + (r0 + r) * k + b * kQBlock;
         int32_t dot = 0;
-        for (int i = 0; i < 32; ++i) dot += tile_code(tile + b * kTileBytes, c, i) * q[i];
+        for (int i = 0; i < 32; ++i) dot += Tile::code(tile + b * Tile::kBytes, c, i) * q[i];
         const int64_t rb = (r0 + r) * blocks + b;
-        if (Centred) dot -= 8 * x.sum[rb];
+        dot -= Offset * x.sum[rb];
         f[b % 2] = std::fma(static_cast<float>(dot), scale_value(scales[b * kTile + c]) * x.d[rb], f[b % 2]);
       }
       out[r][c] = f[0] + f[1];
@@ -922,21 +885,21 @@ void tile_rows(const uint8_t* tile, const uint16_t* scales, const QRows& x, int6
 
 // y [M, n] (float32) = x (float32 rows) times the tiles (plus the mins' terms), tiles split over
 // torch's threads, rows four at a time (five where four would leave one).
-template <bool Centred>
-void tile_run(const float* x, const uint8_t* tiles, const uint16_t* scales, const uint16_t* mins, int64_t k,
-              at::Tensor& y) {
+template <typename Tile, int Offset, typename S>
+void tile_run(const float* x, const uint8_t* tiles, const S* scales, const S* mins, int64_t k, at::Tensor& y) {
   const int64_t m = y.size(0), n = y.size(1), blocks = k / kQBlock, count = (n + kTile - 1) / kTile;
+  const int64_t tile_bytes = blocks * Tile::kBytes;
   thread_local QRows mine;
-  quantize_rows(x, m, k, kQBlock, false, mine);
+  quantize_rows(x, m, k, kQBlock, mine);
   const QRows& xq = mine;   // this thread's, named outside the threads' lambda (each has its own `mine`)
   float* yp = y.data_ptr<float>();
   at::parallel_for(0, count, 1, [&](int64_t t0, int64_t t1) {
-    const uint8_t* fetch_end = tiles + t1 * blocks * kTileBytes;
-    for (const uint8_t* p = tiles + t0 * blocks * kTileBytes; p < std::min(tiles + t0 * blocks * kTileBytes + kFetchAhead, fetch_end); p += 64)
+    const uint8_t* fetch_end = tiles + t1 * tile_bytes;
+    for (const uint8_t* p = tiles + t0 * tile_bytes; p < std::min(tiles + t0 * tile_bytes + kFetchAhead, fetch_end); p += 64)
       prefetch_l2(p);
     for (int64_t t = t0; t < t1; ++t) {
-      const uint8_t* tile = tiles + t * blocks * kTileBytes;
-      const uint16_t* ts = scales + t * blocks * kTile;
+      const uint8_t* tile = tiles + t * tile_bytes;
+      const S* ts = scales + t * blocks * kTile;
       const int64_t width = std::min(kTile, n - t * kTile);
       float out[5][kTile];
       auto emit = [&](int64_t r0, int rows) {
@@ -944,196 +907,177 @@ void tile_run(const float* x, const uint8_t* tiles, const uint16_t* scales, cons
       };
       int64_t r = 0;
       for (; r + 4 <= m && m - r != 5; r += 4) {
-        tile_rows<Centred, 4>(tile, ts, xq, r, k, fetch_end, out);
+        tile_rows<Tile, Offset, S, 4>(tile, ts, xq, r, k, fetch_end, out);
         emit(r, 4);
       }
       switch (m - r) {
-        case 5: tile_rows<Centred, 5>(tile, ts, xq, r, k, fetch_end, out); emit(r, 5); break;
-        case 3: tile_rows<Centred, 3>(tile, ts, xq, r, k, fetch_end, out); emit(r, 3); break;
-        case 2: tile_rows<Centred, 2>(tile, ts, xq, r, k, fetch_end, out); emit(r, 2); break;
-        case 1: tile_rows<Centred, 1>(tile, ts, xq, r, k, fetch_end, out); emit(r, 1); break;
+        case 5: tile_rows<Tile, Offset, S, 5>(tile, ts, xq, r, k, fetch_end, out); emit(r, 5); break;
+        case 3: tile_rows<Tile, Offset, S, 3>(tile, ts, xq, r, k, fetch_end, out); emit(r, 3); break;
+        case 2: tile_rows<Tile, Offset, S, 2>(tile, ts, xq, r, k, fetch_end, out); emit(r, 2); break;
+        case 1: tile_rows<Tile, Offset, S, 1>(tile, ts, xq, r, k, fetch_end, out); emit(r, 1); break;
         default: break;
       }
     }
     if (mins != nullptr) {
-      const IntArgs<uint16_t> a{nullptr, nullptr, mins, &xq, k, n, kQBlock, yp};
+      const IntArgs<S> a{nullptr, nullptr, mins, &xq, k, n, kQBlock, yp};
       add_mins(a, t0 * kTile, std::min(n, t1 * kTile), m);
     }
   });
 }
 
-// tiles [T, K/32, 256] and scales [T, K/32, 16] (q4g_tile's), mins [K/32, n] or none, for n channels.
-int64_t check_tiles(const char* op, const at::Tensor& tiles, const at::Tensor& scales,
+// Tiles [T, K/32, Tile::kBytes] and scales [T, K/32, 16] of n channels from code_of(channel, input)
+// and scale_of(channel, group), the scales' element type that of `like`.
+template <typename Tile, typename CodeOf>
+std::tuple<at::Tensor, at::Tensor> make_tiles(int64_t n, int64_t k, const at::Tensor& scales, CodeOf code_of) {
+  const int64_t blocks = k / kQBlock, tiles = (n + kTile - 1) / kTile;
+  at::Tensor out = at::zeros({tiles, blocks, Tile::kBytes}, scales.options().dtype(at::kByte));
+  at::Tensor out_scales = at::zeros({tiles, blocks, kTile}, scales.options());
+  uint8_t* dst = out.data_ptr<uint8_t>();
+  const int64_t size = scales.element_size();
+  const uint8_t* ssrc = static_cast<const uint8_t*>(scales.const_data_ptr());
+  uint8_t* sdst = static_cast<uint8_t*>(out_scales.data_ptr());
+  at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t ch = t0 * kTile; ch < std::min(n, t1 * kTile); ++ch) {
+      const int64_t t = ch / kTile;
+      const int c = static_cast<int>(ch % kTile);
+      for (int64_t b = 0; b < blocks; ++b) {
+        uint8_t* block = dst + (t * blocks + b) * Tile::kBytes;
+        for (int i = 0; i < 32; ++i) Tile::put(block, c, i, code_of(ch, b * kQBlock + i));
+        std::memcpy(sdst + ((t * blocks + b) * kTile + c) * size, ssrc + (ch * blocks + b) * size, size);
+      }
+    }
+  });
+  return {out, out_scales};
+}
+
+// [N, K/2] GGUF nibbles and [N, K/32] float16 scales -> 4-bit tiles [T, K/32, 256], scales [T, K/32, 16].
+std::tuple<at::Tensor, at::Tensor> q4g_tile(const at::Tensor& nibbles, const at::Tensor& scales) {
+  TORCH_CHECK(nibbles.dim() == 2 && nibbles.is_contiguous() && nibbles.scalar_type() == at::kByte,
+              "q4g_tile: contiguous uint8 nibbles [N, K/2] expected");
+  const int64_t n = nibbles.size(0), k = nibbles.size(1) * 2;
+  TORCH_CHECK(k % kQBlock == 0, "q4g_tile: K must be a multiple of 32, got ", k);
+  check_group_operands("q4g_tile", scales, nullptr, n, k / kQBlock, at::kHalf);
+  const uint8_t* src = nibbles.const_data_ptr<uint8_t>();
+  return make_tiles<NibbleTile>(n, k, scales, [&](int64_t ch, int64_t i) {
+    return gguf_nibble(src + ch * (k / 2) + i / kQBlock * 16, static_cast<int>(i % kQBlock));
+  });
+}
+
+// codes [N, K] (uint8, 0..31) and [N, K/32] scales (float16 or float32) -> 5-bit tiles [T, K/32, 320],
+// scales [T, K/32, 16].
+std::tuple<at::Tensor, at::Tensor> q5g_tile(const at::Tensor& codes, const at::Tensor& scales) {
+  TORCH_CHECK(codes.dim() == 2 && codes.is_contiguous() && codes.scalar_type() == at::kByte,
+              "q5g_tile: contiguous uint8 codes [N, K] expected");
+  const int64_t n = codes.size(0), k = codes.size(1);
+  TORCH_CHECK(k % kQBlock == 0, "q5g_tile: K must be a multiple of 32, got ", k);
+  check_group_operands("q5g_tile", scales, nullptr, n, k / kQBlock,
+                       scales.scalar_type() == at::kHalf ? at::kHalf : at::kFloat);
+  const uint8_t* src = codes.const_data_ptr<uint8_t>();
+  const int64_t count = codes.numel();
+  for (int64_t i = 0; i < count; ++i) TORCH_CHECK(src[i] < 32, "q5g_tile: codes must lie in 0..31, got ", int(src[i]));
+  return make_tiles<FiveBitTile>(n, k, scales, [&](int64_t ch, int64_t i) { return src[ch * k + i]; });
+}
+
+// Checks tiles [T, K/32, bytes], scales [T, K/32, 16] (float16, or float32 where `wide` allows) and
+// mins [K/32, n] of the scales' dtype, for n channels; returns K.
+int64_t check_tiles(const char* op, const at::Tensor& tiles, int64_t bytes, const at::Tensor& scales, bool wide,
                     const std::optional<at::Tensor>& mins, int64_t n) {
-  TORCH_CHECK(tiles.dim() == 3 && tiles.is_contiguous() && tiles.scalar_type() == at::kByte && tiles.size(2) == kTileBytes,
-              op, ": contiguous uint8 tiles [N/16, K/32, 256] (q4g_tile's) expected, got ", tiles.sizes());
+  TORCH_CHECK(tiles.dim() == 3 && tiles.is_contiguous() && tiles.scalar_type() == at::kByte && tiles.size(2) == bytes,
+              op, ": contiguous uint8 tiles [N/16, K/32, ", bytes, "] expected, got ", tiles.sizes());
   TORCH_CHECK(n > (tiles.size(0) - 1) * kTile && n <= tiles.size(0) * kTile, op, ": ", tiles.size(0),
               " tiles hold ", (tiles.size(0) - 1) * kTile + 1, "..", tiles.size(0) * kTile, " channels, not ", n);
-  TORCH_CHECK(scales.scalar_type() == at::kHalf && scales.is_contiguous() && scales.dim() == 3 &&
-              scales.size(0) == tiles.size(0) && scales.size(1) == tiles.size(1) && scales.size(2) == kTile,
-              op, ": contiguous float16 scales [N/16, K/32, 16] expected, got ", scales.scalar_type(), " ", scales.sizes());
+  const bool ok_type = scales.scalar_type() == at::kHalf || (wide && scales.scalar_type() == at::kFloat);
+  TORCH_CHECK(ok_type && scales.is_contiguous() && scales.dim() == 3 && scales.size(0) == tiles.size(0) &&
+                  scales.size(1) == tiles.size(1) && scales.size(2) == kTile,
+              op, ": contiguous ", wide ? "float16 or float32" : "float16", " scales [N/16, K/32, 16] expected, got ",
+              scales.scalar_type(), " ", scales.sizes());
   const int64_t blocks = tiles.size(1);
   if (mins)
-    check_group_operands(op, at::empty({n, blocks}, scales.options().device(at::kMeta)), &*mins, n, blocks, at::kHalf);
+    check_group_operands(op, at::empty({n, blocks}, scales.options().device(at::kMeta)), &*mins, n, blocks,
+                         scales.scalar_type());
   return blocks * kQBlock;
 }
 
-// Without mins the codes are Q4_0's: w = (code - 8) * scale.
-at::Tensor q4g_gemv(const at::Tensor& x, const at::Tensor& tiles, const at::Tensor& scales,
-                    const std::optional<at::Tensor>& mins, int64_t n) {
-  const int64_t k = check_tiles("q4g_gemv", tiles, scales, mins, n);
-  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.size(1) == k, "q4g_gemv: contiguous x [M, ", k, "] expected, got ",
+// y for x against the tiles with scales (and mins) of type S; without mins the codes are centred by Offset.
+template <typename Tile, int Offset, typename S>
+at::Tensor tile_gemv(const char* op, const at::Tensor& x, const at::Tensor& tiles, const at::Tensor& scales,
+                     const std::optional<at::Tensor>& mins, int64_t n, int64_t k) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.size(1) == k, op, ": contiguous x [M, ", k, "] expected, got ",
               x.sizes());
-  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,
-              "q4g_gemv: float32 or bfloat16 x expected, got ", x.scalar_type());
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, op,
+              ": float32 or bfloat16 x expected, got ", x.scalar_type());
   at::Tensor y = at::empty({x.size(0), n}, x.options().dtype(at::kFloat));
   if (x.size(0) == 0) return y.to(x.scalar_type());
   const at::Tensor xf = float_rows(x, false);
   const float* xp = xf.const_data_ptr<float>();
   const uint8_t* wp = tiles.const_data_ptr<uint8_t>();
-  const uint16_t* sp = static_cast<const uint16_t*>(scales.const_data_ptr());
-  if (mins) tile_run<false>(xp, wp, sp, static_cast<const uint16_t*>(mins->const_data_ptr()), k, y);
-  else tile_run<true>(xp, wp, sp, nullptr, k, y);
+  const S* sp = static_cast<const S*>(scales.const_data_ptr());
+  if (mins) tile_run<Tile, 0, S>(xp, wp, sp, static_cast<const S*>(mins->const_data_ptr()), k, y);
+  else tile_run<Tile, Offset, S>(xp, wp, sp, nullptr, k, y);
   return x.scalar_type() == at::kFloat ? y : y.to(x.scalar_type());
 }
 
-at::Tensor q4g_gemv_meta(const at::Tensor& x, const at::Tensor& tiles, const at::Tensor& scales,
-                         const std::optional<at::Tensor>& mins, int64_t n) {
+// Without mins the codes are Q4_0's: w = (code - 8) * scale.
+at::Tensor q4g_gemv(const at::Tensor& x, const at::Tensor& tiles, const at::Tensor& scales,
+                    const std::optional<at::Tensor>& mins, int64_t n) {
+  const int64_t k = check_tiles("q4g_gemv", tiles, NibbleTile::kBytes, scales, false, mins, n);
+  return tile_gemv<NibbleTile, 8, uint16_t>("q4g_gemv", x, tiles, scales, mins, n, k);
+}
+
+// Without mins the codes are Q5_0's: w = (code - 16) * scale.
+at::Tensor q5g_gemv(const at::Tensor& x, const at::Tensor& tiles, const at::Tensor& scales,
+                    const std::optional<at::Tensor>& mins, int64_t n) {
+  const int64_t k = check_tiles("q5g_gemv", tiles, FiveBitTile::kBytes, scales, true, mins, n);
+  if (scales.scalar_type() == at::kHalf) return tile_gemv<FiveBitTile, 16, uint16_t>("q5g_gemv", x, tiles, scales, mins, n, k);
+  return tile_gemv<FiveBitTile, 16, float>("q5g_gemv", x, tiles, scales, mins, n, k);
+}
+
+at::Tensor tile_gemv_meta(const at::Tensor& x, const at::Tensor& tiles, const at::Tensor& scales,
+                          const std::optional<at::Tensor>& mins, int64_t n) {
   return at::empty_symint({x.sym_size(0), c10::SymInt(n)}, x.options());
 }
 
-// W [n, K] in float32 from the tiles (code * scale + min, or (code - 8) * scale written as code *
-// scale - 8 * scale): the weight of a step with more rows than the GEMV serves.
-at::Tensor q4g_dequantize(const at::Tensor& tiles, const at::Tensor& scales, const std::optional<at::Tensor>& mins,
-                          int64_t n) {
-  const int64_t k = check_tiles("q4g_dequantize", tiles, scales, mins, n), blocks = k / kQBlock;
+// W [n, K] in float32 from the tiles (code * scale + min, or (code - Offset) * scale written as
+// code * scale - Offset * scale): the weight of a step with more rows than the GEMV serves.
+template <typename Tile, int Offset, typename S>
+at::Tensor tile_widen(const at::Tensor& tiles, const at::Tensor& scales, const std::optional<at::Tensor>& mins,
+                      int64_t n, int64_t k) {
+  const int64_t blocks = k / kQBlock;
   at::Tensor w = at::empty({n, k}, tiles.options().dtype(at::kFloat));
   const uint8_t* tp = tiles.const_data_ptr<uint8_t>();
-  const uint16_t* sp = static_cast<const uint16_t*>(scales.const_data_ptr());
-  const uint16_t* mp = mins ? static_cast<const uint16_t*>(mins->const_data_ptr()) : nullptr;
+  const S* sp = static_cast<const S*>(scales.const_data_ptr());
+  const S* mp = mins ? static_cast<const S*>(mins->const_data_ptr()) : nullptr;
   float* wp = w.data_ptr<float>();
   at::parallel_for(0, n * blocks, 256, [&](int64_t g0, int64_t g1) {
     for (int64_t g = g0; g < g1; ++g) {
       const int64_t ch = g / blocks, b = g % blocks, t = ch / kTile;
       const int c = static_cast<int>(ch % kTile);
-      const uint8_t* block = tp + (t * blocks + b) * kTileBytes;
+      const uint8_t* block = tp + (t * blocks + b) * Tile::kBytes;
       float* out = wp + g * kQBlock;
       const float scale = scale_value(sp[(t * blocks + b) * kTile + c]);
-      const float min = mp ? scale_value(mp[b * n + ch]) : -8.0f * scale;
-      for (int i = 0; i < 32; ++i) out[i] = static_cast<float>(tile_code(block, c, i)) * scale + min;
+      const float min = mp ? scale_value(mp[b * n + ch]) : -static_cast<float>(Offset) * scale;
+      for (int i = 0; i < 32; ++i) out[i] = static_cast<float>(Tile::code(block, c, i)) * scale + min;
     }
   });
   return w;
 }
 
-at::Tensor q4g_dequantize_meta(const at::Tensor& tiles, const at::Tensor& scales,
-                               const std::optional<at::Tensor>& mins, int64_t n) {
+at::Tensor q4g_dequantize(const at::Tensor& tiles, const at::Tensor& scales, const std::optional<at::Tensor>& mins,
+                          int64_t n) {
+  const int64_t k = check_tiles("q4g_dequantize", tiles, NibbleTile::kBytes, scales, false, mins, n);
+  return tile_widen<NibbleTile, 8, uint16_t>(tiles, scales, mins, n, k);
+}
+
+at::Tensor q5g_dequantize(const at::Tensor& tiles, const at::Tensor& scales, const std::optional<at::Tensor>& mins,
+                          int64_t n) {
+  const int64_t k = check_tiles("q5g_dequantize", tiles, FiveBitTile::kBytes, scales, true, mins, n);
+  if (scales.scalar_type() == at::kHalf) return tile_widen<FiveBitTile, 16, uint16_t>(tiles, scales, mins, n, k);
+  return tile_widen<FiveBitTile, 16, float>(tiles, scales, mins, n, k);
+}
+
+at::Tensor tile_dequantize_meta(const at::Tensor& tiles, const at::Tensor& scales,
+                                const std::optional<at::Tensor>& mins, int64_t n) {
   return at::empty_symint({c10::SymInt(n), tiles.sym_size(1) * kQBlock}, tiles.options().dtype(at::kFloat));
-}
-
-at::Tensor q5g_gemv_meta(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
-                         const std::optional<at::Tensor>& mins) {
-  return at::empty_symint({x.sym_size(0), packed.sym_size(0)}, x.options());
-}
-
-// ---- 5-bit codes (FiveBits): GGUF's Q5_0 / Q5_1 / Q5_K codes in 20 bytes per group of 32, with a
-// scale and min per group (float16 as Q5_0 / Q5_1 store them, or float32: Q5_K's products).
-
-// packed [N, K/32 * 20] from codes [N, K] (uint8, 0..31).
-at::Tensor q5g_pack(const at::Tensor& codes) {
-  TORCH_CHECK(codes.dim() == 2 && codes.is_contiguous() && codes.scalar_type() == at::kByte,
-              "q5g_pack: contiguous uint8 codes [N, K] expected");
-  const int64_t n = codes.size(0), k = codes.size(1), blocks = n * (k / kQBlock);
-  TORCH_CHECK(k % kQBlock == 0, "q5g_pack: K must be a multiple of 32, got ", k);
-  at::Tensor out = at::empty({n, k / kQBlock * FiveBits::kBytes}, codes.options());
-  const uint8_t* c = codes.const_data_ptr<uint8_t>();
-  uint8_t* o = out.data_ptr<uint8_t>();
-  for (int64_t b = 0; b < blocks; ++b) {
-    const uint8_t* cb = c + b * kQBlock;
-    uint8_t* ob = o + b * FiveBits::kBytes;
-    uint32_t high = 0;
-    for (int i = 0; i < 32; ++i) {
-      TORCH_CHECK(cb[i] < 32, "q5g_pack: codes must lie in 0..31, got ", int(cb[i]));
-      high |= static_cast<uint32_t>(cb[i] >> 4) << high_bit_of(i);
-    }
-    for (int i = 0; i < 16; ++i) ob[i] = static_cast<uint8_t>((cb[i] & 15) | (cb[i + 16] & 15) << 4);
-    std::memcpy(ob + 16, &high, 4);
-  }
-  return out;
-}
-
-at::Tensor q5g_pack_meta(const at::Tensor& codes) {
-  return at::empty_symint({codes.sym_size(0), codes.sym_size(1) / kQBlock * FiveBits::kBytes}, codes.options());
-}
-
-// The scales' element type (float16 or float32; mins alike) checked against [N, groups] / [groups, N].
-bool half_scales(const char* op, const at::Tensor& scales, const at::Tensor* mins, int64_t n, int64_t groups) {
-  const bool half = scales.scalar_type() == at::kHalf;
-  check_group_operands(op, scales, mins, n, groups, half ? at::kHalf : at::kFloat);
-  return half;
-}
-
-// y for the 5-bit codes with scales (and mins) of type S; without mins the codes are Q5_0's:
-// w = (code - 16) * scale.
-template <typename S>
-void q5g_run(const float* x, const uint8_t* w, const at::Tensor& scales, const std::optional<at::Tensor>& mins,
-             int64_t k, at::Tensor& y) {
-  const S* sp = static_cast<const S*>(scales.const_data_ptr());
-  if (mins) int_run<FiveBits, 32, S>(x, w, sp, static_cast<const S*>(mins->const_data_ptr()), k, y);
-  else int_run<Centered<FiveBits, 16>, 32, S>(x, w, sp, nullptr, k, y);
-}
-
-at::Tensor q5g_gemv(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
-                    const std::optional<at::Tensor>& mins) {
-  const int64_t m = x.size(0), k = x.size(1), n = packed.size(0);
-  check_rows("q5g_gemv", x, packed, k);
-  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.size(1) == k / kQBlock * FiveBits::kBytes,
-              "q5g_gemv: uint8 packed codes [N, K/32 * 20] expected (q5g_pack)");
-  const bool half = half_scales("q5g_gemv", scales, mins ? &*mins : nullptr, n, k / kQBlock);
-  at::Tensor y = at::empty({m, n}, x.options().dtype(at::kFloat));
-  if (m == 0 || n == 0) return y.to(x.scalar_type());
-  const at::Tensor xf = float_rows(x, false);
-  const float* xp = xf.const_data_ptr<float>();
-  const uint8_t* wp = packed.const_data_ptr<uint8_t>();
-  if (half) q5g_run<uint16_t>(xp, wp, scales, mins, k, y);
-  else q5g_run<float>(xp, wp, scales, mins, k, y);
-  return x.scalar_type() == at::kFloat ? y : y.to(x.scalar_type());
-}
-
-// W [N, K] in float32 (code * scale + min): the weight of a step with more rows than the GEMV serves.
-template <typename S>
-void q5g_widen(const uint8_t* packed, const S* scales, const S* mins, int64_t n, int64_t groups, float* w) {
-  at::parallel_for(0, n * groups, 256, [&](int64_t g0, int64_t g1) {
-    for (int64_t g = g0; g < g1; ++g) {
-      const uint8_t* p = packed + g * FiveBits::kBytes;
-      const float scale = scale_value(scales[g]);
-      const float min = mins ? scale_value(mins[g % groups * n + g / groups]) : -16.0f * scale;
-      for (int i = 0; i < 32; ++i) w[g * kQBlock + i] = static_cast<float>(FiveBits::code(p, i)) * scale + min;
-    }
-  });
-}
-
-at::Tensor q5g_dequantize(const at::Tensor& packed, const at::Tensor& scales, const std::optional<at::Tensor>& mins) {
-  TORCH_CHECK(packed.dim() == 2 && packed.is_contiguous() && packed.scalar_type() == at::kByte &&
-                  packed.size(1) % FiveBits::kBytes == 0,
-              "q5g_dequantize: contiguous uint8 packed codes [N, K/32 * 20] expected");
-  const int64_t n = packed.size(0), groups = packed.size(1) / FiveBits::kBytes;
-  const bool half = half_scales("q5g_dequantize", scales, mins ? &*mins : nullptr, n, groups);
-  at::Tensor w = at::empty({n, groups * kQBlock}, packed.options().dtype(at::kFloat));
-  if (half) {
-    q5g_widen(packed.const_data_ptr<uint8_t>(), static_cast<const uint16_t*>(scales.const_data_ptr()),
-              mins ? static_cast<const uint16_t*>(mins->const_data_ptr()) : nullptr, n, groups, w.data_ptr<float>());
-  } else {
-    q5g_widen(packed.const_data_ptr<uint8_t>(), scales.const_data_ptr<float>(),
-              mins ? mins->const_data_ptr<float>() : nullptr, n, groups, w.data_ptr<float>());
-  }
-  return w;
-}
-
-at::Tensor q5g_dequantize_meta(const at::Tensor& packed, const at::Tensor& scales,
-                               const std::optional<at::Tensor>& mins) {
-  return at::empty_symint({packed.sym_size(0), packed.sym_size(1) / FiveBits::kBytes * kQBlock},
-                          packed.options().dtype(at::kFloat));
 }
 
 template <typename S>
@@ -1237,9 +1181,9 @@ TORCH_LIBRARY(kvserve_cpu, m) {
   m.def("q4g_tile(Tensor nibbles, Tensor scales) -> (Tensor, Tensor)");
   m.def("q4g_gemv(Tensor x, Tensor tiles, Tensor scales, Tensor? mins, int n) -> Tensor");
   m.def("q4g_dequantize(Tensor tiles, Tensor scales, Tensor? mins, int n) -> Tensor");
-  m.def("q5g_gemv(Tensor x, Tensor packed, Tensor scales, Tensor? mins) -> Tensor");
-  m.def("q5g_pack(Tensor codes) -> Tensor");
-  m.def("q5g_dequantize(Tensor packed, Tensor scales, Tensor? mins) -> Tensor");
+  m.def("q5g_tile(Tensor codes, Tensor scales) -> (Tensor, Tensor)");
+  m.def("q5g_gemv(Tensor x, Tensor tiles, Tensor scales, Tensor? mins, int n) -> Tensor");
+  m.def("q5g_dequantize(Tensor tiles, Tensor scales, Tensor? mins, int n) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(kvserve_cpu, CPU, m) {
@@ -1251,8 +1195,8 @@ TORCH_LIBRARY_IMPL(kvserve_cpu, CPU, m) {
   m.impl("q4g_tile", q4g_tile);
   m.impl("q4g_gemv", q4g_gemv);
   m.impl("q4g_dequantize", q4g_dequantize);
+  m.impl("q5g_tile", q5g_tile);
   m.impl("q5g_gemv", q5g_gemv);
-  m.impl("q5g_pack", q5g_pack);
   m.impl("q5g_dequantize", q5g_dequantize);
 }
 
@@ -1264,9 +1208,8 @@ TORCH_LIBRARY_IMPL(kvserve_cpu, Meta, m) {
   m.impl("f16_gemv", f16_gemv_meta);
   m.impl("q8g_gemv", q8g_gemv_meta);
   m.impl("q8g_dequantize", q8g_dequantize_meta);
-  m.impl("q4g_gemv", q4g_gemv_meta);
-  m.impl("q4g_dequantize", q4g_dequantize_meta);
-  m.impl("q5g_gemv", q5g_gemv_meta);
-  m.impl("q5g_pack", q5g_pack_meta);
-  m.impl("q5g_dequantize", q5g_dequantize_meta);
+  m.impl("q4g_gemv", tile_gemv_meta);
+  m.impl("q4g_dequantize", tile_dequantize_meta);
+  m.impl("q5g_gemv", tile_gemv_meta);
+  m.impl("q5g_dequantize", tile_dequantize_meta);
 }

@@ -34,7 +34,6 @@ c10::TypedOperatorHandle<Fn> op(const char* name) {
   return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Fn>();
 }
 
-using Grouped = Tensor(const Tensor&, const Tensor&, const Tensor&, const OptTensor&);
 using Q8g = Tensor(const Tensor&, const Tensor&, const Tensor&, const OptTensor&, int64_t);
 using Half = Tensor(const Tensor&, const Tensor&, bool);
 using Decode = Tensor(const Tensor&, const Tensor&, const Tensor&, Tensor, Tensor, const Tensor&, const Tensor&,
@@ -43,7 +42,7 @@ using Decode = Tensor(const Tensor&, const Tensor&, const Tensor&, Tensor, Tenso
 // The ops, looked up once (their libraries are loaded before a Stack is built).
 struct Ops {
   c10::TypedOperatorHandle<Q8g> q4g = op<Q8g>("kvserve_cpu::q4g_gemv");
-  c10::TypedOperatorHandle<Grouped> q5g = op<Grouped>("kvserve_cpu::q5g_gemv");
+  c10::TypedOperatorHandle<Q8g> q5g = op<Q8g>("kvserve_cpu::q5g_gemv");
   c10::TypedOperatorHandle<Q8g> q8g = op<Q8g>("kvserve_cpu::q8g_gemv");
   c10::TypedOperatorHandle<Half> bf16 = op<Half>("kvserve_cpu::bf16_gemv");
   c10::TypedOperatorHandle<Half> f16 = op<Half>("kvserve_cpu::f16_gemv");
@@ -58,9 +57,9 @@ using Kernel = Tensor (*)(const Ops&, const Linear&, const Tensor&);
 // its kind names (picked once, in add_linear).
 struct Linear {
   Kernel kernel;
-  Tensor a, b;      // q4g: tiles, tile scales; q5g: packed, scales; q8g: codes, scales; 16-bit / float: weight
+  Tensor a, b;      // q4g / q5g: tiles, tile scales; q8g: codes, scales; 16-bit / float: weight
   OptTensor c;      // q4g / q5g / q8g: mins [K/group, N], or none (q4g / q5g: Q4_0's, Q5_0's centred codes)
-  int64_t group;    // q8g's group; q4g's output channels
+  int64_t group;    // q8g's group; q4g's / q5g's output channels
   OptTensor bias;
 
   Tensor operator()(const Ops& ops, const Tensor& x) const {
@@ -71,7 +70,7 @@ struct Linear {
 };
 
 Tensor q4g(const Ops& ops, const Linear& l, const Tensor& x) { return ops.q4g.call(x, l.a, l.b, l.c, l.group); }
-Tensor q5g(const Ops& ops, const Linear& l, const Tensor& x) { return ops.q5g.call(x, l.a, l.b, l.c); }
+Tensor q5g(const Ops& ops, const Linear& l, const Tensor& x) { return ops.q5g.call(x, l.a, l.b, l.c, l.group); }
 Tensor q8g(const Ops& ops, const Linear& l, const Tensor& x) { return ops.q8g.call(x, l.a, l.b, l.c, l.group); }
 Tensor bf16(const Ops& ops, const Linear& l, const Tensor& x) {
   return ops.bf16.call(x.to(at::kBFloat16), l.a, false).to(at::kFloat);
