@@ -42,9 +42,10 @@ def calls(n: int, k: int, m: int) -> dict:
     x = torch.randn(m, k, generator=g)
     xb = x.bfloat16()
     ops = torch.ops.kvserve_cpu
-    return {"q8g g32": lambda: ops.q8g_gemv(x, codes, s32, None, 32),
-            "q8g g32+mins": lambda: ops.q8g_gemv(x, codes, s32, mins, 32),
-            "q8g g16": lambda: ops.q8g_gemv(x, codes, s16, None, 16),
+    t32, t16 = ops.q8g_tile(codes, s32, 32), ops.q8g_tile(codes, s16, 16)   # the layers' tiles
+    return {"q8g g32": lambda: ops.q8g_gemv(x, *t32, None, 32, n),
+            "q8g g32+mins": lambda: ops.q8g_gemv(x, *t32, mins, 32, n),
+            "q8g g16": lambda: ops.q8g_gemv(x, *t16, None, 16, n),
             "int8_gemv": lambda: ops.int8_gemv(x, codes, scale),
             "int8pack_mm": lambda: torch.ops.aten._weight_int8pack_mm(xb, codes, scale),
             "f32 linear": lambda: torch.nn.functional.linear(x, dense)}

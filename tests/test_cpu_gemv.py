@@ -256,7 +256,7 @@ def _invariant_operands(kind: str, n: int, k: int, g: torch.Generator):
     codes = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8)
     scales = torch.rand(n, k // group, generator=g) * 0.01
     mn = -torch.rand(k // group, n, generator=g) * 0.1 if mins else None
-    return lambda x: ops.q8g_gemv(x, codes, scales, mn, group)   # rows independent: no invariant flag
+    return lambda x: _q8g_gemv(x, codes, scales, mn, group)   # rows independent: no invariant flag
 
 
 @pytest.mark.parametrize("kind", ["int8", "bfloat16", "float16", "q8g-32", "q8g-16-mins"])
@@ -285,8 +285,8 @@ def _integer_calls(n: int, k: int, g: torch.Generator) -> dict:
     m16 = -torch.rand(k // 16, n, generator=g) * 0.1
     return {"q4g": lambda x: ops.q4g_gemv(x, *tiled, m4, n),
             "q5g": lambda x: ops.q5g_gemv(x, *tiled5, m5, n),
-            "q8g-32": lambda x: ops.q8g_gemv(x, codes, s32, None, 32),
-            "q8g-16-mins": lambda x: ops.q8g_gemv(x, codes, s16, m16, 16)}
+            "q8g-32": lambda x: _q8g_gemv(x, codes, s32, None, 32),
+            "q8g-16-mins": lambda x: _q8g_gemv(x, codes, s16, m16, 16)}
 
 
 @pytest.mark.parametrize("rows", [1, 5])
@@ -347,6 +347,12 @@ def test_16_bit_gemvs_against_the_float64_product(rows, n, k, dtype):
     assert ((got.double() - exact).abs() / step).max() <= 1.0
 
 
+def _q8g_gemv(x, codes, scales, mins_t, group):
+    """q8g_gemv on codes [N, K] and scales [N, K/group], tiled by q8g_tile for the call."""
+    ops = torch.ops.kvserve_cpu
+    return ops.q8g_gemv(x, *ops.q8g_tile(codes, scales, group), mins_t, group, codes.shape[0])
+
+
 def _q8g_operands(rows: int, n: int, k: int, group: int, mins: bool, dtype: torch.dtype, seed: int):
     """x, codes, scales, mins as the GGUF decoders give them: signed int8 codes (Q8_0's range) without
     mins, unsigned 5-bit codes (Q5_1 / Q5_K) with them."""
@@ -381,11 +387,11 @@ def _check_q8g(rows: int, group: int) -> None:
             for mins in (False, True):
                 x, codes, scales, m = _q8g_operands(rows, n, k, group, mins, dtype, rows * 100 + n + group)
                 m_t = None if m is None else m.t().contiguous()
-                got = torch.ops.kvserve_cpu.q8g_gemv(x, codes, scales, m_t, group)
+                got = _q8g_gemv(x, codes, scales, m_t, group)
                 case = f"{rows}x{k} -> {n}, group {group}, {dtype}, mins {mins}"
                 assert got.dtype == dtype and got.shape == (rows, n), case
                 if dtype == torch.bfloat16:
-                    wide = torch.ops.kvserve_cpu.q8g_gemv(x.float(), codes, scales, m_t, group)
+                    wide = _q8g_gemv(x.float(), codes, scales, m_t, group)
                     assert torch.equal(got, wide.bfloat16()), case
                     continue
                 want = _q8g_float64(int16_rows(x), codes, scales, m, group)
@@ -410,11 +416,11 @@ def test_q8g_gemv_in_a_compiled_graph_gives_eager_results():
     assert cpu.available()
     x, codes, scales, mins = _q8g_operands(3, 48, 128, 32, True, torch.float32, 7)
     mins = mins.t().contiguous()
-    scales16 = torch.rand(48, 128 // 16)
+    ops = torch.ops.kvserve_cpu
+    tiled32, tiled16 = ops.q8g_tile(codes, scales, 32), ops.q8g_tile(codes, torch.rand(48, 128 // 16), 16)
 
     def f(x):
-        return torch.ops.kvserve_cpu.q8g_gemv(x, codes, scales, mins, 32) + \
-            torch.ops.kvserve_cpu.q8g_gemv(x, codes, scales16, None, 16)
+        return ops.q8g_gemv(x, *tiled32, mins, 32, 48) + ops.q8g_gemv(x, *tiled16, None, 16, 48)
 
     torch._dynamo.reset()
     compiled = torch.compile(f, fullgraph=True)
@@ -475,7 +481,7 @@ def test_zero_rows_give_an_empty_result():
     assert torch.ops.kvserve_cpu.int8_gemv(torch.randn(0, 64), w, torch.ones(32, dtype=torch.bfloat16)).shape == (0, 32)
     assert torch.ops.kvserve_cpu.bf16_gemv(torch.randn(0, 64).bfloat16(), w.bfloat16()).shape == (0, 32)
     for x in (torch.randn(0, 64), torch.randn(0, 64).bfloat16()):
-        y = torch.ops.kvserve_cpu.q8g_gemv(x, w, torch.ones(32, 2), torch.ones(2, 32), 32)
+        y = _q8g_gemv(x, w, torch.ones(32, 2), torch.ones(2, 32), 32)
         assert y.shape == (0, 32) and y.dtype == x.dtype
         tiled = torch.ops.kvserve_cpu.q4g_tile(w.view(torch.uint8)[:, :32].contiguous(), torch.ones(32, 2).half())
         y = torch.ops.kvserve_cpu.q4g_gemv(x, *tiled, torch.ones(2, 32).half(), 32)
@@ -489,12 +495,14 @@ def _q4g(x=None, tiles=None, scales=None, mins=None, n=32):
                                           good_scales if scales is None else scales, mins, n)
 
 
-def _q8g(x=None, codes=None, scales=None, mins=None, group=32, k=64):
-    """q8g_gemv on valid operands of width k (32 channels) but for the one given."""
+def _q8g(x=None, codes=None, scales=None, mins=None, group=32, k=64, n=32):
+    """q8g_gemv on valid operands of width k (32 channels) but for the one given (codes and scales
+    through q8g_tile)."""
     x = torch.randn(1, k) if x is None else x
     codes = torch.zeros(32, k, dtype=torch.int8) if codes is None else codes
     scales = torch.ones(32, k // 32) if scales is None else scales
-    return torch.ops.kvserve_cpu.q8g_gemv(x, codes, scales, mins, group)
+    ops = torch.ops.kvserve_cpu
+    return ops.q8g_gemv(x, *ops.q8g_tile(codes, scales, 32 if group not in (16, 32) else group), mins, group, n)
 
 
 @pytest.mark.parametrize("call,message", [
@@ -513,6 +521,8 @@ def _q8g(x=None, codes=None, scales=None, mins=None, group=32, k=64):
     (lambda: _q8g(group=64), "group must be 16 or 32, got 64"),
     (lambda: _q8g(k=48), "K must be a multiple of 32"),
     (lambda: _q8g(codes=torch.zeros(32, 64)), r"int8 codes \[N, K\] expected, got Float"),
+    (lambda: _q8g(n=33), "2 tiles hold 17..32 channels, not 33"),
+    (lambda: _q8g(x=torch.randn(1, 96)), r"contiguous x \[M, 64\] expected"),
     (lambda: _q8g(x=torch.randn(1, 64).half()), "float32 or bfloat16 x expected, got Half"),
     (lambda: _q8g(scales=torch.ones(2, 32)), r"Float scales \[N, K/group\] = \[32, 2\] expected, got Float \[2, 32\]"),
     (lambda: _q8g(mins=torch.ones(2, 32).bfloat16()), r"Float mins \[K/group, N\] = \[2, 32\] expected, got BFloat16"),

@@ -173,7 +173,7 @@ def test_the_int8_group_linear_computes_x_w_t_at_every_row_count(kind, rows):
     w = groups.dequantize()
     layer = Int8GroupLinear(groups, bias)
     assert layer.gemv == q8g_kernel(torch.device("cpu"))
-    assert layer.scales.dtype == groups.scales.dtype   # float16 as Q8_0 and Q5_1 store them
+    assert layer.tile_scales.dtype == groups.scales.dtype   # float16 as Q8_0 and Q5_1 store them
     wide = 1e-5 if rows <= 16 or not layer.bf16_units else 2 ** -7
     _close_to_float64(layer(x) - bias, x, w, wide, int16=rows <= 16)
     head = Int8GroupLinear(groups, bias, copies=False)        # 17+ rows: 16 at a time on the GEMV
@@ -201,15 +201,20 @@ def test_the_int8_group_weight_widens_in_cpp_as_gguf_dequantizes(kind):
     want = (product + low).view(n, k)
     size = (product.abs() + abs(low)).view(n, k)   # a rounding of either part is relative to it
     for dtype, tol in ((torch.float32, 2 ** -23), (torch.bfloat16, 2 ** -8)):
-        got = torch.ops.kvserve_cpu.q8g_dequantize(layer.codes, layer.scales, layer.mins_t, layer.group, dtype)
+        got = torch.ops.kvserve_cpu.q8g_dequantize(layer.tiles, layer.tile_scales, layer.mins_t, layer.group, n, dtype)
         assert got.dtype == dtype and got.shape == want.shape
         assert ((got.double() - want).abs() <= tol * size).all(), kind
     with pytest.raises(RuntimeError, match="float32 or bfloat16 out"):
-        torch.ops.kvserve_cpu.q8g_dequantize(layer.codes, layer.scales, layer.mins_t, layer.group, torch.float16)
+        torch.ops.kvserve_cpu.q8g_dequantize(layer.tiles, layer.tile_scales, layer.mins_t, layer.group, n, torch.float16)
+
+
+def _q8g_gemv(x, codes, scales, mins_t, group):
+    ops = torch.ops.kvserve_cpu
+    return ops.q8g_gemv(x, *ops.q8g_tile(codes, scales, group), mins_t, group, codes.shape[0])
 
 
 def test_the_int8_group_gemv_matches_its_torch_formula():
-    from kvserve.model.quant import _q8g_gemv, _q8g_torch, q8g_kernel
+    from kvserve.model.quant import _q8g_torch, q8g_kernel
     assert q8g_kernel(torch.device("cpu"))   # the C++ GEMVs build wherever the suite runs (test_cpu_gemv)
     for kind in ("q8_0", "q5_1", "q6_k"):
         g = _groups(kind, n=40, k=512, seed=2)
@@ -224,13 +229,19 @@ def test_the_int8_group_gemv_matches_its_torch_formula():
 
 
 def test_a_group_embedding_widens_only_the_rows_it_reads_and_a_tied_head_reads_the_same_codes():
-    from kvserve.model.quant import GroupEmbedding, Int8GroupLinear
+    """The table in the GEMV's tiles (and, where no GEMV runs a head, as plain codes): a lookup gives
+    the dequantized rows; the tied head multiplies by the embedding's own tiles (no copy), x W^T."""
+    from kvserve.model.quant import GroupEmbedding, TiledEmbedding, group_embedding
     groups = _groups("q5_1", n=100, k=64)
-    emb = GroupEmbedding(groups)
     ids = torch.tensor([[3, 97], [0, 3]])
+    emb = group_embedding(groups, torch.device("cpu"))
+    assert isinstance(emb, TiledEmbedding)
     assert torch.equal(emb(ids), groups.dequantize()[ids])
-    head = Int8GroupLinear(emb.groups(), copies=False)
-    assert head.codes.data_ptr() == emb.codes.data_ptr()
+    assert torch.equal(GroupEmbedding(groups)(ids), emb(ids))
+    head = emb.tied_head(None)
+    assert head.tiles is emb.tiles and head.tile_scales is emb.tile_scales
+    x = torch.randn(3, 64)
+    _close_to_float64(head(x), x, groups.dequantize(), 1e-5, int16=True)
     head.add_bf16_copy()
     assert head.bf16_t is None
 
@@ -433,7 +444,7 @@ def test_a_mixed_format_model_gives_the_float32_dequantized_models_logits(mixed_
     assert mlp0.gate_up.quant is None and mlp0.gate_proj.fmt == "int4"
     assert isinstance(mlp0.up_proj, Int5GroupLinear) and mlp0.down_proj.group == 16   # Q5_0 alone: 5 bits
     assert isinstance(model.model.layers[1].self_attn.o_proj, Int5GroupLinear)        # Q5_1
-    assert isinstance(model.lm_head, Int8GroupLinear) and model.lm_head.codes is model.model.embed_tokens.codes
+    assert isinstance(model.lm_head, Int8GroupLinear) and model.lm_head.tiles is model.model.embed_tokens.tiles
     assert not any(p.dtype == torch.float32 and p.dim() == 2 for p in model.parameters())
     _, weights = load_gguf(mixed_gguf)
     for i, layer in enumerate(model.model.layers):     # the oracle's int4 weights: as the int4 layers hold them

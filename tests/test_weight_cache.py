@@ -78,7 +78,7 @@ def test_a_second_build_maps_the_cache_back_bit_identical(mixed_gguf, fresh, cap
         second = build(mixed_gguf)
     assert "bf16" not in phases(caplog) and "build" not in phases(caplog)   # nothing rebuilt
     assert_same_build(model, second)
-    assert second.lm_head.codes.data_ptr() == second.model.embed_tokens.codes.data_ptr()   # still shared
+    assert second.lm_head.tiles.data_ptr() == second.model.embed_tokens.tiles.data_ptr()   # still shared
     assert torch.equal(_logits(second, ids), want)
     assert torch.equal(_logits(second, ids[:5]), _logits(model, ids[:5]))
 
@@ -118,11 +118,13 @@ def test_the_key_changes_with_the_config_torch_cpu_sources_and_file_and_not_othe
     assert weight_cache.cache_key(**fields) != key
     monkeypatch.undo()
     sources = tmp_path / "src"
-    shutil.copytree(weight_cache.SOURCES, sources, ignore=shutil.ignore_patterns("__pycache__", "cpu"))
+    shutil.copytree(weight_cache.SOURCES, sources, ignore=shutil.ignore_patterns("__pycache__", "native", "*.so"))
     monkeypatch.setattr(weight_cache, "SOURCES", sources)
     assert weight_cache.cache_key(**fields) == key
-    (sources / "quant.py").write_text((sources / "quant.py").read_text() + "\n# changed\n")
-    assert weight_cache.cache_key(**fields) != key
+    for changed in ("quant.py", "cpu/gemv.cpp"):   # the layers, the C++ that tiles their codes
+        (sources / changed).write_text((sources / changed).read_text() + "\n// changed\n")
+        assert weight_cache.cache_key(**fields) != key, changed
+        key = weight_cache.cache_key(**fields)
     copy = tmp_path / "copy.gguf"
     shutil.copyfile(mixed_gguf, copy)
     assert weight_cache.cache_file(str(copy), key) != weight_cache.cache_file(mixed_gguf, key)

@@ -572,8 +572,7 @@ class Int4GroupLinear(PackedGroupLinear):
     gemv_kernel = q4g_gemv
 
     def native_form(self, rows):
-        form = ("q4g", (self.tiles, self.tile_scales, self.mins), self.out_features)
-        return form if self.runs(type(self).gemv_kernel, rows) else None
+        return ("q4g", (self.tiles, self.tile_scales, self.mins), 0) if self.runs(type(self).gemv_kernel, rows) else None
 
 
 TILE = 16   # output channels a q4g tile holds
@@ -632,7 +631,9 @@ def make_linear(weight: torch.Tensor | Int4Groups | Int8Groups, bias: torch.Tens
     if fmt == "int8g" and copies and five_bit_layer(weight, device or weight.codes.device):
         return Int5GroupLinear(weight, bias, device)
     if fmt == "int8g":
-        return Int8GroupLinear(weight, bias, copies, device)
+        device = device or weight.codes.device
+        tiled = q8g_kernel(device) and weight.codes.shape[1] % GROUP_SIZE == 0
+        return (Int8GroupLinear if tiled else Int8CodesLinear)(weight, bias, copies, device)
     raise ValueError(f"weight format must be one of {WEIGHT_FORMATS}, got {fmt!r}")
 
 
@@ -640,10 +641,12 @@ class Int8GroupLinear(KeptLinear):
     """W as int8 codes in groups along the input channels, a scale per group (and a minimum where the
     GGUF type has one), float16 where the file stores them so (Q8_0 / Q5_0 / Q5_1), else float32:
     GGUF's Q8_0 / Q5_0 / Q5_1 / Q5_K (groups of 32) and Q6_K (16), held exactly (gguf_blocks.py).
+    Where kvserve's C++ GEMV runs it (CPU, in_features a multiple of 32) the codes and scales are kept
+    in tiles of 16 output channels (`q8g_tile`: per tile and block of 32 inputs 512 bytes, a pair of
+    inputs' codes for the sixteen channels in 32 bytes), elsewhere as [N, K] codes (Int8CodesLinear).
     - up to SMALL_ROWS rows (float32 or bfloat16 activations): kvserve's C++ GEMV `q8g_gemv` on CPU
       (the rows quantized to int16 per block of 32 and multiplied in integers, as `q4g_gemv`: a row's
-      result does not depend on the rows beside it; in_features a multiple of 32), else the same
-      formula in torch;
+      result does not depend on the rows beside it), else the same formula in torch;
     - more rows: one bfloat16 GEMM on the bfloat16 copy when the engine keeps one (add_bf16_copy),
       else the weight widened to float32 (the activations' dtype off the CPU) inside the matmul,
       WIDE_CHUNK weights at a time.
@@ -653,19 +656,28 @@ class Int8GroupLinear(KeptLinear):
     fmt = "int8g"
 
     def __init__(self, groups: Int8Groups, bias: torch.Tensor | None = None, copies: bool = True,
-                 device: torch.device | None = None):
-        """`device`: where the layer runs, default the codes'."""
+                 device: torch.device | None = None, tiles: tuple[torch.Tensor, torch.Tensor] | None = None):
+        """`device`: where the layer runs, default the codes'; `tiles`: the codes and scales already in
+        tiles (a tied head's, the embedding's own), `groups` then giving the shape, group and mins."""
         super().__init__()
         self.copies = copies
         self._setup(groups.codes.shape, bias, device or groups.codes.device)
         self.group = groups.group
-        self.register_buffer("codes", groups.codes.contiguous())
         scales = scale_tensor(groups.scales)
-        self.register_buffer("scales", scales.contiguous())
+        if tiles is None:
+            tiles = q8g_tiles(groups.codes.contiguous(), scales.contiguous(), self.group)
+        self._store(*tiles)
         # [K/G, N], the scales' dtype: the GEMV sums eight channels' mins at once
         self.register_buffer("mins_t", None if groups.mins is None else groups.mins.to(scales.dtype).t().contiguous())
-        self.gemv = q8g_kernel(self.device) and self.in_features % GROUP_SIZE == 0
-        self.pick_kernels()
+        self.use_gemv(True)
+
+    def _store(self, tiles: torch.Tensor, tile_scales: torch.Tensor) -> None:
+        self.register_buffer("tiles", tiles)
+        self.register_buffer("tile_scales", tile_scales)
+
+    def codes_scales(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The codes [N, K] (int8) and scales [N, K/G], read back from the tiles."""
+        return tile_rows(self.tiles, self.tile_scales, torch.arange(self.out_features))
 
     @property
     def mins(self) -> torch.Tensor | None:
@@ -673,7 +685,7 @@ class Int8GroupLinear(KeptLinear):
         return None if self.mins_t is None else self.mins_t.t()
 
     def use_gemv(self, on: bool) -> None:
-        self.gemv = on and q8g_kernel(self.device) and self.in_features % GROUP_SIZE == 0
+        self.gemv = on and q8g_kernel(self.device)
         self.pick_kernels()
 
     @property
@@ -691,34 +703,38 @@ class Int8GroupLinear(KeptLinear):
         return kernel_table((SMALL_ROWS, few), (None, many))
 
     def groups(self) -> Int8Groups:
-        return Int8Groups(self.codes, self.scales, self.mins, self.group)
+        return Int8Groups(*self.codes_scales(), self.mins, self.group)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         return self.groups().dequantize(dtype)
 
+    def _gemv(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.kvserve_cpu.q8g_gemv(x.contiguous(), self.tiles, self.tile_scales, self.mins_t, self.group,
+                                              self.out_features)
+
     def q8g_gemv(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype not in GEMV_DTYPES:
             return self.kernels[-1][1](self, x)   # the many-row kernel
-        return _q8g_gemv(x.contiguous(), self.codes, self.scales, self.mins_t, self.group)
+        return self._gemv(x)
 
     def invariant_gemv(self):
         return Int8GroupLinear.q8g_gemv if self.gemv else None   # its rows are independent already
 
     def native_form(self, rows):
         fits = self.runs(Int8GroupLinear.q8g_gemv, rows)
-        return ("q8g", (self.codes, self.scales, self.mins_t), self.group) if fits else None
+        return ("q8g", (self.tiles, self.tile_scales, self.mins_t), self.group) if fits else None
 
     def q8g_torch(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype not in GEMV_DTYPES:
             return self.kernels[-1][1](self, x)   # the many-row kernel
-        return _q8g_torch(x.contiguous(), self.codes, self.scales, self.mins, self.group)
+        codes, scales = self.codes_scales()
+        return _q8g_torch(x.contiguous(), codes, scales, self.mins, self.group)
 
     def gemv_chunks(self, x: torch.Tensor) -> torch.Tensor:
         """SMALL_ROWS rows at a time on the GEMV (eager callers only: the chunk count follows the rows)."""
         if x.dtype not in GEMV_DTYPES:
             return self.widened(x)
-        return torch.cat([_q8g_gemv(part.contiguous(), self.codes, self.scales, self.mins_t, self.group)
-                          for part in x.split(SMALL_ROWS)])
+        return torch.cat([self._gemv(part) for part in x.split(SMALL_ROWS)])
 
     def widened(self, x: torch.Tensor) -> torch.Tensor:
         """The weight widened for the call: to bfloat16 on a CPU with bfloat16 units (as the bfloat16
@@ -726,23 +742,67 @@ class Int8GroupLinear(KeptLinear):
         activations' dtype elsewhere (a chunk at a time where the C++ op does not widen it)."""
         wide = x.dtype if x.device.type != "cpu" else torch.bfloat16 if self.bf16_units else torch.float32
         if self.gemv:
-            w = torch.ops.kvserve_cpu.q8g_dequantize(self.codes, self.scales, self.mins_t, self.group, wide)
+            w = torch.ops.kvserve_cpu.q8g_dequantize(self.tiles, self.tile_scales, self.mins_t, self.group,
+                                                     self.out_features, wide)
             return F.linear(x.to(wide), w).to(x.dtype)
         return torch.cat([F.linear(x.to(wide), w) for w in self._widened(wide)], dim=-1).to(x.dtype)
 
     def _widened(self, dtype: torch.dtype):
         """The weight in row chunks of about WIDE_CHUNK values, each [rows, in] in `dtype`."""
         step = max(1, WIDE_CHUNK // self.in_features)
+        codes, scales = self.codes_scales()
         for start in range(0, self.out_features, step):
             rows = slice(start, start + step)
             mins = None if self.mins is None else self.mins[rows]
-            yield affine(self.codes[rows], self.scales[rows], mins, self.group).to(dtype)
+            yield affine(codes[rows], scales[rows], mins, self.group).to(dtype)
 
     def add_bf16_copy(self) -> None:
         """Keep W^T [K, N] in bfloat16 (widened a chunk at a time) for steps of more than SMALL_ROWS rows."""
         if self.bf16_t is None and self.copies:
             self.bf16_t = torch.cat([w.t() for w in self._widened(torch.bfloat16)], dim=1).contiguous()
             self.pick_kernels()
+
+
+class Int8CodesLinear(Int8GroupLinear):
+    """Int8GroupLinear where kvserve's C++ GEMV does not run it (another device, no C++ build, or
+    in_features not a multiple of 32): the codes [N, K] and scales [N, K/G] as GGUF's blocks give them,
+    every step on torch's formula or the widened weight."""
+
+    def __init__(self, groups: Int8Groups, bias: torch.Tensor | None = None, copies: bool = True,
+                 device: torch.device | None = None):
+        codes, scales = groups.codes.contiguous(), scale_tensor(groups.scales).contiguous()
+        super().__init__(groups, bias, copies, device, tiles=(codes, scales))
+
+    def _store(self, codes: torch.Tensor, scales: torch.Tensor) -> None:
+        self.register_buffer("codes", codes)
+        self.register_buffer("scales", scales)
+
+    def codes_scales(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.codes, self.scales
+
+    def use_gemv(self, on: bool) -> None:
+        self.gemv = False
+        self.pick_kernels()
+
+
+def tile_rows(tiles: torch.Tensor, tile_scales: torch.Tensor, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows `rows` of the int8 codes [len, K] and scales [len, K/G] held in q8g tiles."""
+    t, blocks = tiles.shape[:2]
+    pairs = tiles.view(torch.int8).view(t, blocks, 16, TILE, 2)   # [tile, block, pair, channel, input % 2]
+    tile, lane = rows // TILE, rows % TILE
+    codes = pairs[tile, :, :, lane, :].reshape(len(rows), blocks * GROUP_SIZE)
+    return codes, tile_scales[tile, :, lane]
+
+
+def q8g_tiles(codes: torch.Tensor, scales: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """int8 codes [N, K] and scales [N, K/group] as q8g_gemv's tiles and tile scales; on the meta device
+    (a weight-cache build) only the shapes."""
+    n, k = codes.shape
+    if codes.is_meta:
+        t = -(-n // TILE)
+        return (torch.empty((t, k // GROUP_SIZE, Q8G_TILE_BYTES), dtype=torch.uint8, device="meta"),
+                torch.empty((t, k // group, TILE), dtype=scales.dtype, device="meta"))
+    return torch.ops.kvserve_cpu.q8g_tile(codes, scales, group)
 
 
 class Int5GroupLinear(PackedGroupLinear):
@@ -785,12 +845,13 @@ class Int5GroupLinear(PackedGroupLinear):
     gemv_kernel = q5g_gemv
 
     def native_form(self, rows):
-        form = ("q5g", (self.tiles, self.tile_scales, self.mins_t), self.out_features)
+        form = ("q5g", (self.tiles, self.tile_scales, self.mins_t), 0)
         return form if self.runs(type(self).gemv_kernel, rows) else None
 
 
 FIVE_BITS = 5
 Q5G_TILE_BYTES = 320   # a tile's 16 channels' 5-bit codes for a group of 32 inputs (gemv.cpp's FiveBitTile)
+Q8G_TILE_BYTES = 512   # a tile's 16 channels' int8 codes for a block of 32 inputs (gemv.cpp's ByteTile)
 
 
 def five_bit_layer(groups: Int8Groups, device: torch.device) -> bool:
@@ -876,10 +937,6 @@ def scale_tensor(scales: torch.Tensor) -> torch.Tensor:
     return scales if scales.dtype == torch.float16 else scales.float()
 
 
-def _q8g_gemv(x, codes, scales, mins_t, group):
-    return torch.ops.kvserve_cpu.q8g_gemv(x, codes, scales, mins_t, group)
-
-
 def _q8g_torch(x, codes, scales, mins, group):
     """q8g_gemv's formula in torch: y = sum_g scale * dot(x_g, code_g) + min * sum(x_g), float32 sums."""
     m, k = x.shape
@@ -912,25 +969,64 @@ def q8g_kernel(device: torch.device) -> bool:
 
 class GroupEmbedding(nn.Module):
     """An embedding table kept as int8 groups (a GGUF's quantized token_embd): a lookup widens
-    only the rows it reads, to `dtype`; a tied LM head reads the same codes."""
+    only the rows it reads, to `dtype`; a tied LM head (`tied_head`) reads the same codes."""
 
     def __init__(self, groups: Int8Groups, dtype: torch.dtype = torch.float32):
         super().__init__()
         self.num_embeddings, self.embedding_dim = groups.codes.shape
         self.group, self.dtype = groups.group, dtype
-        self.register_buffer("codes", groups.codes.contiguous())
         scales = scale_tensor(groups.scales)
-        self.register_buffer("scales", scales.contiguous())
+        self._store(groups.codes.contiguous(), scales.contiguous())
         self.register_buffer("mins", None if groups.mins is None else groups.mins.to(scales.dtype).contiguous())
 
+    def _store(self, codes: torch.Tensor, scales: torch.Tensor) -> None:
+        self.register_buffer("codes", codes)
+        self.register_buffer("scales", scales)
+
+    def rows(self, flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The codes and scales of token ids `flat`."""
+        return self.codes[flat], self.scales[flat]
+
     def groups(self) -> Int8Groups:
-        return Int8Groups(self.codes, self.scales, self.mins, self.group)
+        return Int8Groups(*self.rows(torch.arange(self.num_embeddings)), self.mins, self.group)
+
+    def tied_head(self, device: torch.device | None) -> KeptLinear:
+        """The LM head over this table's codes (no copy)."""
+        return make_linear(self.groups(), None, "int8g", device=device, copies=False)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         flat = ids.reshape(-1)
         mins = None if self.mins is None else self.mins[flat]
-        rows = affine(self.codes[flat], self.scales[flat], mins, self.group)
+        rows = affine(*self.rows(flat), mins, self.group)
         return rows.to(self.dtype).view(*ids.shape, self.embedding_dim)
+
+
+class TiledEmbedding(GroupEmbedding):
+    """A GroupEmbedding whose codes and scales sit in q8g_gemv's tiles (where the C++ GEMV runs the
+    tied LM head): a lookup gathers its rows from them, the head multiplies by them in place."""
+
+    def _store(self, codes: torch.Tensor, scales: torch.Tensor) -> None:
+        tiles, tile_scales = q8g_tiles(codes, scales, self.group)
+        self.register_buffer("tiles", tiles)
+        self.register_buffer("tile_scales", tile_scales)
+
+    def rows(self, flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return tile_rows(self.tiles, self.tile_scales, flat)
+
+    def groups(self) -> Int8Groups:
+        shape = (self.num_embeddings, self.embedding_dim)   # the head's shape: its codes are the tiles
+        return Int8Groups(torch.empty(shape, dtype=torch.int8, device="meta"),
+                          torch.empty(0, dtype=self.tile_scales.dtype, device="meta"), self.mins, self.group)
+
+    def tied_head(self, device: torch.device | None) -> KeptLinear:
+        return Int8GroupLinear(self.groups(), None, copies=False, device=device or self.tiles.device,
+                               tiles=(self.tiles, self.tile_scales))
+
+
+def group_embedding(groups: Int8Groups, device: torch.device) -> GroupEmbedding:
+    """The embedding for a quantized table on `device`: tiled where the C++ GEMV runs a head over it."""
+    tiled = q8g_kernel(device) and groups.codes.shape[1] % GROUP_SIZE == 0
+    return (TiledEmbedding if tiled else GroupEmbedding)(groups)
 
     def extra_repr(self) -> str:
         return f"{self.num_embeddings}, {self.embedding_dim}, int8 groups of {self.group}"
@@ -1006,7 +1102,8 @@ def keep_formats(model: nn.Module, kept: dict[str, KeptTensor], device: torch.de
     if isinstance(table, torch.Tensor):
         model.model.embed_tokens.weight = nn.Parameter(table, requires_grad=False)
     else:
-        model.model.embed_tokens = GroupEmbedding(table.as_int8() if isinstance(table, Int4Groups) else table)
+        table = table.as_int8() if isinstance(table, Int4Groups) else table
+        model.model.embed_tokens = group_embedding(table, device or table.codes.device)
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if isinstance(child, nn.Linear) and child.weight is old:     # a tied LM head
@@ -1034,7 +1131,7 @@ def _keep_group(module: nn.Module, group, members: list[KeptTensor], device: tor
 def _tied_head(head: nn.Linear, embed: nn.Module, device: torch.device | None) -> nn.Module:
     """The LM head over the embedding's own weight: its codes (no copy), or its float tensor."""
     if isinstance(embed, GroupEmbedding):
-        return make_linear(embed.groups(), None, "int8g", device=device, copies=False)
+        return embed.tied_head(device)
     head.weight = embed.weight
     return head
 

@@ -26,13 +26,15 @@ log = logging.getLogger("kvserve")
 
 FORMAT_VERSION = "2"
 SOURCES = Path(__file__).parent   # kvserve/model: the code that decides every layout and layer
+# the files whose code lays out the kept tensors: the layers, and the C++ ops that tile their codes
+LAYOUT_SOURCES = ("*.py", "cpu/*.cpp")
 
 
 def cache_key(**fields) -> str:
     """A digest of `fields` (the weight format config, dtype, device), the torch version and its CPU
-    capability (its int4 pack layout), the CPU flags and the sources under kvserve/model."""
+    capability (its int4 pack layout), the CPU flags and the sources that lay the tensors out."""
     sources = hashlib.sha256()
-    for file in sorted(SOURCES.glob("*.py")):
+    for file in sorted(f for pattern in LAYOUT_SOURCES for f in SOURCES.glob(pattern)):
         sources.update(file.read_bytes())
     text = json.dumps({"version": FORMAT_VERSION, "torch": torch.__version__, "cpu": cpu_flags(),
                        "capability": torch.backends.cpu.get_cpu_capability(),

@@ -5,12 +5,14 @@
 //     (_weight_int8pack_mm) rounds: x and the scale in bfloat16, sums in float32, the result
 //     rounded to bfloat16.
 //   bf16_gemv(x [M, K] bfloat16, w [N, K] bfloat16) -> [M, N] bfloat16, sums in float32.
-//   q8g_gemv(x [M, K] float32|bfloat16, codes [N, K] int8, scales [N, K/group] float32 or float16,
-//            mins [K/group, N] of the scales' dtype or None, group 16|32) -> [M, N] in x's dtype:
+//   q8g_tile(codes [N, K] int8, scales [N, K/group] float32 or float16, group 16|32) -> (tiles
+//            [ceil(N/16), K/32, 512] uint8, tile scales [ceil(N/16), K/group, 16]): byte codes in tiles.
+//   q8g_gemv(x [M, K] float32|bfloat16, tiles, tile scales, mins [K/group, N] of the scales' dtype
+//            or None, group, int N) -> [M, N] in x's dtype:
 //     y[m, n] = sum over groups g of scales[n, g] * sum_{k in g} x[m, k] codes[n, k]
 //               + mins[g, n] * sum_{k in g} x[m, k]
 //     (a GGUF block's codes as the format stores them: Q8_0, Q5_0, Q6_K signed, Q5_1 / Q5_K
-//     unsigned with mins).
+//     unsigned with mins); q8g_dequantize(tiles, tile scales, mins, group, N, dtype) -> W [N, K].
 //   q4g_tile(nibbles [N, K/2] uint8 in GGUF's nibble order, scales [N, K/32] float16) -> (tiles
 //            [ceil(N/16), K/32, 256] uint8, tile scales [ceil(N/16), K/32, 16] float16): 4-bit codes
 //     re-laid in tiles of 16 output channels (see "Codes in tiles" below).
@@ -371,20 +373,17 @@ at::Tensor f16_gemv_meta(const at::Tensor& x, const at::Tensor& w, bool invarian
 }
 
 
-// ---- Integer products of GGUF block codes: q4g (4-bit codes in GGUF's own order: per output
-// channel and group of 32 inputs, 16 bytes, input i's code in byte i's low nibble and input 16 +
-// i's in its high nibble; a float16 scale and min per group: Q4_0 / Q4_1 as the file stores them,
-// Q4_K's sub-blocks) and q8g (int8 codes [N, K] as GGUF's Q8_0 / Q5_0 / Q6_K store them, signed,
-// or Q5_1 / Q5_K's unsigned ones with mins; a float32 scale, and min, per group of 16 or 32).
-// w = code * scale + min. The rows of x are quantized to int16 per block of 32 first (d = max|x| /
+// ---- Integer products of GGUF block codes: q4g (4-bit: Q4_0 / Q4_1 / Q4_K), q5g (5-bit: Q5_0 / Q5_1
+// / Q5_K) and q8g (int8 codes as GGUF's Q8_0 / Q6_K store them, signed, or Q5_1 / Q5_K's unsigned
+// ones with mins where a fused group widens them), a float16 or float32 scale and min per group of
+// 16 or 32, the codes in tiles of 16 output channels (below). w = code * scale + min. The rows of x are quantized to int16 per block of 32 first (d = max|x| /
 // 32767, q = round(x / d): llama.cpp's Q8_1 with 16-bit codes, an error of at most 1/65534 of the
 // block's largest value, where bfloat16 rounds at 1/512 of each value), so a group's product is an
 // integer dot product (exact): y = sum_g scale_g * d * dot(code_g, q_g) + min_g * s_g, s_g = d *
 // sum(q_g). Mins are laid out [groups, N]: their term runs for eight channels in a vector's lanes.
-// Every row is computed alone (its float sums run in one order whatever the tile), so a row's result
+// Tiles are split over torch's threads. Every row is computed alone (its float sums run in one order whatever the tile), so a row's result
 // does not depend on how many rows share the call.
-constexpr int64_t kQBlock = 32;   // inputs per block of x's int16 codes (and per q4g group)
-constexpr int64_t kQChunk = 16;   // output channels a thread takes at a time
+constexpr int64_t kQBlock = 32;   // inputs per block of x's int16 codes (and of a tile's codes)
 
 inline float scale_value(float s) { return s; }
 inline float scale_value(uint16_t bits) {  // a float16 scale or min (F16C's conversion, not a library call)
@@ -457,69 +456,13 @@ void quantize_rows(const float* x, int64_t m, int64_t k, int64_t group, QRows& o
   }
 }
 
-// Byte codes (q8g): a block of 32 inputs' codes widened in order into 2 x 16 int16 lanes (inputs
-// 0-15, 16-31).
-struct Bytes {
-  static constexpr int64_t kBytes = 32;   // input i in byte i
-  static int32_t code(const uint8_t* p, int i) { return static_cast<int8_t>(p[i]); }
-#if defined(__AVX2__)
-  static void unpack(const uint8_t* p, __m256i& lo, __m256i& hi) {
-    lo = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-    hi = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16)));
-  }
-#endif
-};
-
 template <typename S>
-struct IntArgs {
-  const uint8_t* w;      // codes, a channel's K / 32 blocks of Codes::kBytes
-  const S* scales;       // [N, K/G]
-  const S* mins;         // [K/G, N], or null
+struct MinArgs {         // the mins' term of a GEMV
+  const S* mins;         // [K/G, N]
   const QRows* x;
   int64_t k, n, group;
   float* y;              // [M, N]
-  const uint8_t* fetch_end = nullptr;   // the end of the calling thread's codes: nothing past it is fetched
 };
-
-#if defined(__AVX2__)
-inline __m256 madd_float(__m256i codes, const int16_t* q) {  // 16 codes . q as 8 exact pair sums, in floats
-  return _mm256_cvtepi32_ps(_mm256_madd_epi16(codes, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q))));
-}
-
-// A block's 32 codes (lo: inputs in q's lanes 0-15, hi: 16-31) . its 32 int16 inputs as 8 exact
-// int32 pair sums; VNNI adds the second product into the first in one instruction.
-inline __m256i block_dot(__m256i lo, __m256i hi, const int16_t* q) {
-  const __m256i first = _mm256_madd_epi16(lo, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q)));
-  const __m256i second = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + 16));
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-  return _mm256_dpwssd_epi32(first, hi, second);
-#elif defined(__AVXVNNI__)
-  return _mm256_dpwssd_avx_epi32(first, hi, second);
-#else
-  return _mm256_add_epi32(first, _mm256_madd_epi16(hi, second));
-#endif
-}
-
-inline float sum8(__m256 v) {
-  __m128 a = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  a = _mm_add_ps(a, _mm_movehl_ps(a, a));
-  return _mm_cvtss_f32(_mm_add_ss(a, _mm_movehdup_ps(a)));
-}
-#else
-// One channel's sum_g scale_g * d * dot(code_g, q_g) for one row (not inlined: one summation order).
-template <typename Codes, int G, typename S>
-__attribute__((noinline)) float int_row(const uint8_t* w, const S* scales, const int16_t* q, const float* d,
-                                        int64_t blocks) {
-  float sum = 0.0f;
-  for (int64_t b = 0; b < blocks; ++b)
-    for (int64_t j = 0; j < kQBlock / G; ++j) {
-      int32_t dot = 0;
-      for (int i = j * G; i < (j + 1) * G; ++i) dot += Codes::code(w + b * Codes::kBytes, i) * q[b * kQBlock + i];
-      sum += static_cast<float>(dot) * (scale_value(scales[b * (kQBlock / G) + j]) * d[b]);
-    }
-  return sum;
-}
-#endif
 
 #if defined(__AVX2__)
 // Eight float16 or float32 scales as floats.
@@ -528,85 +471,13 @@ inline __m256 eight_scales(const S* p) {
   if constexpr (sizeof(S) == 2) return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
   else return _mm256_loadu_ps(reinterpret_cast<const float*>(p));
 }
-
-// out[g] = scale g as a float times the row's block scale d[g's block].
-template <int G, typename S>
-void tile_scales(const S* scales, int64_t groups, const float* d, float* out) {
-  int64_t g = 0;
-  if constexpr (G == kQBlock) {
-    for (; g + 8 <= groups; g += 8) _mm256_storeu_ps(out + g, _mm256_mul_ps(eight_scales(scales + g), _mm256_loadu_ps(d + g)));
-  } else if constexpr (G == kQBlock / 2) {   // groups of 16: two a block, each block's d twice
-    const __m256i twice = _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3);
-    for (; g + 8 <= groups; g += 8) {
-      const __m256 dd = _mm256_permutevar8x32_ps(_mm256_castps128_ps256(_mm_loadu_ps(d + g / 2)), twice);
-      _mm256_storeu_ps(out + g, _mm256_mul_ps(eight_scales(scales + g), dd));
-    }
-  }
-  for (; g < groups; ++g) out[g] = scale_value(scales[g]) * d[g * G / kQBlock];
-}
 #endif
-
-// y for C channels from n0 and R rows from r0 (without the mins): each block of codes is unpacked
-// once and meets every row.
-template <typename Codes, int G, typename S, int C, int R>
-void int_tile(const IntArgs<S>& a, int64_t n0, int64_t r0) {
-  const int64_t k = a.k, blocks = k / kQBlock, groups = k / G, row_bytes = blocks * Codes::kBytes;
-  const int16_t* q = a.x->q.data() + r0 * k;
-  const float* d = a.x->d.data() + r0 * blocks;
-  const uint8_t* w = a.w + n0 * row_bytes;
-  const S* sc = a.scales + n0 * groups;
-#if defined(__AVX2__)
-  // The tile's scales as floats times each row's d first ([R][C][groups]): a vector pass, then one
-  // broadcast load per row, channel and group where each took a float16 conversion and a product.
-  thread_local std::vector<float> buffer;
-  buffer.resize(R * C * groups);
-  float* scale_f = buffer.data();
-  for (int r = 0; r < R; ++r)
-    for (int c = 0; c < C; ++c)
-      tile_scales<G>(sc + c * groups, groups, d + r * blocks, scale_f + (r * C + c) * groups);
-  __m256 acc[R][C];
-  for (int r = 0; r < R; ++r)
-    for (int c = 0; c < C; ++c) acc[r][c] = _mm256_setzero_ps();
-  for (int64_t b = 0; b < blocks; ++b) {
-    for (int c = 0; c < C; ++c) {
-      const uint8_t* wb = w + c * row_bytes + b * Codes::kBytes;
-      if ((b * Codes::kBytes) % 64 < Codes::kBytes) prefetch_l2(std::min(wb + kFetchAhead, a.fetch_end));   // a line a new line
-      __m256i lo, hi;   // the block's codes, in q's lane order
-      Codes::unpack(wb, lo, hi);
-      if constexpr (G == kQBlock) {
-        for (int r = 0; r < R; ++r) {
-          const int16_t* qb = q + r * k + b * kQBlock;
-          const __m256i sums = block_dot(lo, hi, qb);
-          const __m256 scale = _mm256_set1_ps(scale_f[(r * C + c) * groups + b]);
-          acc[r][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), scale, acc[r][c]);
-        }
-      } else {   // groups of 16, in order: a scale for each half of the block
-        for (int r = 0; r < R; ++r) {
-          const int16_t* qb = q + r * k + b * kQBlock;
-          const float* cs = scale_f + (r * C + c) * groups;
-          const __m256 s0 = _mm256_set1_ps(cs[2 * b]);
-          const __m256 s1 = _mm256_set1_ps(cs[2 * b + 1]);
-          acc[r][c] = _mm256_fmadd_ps(madd_float(lo, qb), s0, acc[r][c]);
-          acc[r][c] = _mm256_fmadd_ps(madd_float(hi, qb + 16), s1, acc[r][c]);
-        }
-      }
-    }
-  }
-  for (int r = 0; r < R; ++r)
-    for (int c = 0; c < C; ++c) a.y[(r0 + r) * a.n + n0 + c] = sum8(acc[r][c]);
-#else
-  for (int r = 0; r < R; ++r)
-    for (int c = 0; c < C; ++c)
-      a.y[(r0 + r) * a.n + n0 + c] = int_row<Codes, G>(w + c * row_bytes, sc + c * groups, q + r * k,
-                                                        d + r * blocks, blocks);
-#endif
-}
 
 // y[r, n] += sum_g mins[g, n] * s[r, g] for channels n0..n1 of every row: eight channels in a
 // vector's lanes, each lane summing its groups in order with one rounding a step (fma), as a lone
 // channel does.
 template <typename S>
-void add_mins(const IntArgs<S>& a, int64_t n0, int64_t n1, int64_t m) {
+void add_mins(const MinArgs<S>& a, int64_t n0, int64_t n1, int64_t m) {
   const int64_t groups = a.k / a.group, n = a.n;
   for (int64_t r = 0; r < m; ++r) {
     const float* s = a.x->s.data() + r * groups;
@@ -634,55 +505,6 @@ void add_mins(const IntArgs<S>& a, int64_t n0, int64_t n1, int64_t m) {
   }
 }
 
-// C channels, every row in tiles of up to 4 rows, or 5 where 4 would leave one (a request's token and
-// four speculated ones: a lone row's tile unpacks every code again for one row); a tile keeps at most
-// 10 accumulators (16 registers).
-template <typename Codes, int G, typename S, int C>
-void int_rows(const IntArgs<S>& a, int64_t n0, int64_t m) {
-  constexpr int C2 = C > 4 ? 4 : C, C4 = C > 2 ? 2 : C;   // channels a tile of two rows, of 3-5
-  int64_t r = 0;
-  for (; r + 4 <= m && m - r != 5; r += 4)
-    for (int c = 0; c < C; c += C4) int_tile<Codes, G, S, C4, 4>(a, n0 + c, r);
-  if (m - r == 5)
-    for (int c = 0; c < C; c += C4) int_tile<Codes, G, S, C4, 5>(a, n0 + c, r);
-  else if (m - r == 3)
-    for (int c = 0; c < C; c += C4) int_tile<Codes, G, S, C4, 3>(a, n0 + c, r);
-  else if (m - r == 2)
-    for (int c = 0; c < C; c += C2) int_tile<Codes, G, S, C2, 2>(a, n0 + c, r);
-  else if (m - r == 1) int_tile<Codes, G, S, C, 1>(a, n0, r);
-}
-
-// y [M, N] (float32) = x (float32 rows) times the codes, chunks of channels split over torch's threads.
-template <typename Codes, int G, typename S>
-void int_run(const float* x, const uint8_t* w, const S* scales, const S* mins, int64_t k, at::Tensor& y) {
-  const int64_t m = y.size(0), n = y.size(1);
-  thread_local QRows xq;
-  quantize_rows(x, m, k, G, xq);
-  const IntArgs<S> shared{w, scales, mins, &xq, k, n, G, y.data_ptr<float>()};   // xq: this thread's
-  const int64_t row_bytes = k / kQBlock * Codes::kBytes;
-  at::parallel_for(0, (n + kQChunk - 1) / kQChunk, 1, [&](int64_t c0, int64_t c1) {
-    const int64_t start = c0 * kQChunk, end = std::min(n, c1 * kQChunk);
-    IntArgs<S> a = shared;
-    a.fetch_end = w + end * row_bytes;
-    // the first kFetchAhead bytes at once; each tile then fetches the line kFetchAhead past its own
-    const uint8_t* first = w + start * row_bytes;
-    for (const uint8_t* p = first; p < std::min(first + kFetchAhead, a.fetch_end); p += 64) prefetch_l2(p);
-    for (int64_t n0 = start; n0 < end;) {
-      if (n0 + 8 <= end) {
-        int_rows<Codes, G, S, 8>(a, n0, m);
-        n0 += 8;
-      } else if (n0 + 4 <= end) {
-        int_rows<Codes, G, S, 4>(a, n0, m);
-        n0 += 4;
-      } else {
-        int_rows<Codes, G, S, 1>(a, n0, m);
-        n0 += 1;
-      }
-    }
-    if (mins != nullptr) add_mins(a, start, end, m);
-  });
-}
-
 // scales [N, groups] and mins [groups, N] (when given), of `dtype`, contiguous.
 void check_group_operands(const char* op, const at::Tensor& scales, const at::Tensor* mins, int64_t n,
                           int64_t groups, at::ScalarType dtype) {
@@ -697,16 +519,8 @@ void check_group_operands(const char* op, const at::Tensor& scales, const at::Te
   }
 }
 
-void check_rows(const char* op, const at::Tensor& x, const at::Tensor& codes, int64_t k) {
-  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && codes.dim() == 2 && codes.is_contiguous(), op,
-              ": contiguous x [M, K] and codes expected");
-  TORCH_CHECK(k % kQBlock == 0, op, ": K must be a multiple of 32, got ", k);
-  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, op,
-              ": float32 or bfloat16 x expected, got ", x.scalar_type());
-}
-
-// ---- Codes in tiles of 16 output channels (q4g, q5g): GGUF's 4-bit (Q4_0 / Q4_1 / Q4_K) and 5-bit
-// (Q5_0 / Q5_1 / Q5_K) codes re-laid so that one vector holds sixteen channels' codes and each
+// ---- Codes in tiles of 16 output channels (q4g, q5g, q8g): GGUF's 4-bit (Q4_0 / Q4_1 / Q4_K), 5-bit
+// (Q5_0 / Q5_1 / Q5_K) and byte (Q8_0, Q6_K, ...) codes re-laid so that one vector holds sixteen channels' codes and each
 // integer product instruction takes a pair of inputs for all of them (x's pair broadcast): no
 // per-channel reduction, no per-group shuffle. Per tile of 16 output channels (the last one padded
 // with zero codes and scales) and block of 32 inputs, the low four bits in 256 bytes: for each quad
@@ -786,6 +600,30 @@ struct FiveBitTile {
 #endif
 };
 
+// int8 codes (Q8_0, Q6_K, ...): per tile and block of 32 inputs 512 bytes, for each pair of inputs
+// (2i, 2i + 1) 32 bytes, byte 2c + p holding channel c's code of input 2i + p; a "quad" j is pairs 2j
+// and 2j + 1, as the nibble tiles' low and high lanes are.
+struct ByteTile {
+  static constexpr int64_t kBytes = 512;
+  static int32_t code(const uint8_t* block, int c, int i) {
+    return static_cast<int8_t>(block[32 * (i / 2) + 2 * c + (i % 2)]);
+  }
+  static void put(uint8_t* block, int c, int i, int32_t code) {
+    block[32 * (i / 2) + 2 * c + (i % 2)] = static_cast<uint8_t>(static_cast<int8_t>(code));
+  }
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+  static void quad(const uint8_t* block, int j, __m512i& lo, __m512i& hi) {
+    lo = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 64 * j)));
+    hi = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 64 * j + 32)));
+  }
+#elif defined(__AVX2__)
+  static void quad(const uint8_t* block, int j, int h, __m256i& lo, __m256i& hi) {
+    lo = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 64 * j + 16 * h)));
+    hi = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 64 * j + 32 + 16 * h)));
+  }
+#endif
+};
+
 #if defined(__AVX512F__)
 inline __m512 sixteen_scales(const uint16_t* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
@@ -793,22 +631,25 @@ inline __m512 sixteen_scales(const uint16_t* p) {
 inline __m512 sixteen_scales(const float* p) { return _mm512_loadu_ps(p); }
 #endif
 
-// R rows of x (from r0) times one tile's codes, into out[R][16] (without the mins): per block, each
-// row's integer products for the 16 channels (exact, int32), less Offset * the sum of the row's block
-// codes where the codes are centred (Q4_0: 8, Q5_0: 16), times scale * d in float32, the blocks
-// alternating between two float accumulators. Every row is computed alike whatever R: a row's result
-// is the same alone.
-template <typename Tile, int Offset, typename S, int R>
+// R rows of x (from r0) times one tile's codes, into out[R][16] (without the mins): per group of G
+// inputs (32, or 16: two a block), each row's integer products for the 16 channels (exact, int32),
+// less Offset * the sum of the row's group codes where the codes are centred (Q4_0: 8, Q5_0: 16),
+// times scale * d in float32, the groups alternating between two float accumulators. Every row is
+// computed alike whatever R: a row's result is the same alone.
+template <typename Tile, int Offset, typename S, int G, int R>
 void tile_rows(const uint8_t* tile, const S* scales, const QRows& x, int64_t r0, int64_t k, const uint8_t* fetch_end,
                float (*out)[kTile]) {
-  const int64_t blocks = k / kQBlock;
+  constexpr int kGroups = kQBlock / G;   // groups a block
+  const int64_t blocks = k / kQBlock, groups = k / G;
 #if defined(__AVX512F__) && defined(__AVX512BW__)
+  // independent chains of products per row: [group of the block][low / high] for groups of 16, else
+  // [quad parity][low / high] for one row, [low / high] for more
+  constexpr int kAcc = (G == 16 || R == 1) ? 4 : 2;
   __m512 f[2][R];
   for (int r = 0; r < R; ++r) f[0][r] = f[1][r] = _mm512_setzero_ps();
   for (int64_t b = 0; b < blocks; ++b) {
     const uint8_t* w = tile + b * Tile::kBytes;
     for (int64_t line = 0; line < Tile::kBytes; line += 64) prefetch_l2(std::min(w + kFetchAhead + line, fetch_end));
-    constexpr int kAcc = R == 1 ? 4 : 2;   // independent chains of products per row
     __m512i acc[R][kAcc];
     for (int r = 0; r < R; ++r)
       for (int a = 0; a < kAcc; ++a) acc[r][a] = _mm512_setzero_si512();
@@ -816,50 +657,58 @@ void tile_rows(const uint8_t* tile, const S* scales, const QRows& x, int64_t r0,
     for (int j = 0; j < 8; ++j) {
       __m512i lo, hi;
       Tile::quad(w, j, lo, hi);
+      const int a = G == 16 ? 2 * (j / 4) : kAcc == 4 ? 2 * (j % 2) : 0;
       for (int r = 0; r < R; ++r) {
         const int32_t* q = reinterpret_cast<const int32_t*>(x.q.data() + (r0 + r) * k + b * kQBlock + 4 * j);
-        const int a = kAcc == 4 ? 2 * (j % 2) : 0;
         acc[r][a] = _mm512_dpwssd_epi32(acc[r][a], lo, _mm512_set1_epi32(q[0]));
         acc[r][a + 1] = _mm512_dpwssd_epi32(acc[r][a + 1], hi, _mm512_set1_epi32(q[1]));
       }
     }
-    const __m512 scale = sixteen_scales(scales + b * kTile);
-    for (int r = 0; r < R; ++r) {
-      __m512i sum = _mm512_add_epi32(acc[r][0], acc[r][1]);
-      if constexpr (kAcc == 4) sum = _mm512_add_epi32(sum, _mm512_add_epi32(acc[r][2], acc[r][3]));
-      const int64_t rb = (r0 + r) * blocks + b;
-      if constexpr (Offset != 0) sum = _mm512_sub_epi32(sum, _mm512_set1_epi32(Offset * x.sum[rb]));
-      f[b % 2][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(scale, _mm512_set1_ps(x.d[rb])), f[b % 2][r]);
+    for (int gi = 0; gi < kGroups; ++gi) {
+      const int64_t g = b * kGroups + gi;
+      const __m512 scale = sixteen_scales(scales + g * kTile);
+      for (int r = 0; r < R; ++r) {
+        __m512i sum = _mm512_add_epi32(acc[r][2 * gi], acc[r][2 * gi + 1]);
+        if constexpr (G == 32 && kAcc == 4) sum = _mm512_add_epi32(sum, _mm512_add_epi32(acc[r][2], acc[r][3]));
+        if constexpr (Offset != 0) sum = _mm512_sub_epi32(sum, _mm512_set1_epi32(Offset * x.sum[(r0 + r) * groups + g]));
+        const __m512 d = _mm512_set1_ps(x.d[(r0 + r) * blocks + b]);
+        f[g % 2][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(scale, d), f[g % 2][r]);
+      }
     }
   }
   for (int r = 0; r < R; ++r) _mm512_storeu_ps(out[r], _mm512_add_ps(f[0][r], f[1][r]));
 #elif defined(__AVX2__)
-  __m256 f[2][R][2];   // [block parity][row][half of the tile]
+  __m256 f[2][R][2];   // [group parity][row][half of the tile]
   for (int r = 0; r < R; ++r)
     for (int h = 0; h < 2; ++h) f[0][r][h] = f[1][r][h] = _mm256_setzero_ps();
   for (int64_t b = 0; b < blocks; ++b) {
     const uint8_t* w = tile + b * Tile::kBytes;
     for (int64_t line = 0; line < Tile::kBytes; line += 64) prefetch_l2(std::min(w + kFetchAhead + line, fetch_end));
-    __m256i acc[R][2][2];   // [row][half][low / high nibbles]
+    __m256i acc[R][kGroups][2][2];   // [row][group of the block][half][low / high]
     for (int r = 0; r < R; ++r)
-      for (int h = 0; h < 2; ++h) acc[r][h][0] = acc[r][h][1] = _mm256_setzero_si256();
+      for (int gi = 0; gi < kGroups; ++gi)
+        for (int h = 0; h < 2; ++h) acc[r][gi][h][0] = acc[r][gi][h][1] = _mm256_setzero_si256();
     for (int j = 0; j < 8; ++j)
       for (int h = 0; h < 2; ++h) {
         __m256i lo, hi;
         Tile::quad(w, j, h, lo, hi);
+        const int gi = j * kGroups / 8;
         for (int r = 0; r < R; ++r) {
           const int32_t* q = reinterpret_cast<const int32_t*>(x.q.data() + (r0 + r) * k + b * kQBlock + 4 * j);
-          acc[r][h][0] = _mm256_add_epi32(acc[r][h][0], _mm256_madd_epi16(lo, _mm256_set1_epi32(q[0])));
-          acc[r][h][1] = _mm256_add_epi32(acc[r][h][1], _mm256_madd_epi16(hi, _mm256_set1_epi32(q[1])));
+          acc[r][gi][h][0] = _mm256_add_epi32(acc[r][gi][h][0], _mm256_madd_epi16(lo, _mm256_set1_epi32(q[0])));
+          acc[r][gi][h][1] = _mm256_add_epi32(acc[r][gi][h][1], _mm256_madd_epi16(hi, _mm256_set1_epi32(q[1])));
         }
       }
-    for (int h = 0; h < 2; ++h) {
-      const __m256 scale = eight_scales(scales + b * kTile + 8 * h);
-      for (int r = 0; r < R; ++r) {
-        __m256i sum = _mm256_add_epi32(acc[r][h][0], acc[r][h][1]);
-        const int64_t rb = (r0 + r) * blocks + b;
-        if constexpr (Offset != 0) sum = _mm256_sub_epi32(sum, _mm256_set1_epi32(Offset * x.sum[rb]));
-        f[b % 2][r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_mul_ps(scale, _mm256_set1_ps(x.d[rb])), f[b % 2][r][h]);
+    for (int gi = 0; gi < kGroups; ++gi) {
+      const int64_t g = b * kGroups + gi;
+      for (int h = 0; h < 2; ++h) {
+        const __m256 scale = eight_scales(scales + g * kTile + 8 * h);
+        for (int r = 0; r < R; ++r) {
+          __m256i sum = _mm256_add_epi32(acc[r][gi][h][0], acc[r][gi][h][1]);
+          if constexpr (Offset != 0) sum = _mm256_sub_epi32(sum, _mm256_set1_epi32(Offset * x.sum[(r0 + r) * groups + g]));
+          const __m256 d = _mm256_set1_ps(x.d[(r0 + r) * blocks + b]);
+          f[g % 2][r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_mul_ps(scale, d), f[g % 2][r][h]);
+        }
       }
     }
   }
@@ -867,16 +716,18 @@ void tile_rows(const uint8_t* tile, const S* scales, const QRows& x, int64_t r0,
     for (int h = 0; h < 2; ++h) _mm256_storeu_ps(out[r] + 8 * h, _mm256_add_ps(f[0][r][h], f[1][r][h]));
 #else
   (void)fetch_end;
+  (void)blocks;
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < kTile; ++c) {
       float f[2] = {0.0f, 0.0f};
-      for (int64_t b = 0; b < blocks; ++b) {
+      for (int64_t g = 0; g < groups; ++g) {
+        const int64_t b = g / kGroups, first = (g % kGroups) * G;
         const int16_t* q = x.q.data() + (r0 + r) * k + b * kQBlock;
         int32_t dot = 0;
-        for (int i = 0; i < 32; ++i) dot += Tile::code(tile + b * Tile::kBytes, c, i) * q[i];
-        const int64_t rb = (r0 + r) * blocks + b;
-        dot -= Offset * x.sum[rb];
-        f[b % 2] = std::fma(static_cast<float>(dot), scale_value(scales[b * kTile + c]) * x.d[rb], f[b % 2]);
+        for (int i = first; i < first + G; ++i) dot += Tile::code(tile + b * Tile::kBytes, c, i) * q[i];
+        dot -= Offset * x.sum[(r0 + r) * groups + g];
+        const float d = x.d[(r0 + r) * (k / kQBlock) + b];
+        f[g % 2] = std::fma(static_cast<float>(dot), scale_value(scales[g * kTile + c]) * d, f[g % 2]);
       }
       out[r][c] = f[0] + f[1];
     }
@@ -885,12 +736,12 @@ void tile_rows(const uint8_t* tile, const S* scales, const QRows& x, int64_t r0,
 
 // y [M, n] (float32) = x (float32 rows) times the tiles (plus the mins' terms), tiles split over
 // torch's threads, rows four at a time (five where four would leave one).
-template <typename Tile, int Offset, typename S>
+template <typename Tile, int Offset, typename S, int G = kQBlock>
 void tile_run(const float* x, const uint8_t* tiles, const S* scales, const S* mins, int64_t k, at::Tensor& y) {
   const int64_t m = y.size(0), n = y.size(1), blocks = k / kQBlock, count = (n + kTile - 1) / kTile;
   const int64_t tile_bytes = blocks * Tile::kBytes;
   thread_local QRows mine;
-  quantize_rows(x, m, k, kQBlock, mine);
+  quantize_rows(x, m, k, G, mine);
   const QRows& xq = mine;   // this thread's, named outside the threads' lambda (each has its own `mine`)
   float* yp = y.data_ptr<float>();
   at::parallel_for(0, count, 1, [&](int64_t t0, int64_t t1) {
@@ -899,7 +750,7 @@ void tile_run(const float* x, const uint8_t* tiles, const S* scales, const S* mi
       prefetch_l2(p);
     for (int64_t t = t0; t < t1; ++t) {
       const uint8_t* tile = tiles + t * tile_bytes;
-      const S* ts = scales + t * blocks * kTile;
+      const S* ts = scales + t * (k / G) * kTile;
       const int64_t width = std::min(kTile, n - t * kTile);
       float out[5][kTile];
       auto emit = [&](int64_t r0, int rows) {
@@ -907,31 +758,31 @@ void tile_run(const float* x, const uint8_t* tiles, const S* scales, const S* mi
       };
       int64_t r = 0;
       for (; r + 4 <= m && m - r != 5; r += 4) {
-        tile_rows<Tile, Offset, S, 4>(tile, ts, xq, r, k, fetch_end, out);
+        tile_rows<Tile, Offset, S, G, 4>(tile, ts, xq, r, k, fetch_end, out);
         emit(r, 4);
       }
       switch (m - r) {
-        case 5: tile_rows<Tile, Offset, S, 5>(tile, ts, xq, r, k, fetch_end, out); emit(r, 5); break;
-        case 3: tile_rows<Tile, Offset, S, 3>(tile, ts, xq, r, k, fetch_end, out); emit(r, 3); break;
-        case 2: tile_rows<Tile, Offset, S, 2>(tile, ts, xq, r, k, fetch_end, out); emit(r, 2); break;
-        case 1: tile_rows<Tile, Offset, S, 1>(tile, ts, xq, r, k, fetch_end, out); emit(r, 1); break;
+        case 5: tile_rows<Tile, Offset, S, G, 5>(tile, ts, xq, r, k, fetch_end, out); emit(r, 5); break;
+        case 3: tile_rows<Tile, Offset, S, G, 3>(tile, ts, xq, r, k, fetch_end, out); emit(r, 3); break;
+        case 2: tile_rows<Tile, Offset, S, G, 2>(tile, ts, xq, r, k, fetch_end, out); emit(r, 2); break;
+        case 1: tile_rows<Tile, Offset, S, G, 1>(tile, ts, xq, r, k, fetch_end, out); emit(r, 1); break;
         default: break;
       }
     }
     if (mins != nullptr) {
-      const IntArgs<S> a{nullptr, nullptr, mins, &xq, k, n, kQBlock, yp};
+      const MinArgs<S> a{mins, &xq, k, n, G, yp};
       add_mins(a, t0 * kTile, std::min(n, t1 * kTile), m);
     }
   });
 }
 
-// Tiles [T, K/32, Tile::kBytes] and scales [T, K/32, 16] of n channels from code_of(channel, input)
-// and scale_of(channel, group), the scales' element type that of `like`.
+// Tiles [T, K/32, Tile::kBytes] of n channels from code_of(channel, input), and the scales [N, K/G]
+// as [T, K/G, 16] (their element type).
 template <typename Tile, typename CodeOf>
 std::tuple<at::Tensor, at::Tensor> make_tiles(int64_t n, int64_t k, const at::Tensor& scales, CodeOf code_of) {
-  const int64_t blocks = k / kQBlock, tiles = (n + kTile - 1) / kTile;
+  const int64_t blocks = k / kQBlock, groups = scales.size(1), tiles = (n + kTile - 1) / kTile;
   at::Tensor out = at::zeros({tiles, blocks, Tile::kBytes}, scales.options().dtype(at::kByte));
-  at::Tensor out_scales = at::zeros({tiles, blocks, kTile}, scales.options());
+  at::Tensor out_scales = at::zeros({tiles, groups, kTile}, scales.options());
   uint8_t* dst = out.data_ptr<uint8_t>();
   const int64_t size = scales.element_size();
   const uint8_t* ssrc = static_cast<const uint8_t*>(scales.const_data_ptr());
@@ -943,8 +794,9 @@ std::tuple<at::Tensor, at::Tensor> make_tiles(int64_t n, int64_t k, const at::Te
       for (int64_t b = 0; b < blocks; ++b) {
         uint8_t* block = dst + (t * blocks + b) * Tile::kBytes;
         for (int i = 0; i < 32; ++i) Tile::put(block, c, i, code_of(ch, b * kQBlock + i));
-        std::memcpy(sdst + ((t * blocks + b) * kTile + c) * size, ssrc + (ch * blocks + b) * size, size);
       }
+      for (int64_t g = 0; g < groups; ++g)
+        std::memcpy(sdst + ((t * groups + g) * kTile + c) * size, ssrc + (ch * groups + g) * size, size);
     }
   });
   return {out, out_scales};
@@ -978,28 +830,28 @@ std::tuple<at::Tensor, at::Tensor> q5g_tile(const at::Tensor& codes, const at::T
   return make_tiles<FiveBitTile>(n, k, scales, [&](int64_t ch, int64_t i) { return src[ch * k + i]; });
 }
 
-// Checks tiles [T, K/32, bytes], scales [T, K/32, 16] (float16, or float32 where `wide` allows) and
-// mins [K/32, n] of the scales' dtype, for n channels; returns K.
+// Checks tiles [T, K/32, bytes], scales [T, K/G, 16] (float16, or float32 where `wide` allows) and
+// mins [K/G, n] of the scales' dtype, for n channels; returns K.
 int64_t check_tiles(const char* op, const at::Tensor& tiles, int64_t bytes, const at::Tensor& scales, bool wide,
-                    const std::optional<at::Tensor>& mins, int64_t n) {
+                    const std::optional<at::Tensor>& mins, int64_t n, int64_t group = kQBlock) {
   TORCH_CHECK(tiles.dim() == 3 && tiles.is_contiguous() && tiles.scalar_type() == at::kByte && tiles.size(2) == bytes,
               op, ": contiguous uint8 tiles [N/16, K/32, ", bytes, "] expected, got ", tiles.sizes());
   TORCH_CHECK(n > (tiles.size(0) - 1) * kTile && n <= tiles.size(0) * kTile, op, ": ", tiles.size(0),
               " tiles hold ", (tiles.size(0) - 1) * kTile + 1, "..", tiles.size(0) * kTile, " channels, not ", n);
   const bool ok_type = scales.scalar_type() == at::kHalf || (wide && scales.scalar_type() == at::kFloat);
+  const int64_t k = tiles.size(1) * kQBlock, groups = k / group;
   TORCH_CHECK(ok_type && scales.is_contiguous() && scales.dim() == 3 && scales.size(0) == tiles.size(0) &&
-                  scales.size(1) == tiles.size(1) && scales.size(2) == kTile,
-              op, ": contiguous ", wide ? "float16 or float32" : "float16", " scales [N/16, K/32, 16] expected, got ",
-              scales.scalar_type(), " ", scales.sizes());
-  const int64_t blocks = tiles.size(1);
+                  scales.size(1) == groups && scales.size(2) == kTile,
+              op, ": contiguous ", wide ? "float16 or float32" : "float16", " scales [N/16, K/", group,
+              ", 16] expected, got ", scales.scalar_type(), " ", scales.sizes());
   if (mins)
-    check_group_operands(op, at::empty({n, blocks}, scales.options().device(at::kMeta)), &*mins, n, blocks,
+    check_group_operands(op, at::empty({n, groups}, scales.options().device(at::kMeta)), &*mins, n, groups,
                          scales.scalar_type());
-  return blocks * kQBlock;
+  return k;
 }
 
 // y for x against the tiles with scales (and mins) of type S; without mins the codes are centred by Offset.
-template <typename Tile, int Offset, typename S>
+template <typename Tile, int Offset, typename S, int G = kQBlock>
 at::Tensor tile_gemv(const char* op, const at::Tensor& x, const at::Tensor& tiles, const at::Tensor& scales,
                      const std::optional<at::Tensor>& mins, int64_t n, int64_t k) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.size(1) == k, op, ": contiguous x [M, ", k, "] expected, got ",
@@ -1012,8 +864,8 @@ at::Tensor tile_gemv(const char* op, const at::Tensor& x, const at::Tensor& tile
   const float* xp = xf.const_data_ptr<float>();
   const uint8_t* wp = tiles.const_data_ptr<uint8_t>();
   const S* sp = static_cast<const S*>(scales.const_data_ptr());
-  if (mins) tile_run<Tile, 0, S>(xp, wp, sp, static_cast<const S*>(mins->const_data_ptr()), k, y);
-  else tile_run<Tile, Offset, S>(xp, wp, sp, nullptr, k, y);
+  if (mins) tile_run<Tile, 0, S, G>(xp, wp, sp, static_cast<const S*>(mins->const_data_ptr()), k, y);
+  else tile_run<Tile, Offset, S, G>(xp, wp, sp, nullptr, k, y);
   return x.scalar_type() == at::kFloat ? y : y.to(x.scalar_type());
 }
 
@@ -1037,28 +889,38 @@ at::Tensor tile_gemv_meta(const at::Tensor& x, const at::Tensor& tiles, const at
   return at::empty_symint({x.sym_size(0), c10::SymInt(n)}, x.options());
 }
 
-// W [n, K] in float32 from the tiles (code * scale + min, or (code - Offset) * scale written as
-// code * scale - Offset * scale): the weight of a step with more rows than the GEMV serves.
-template <typename Tile, int Offset, typename S>
-at::Tensor tile_widen(const at::Tensor& tiles, const at::Tensor& scales, const std::optional<at::Tensor>& mins,
-                      int64_t n, int64_t k) {
-  const int64_t blocks = k / kQBlock;
-  at::Tensor w = at::empty({n, k}, tiles.options().dtype(at::kFloat));
+// W [n, K] as O (float32, or bfloat16 rounded to nearest even) from the tiles: code * scale + min,
+// or (code - Offset) * scale written as code * scale - Offset * scale; groups of G inputs. The
+// weight of a step with more rows than the GEMV serves.
+template <typename Tile, int Offset, typename S, typename O = float>
+void tile_widen_into(const at::Tensor& tiles, const at::Tensor& scales, const std::optional<at::Tensor>& mins,
+                     int64_t n, int64_t k, int64_t group, O* wp) {
+  const int64_t blocks = k / kQBlock, groups = k / group;
   const uint8_t* tp = tiles.const_data_ptr<uint8_t>();
   const S* sp = static_cast<const S*>(scales.const_data_ptr());
   const S* mp = mins ? static_cast<const S*>(mins->const_data_ptr()) : nullptr;
-  float* wp = w.data_ptr<float>();
-  at::parallel_for(0, n * blocks, 256, [&](int64_t g0, int64_t g1) {
-    for (int64_t g = g0; g < g1; ++g) {
-      const int64_t ch = g / blocks, b = g % blocks, t = ch / kTile;
-      const int c = static_cast<int>(ch % kTile);
+  at::parallel_for(0, n * groups, 256, [&](int64_t g0, int64_t g1) {
+    for (int64_t cg = g0; cg < g1; ++cg) {
+      const int64_t ch = cg / groups, g = cg % groups, t = ch / kTile, b = g * group / kQBlock;
+      const int c = static_cast<int>(ch % kTile), first = static_cast<int>(g * group % kQBlock);
       const uint8_t* block = tp + (t * blocks + b) * Tile::kBytes;
-      float* out = wp + g * kQBlock;
-      const float scale = scale_value(sp[(t * blocks + b) * kTile + c]);
-      const float min = mp ? scale_value(mp[b * n + ch]) : -static_cast<float>(Offset) * scale;
-      for (int i = 0; i < 32; ++i) out[i] = static_cast<float>(Tile::code(block, c, i)) * scale + min;
+      O* out = wp + cg * group;
+      const float scale = scale_value(sp[(t * groups + g) * kTile + c]);
+      const float min = mp ? scale_value(mp[g * n + ch]) : -static_cast<float>(Offset) * scale;
+      for (int i = 0; i < group; ++i) {
+        const float v = static_cast<float>(Tile::code(block, c, first + i)) * scale + min;
+        if constexpr (std::is_same_v<O, float>) out[i] = v;
+        else out[i] = kvserve::float_to_bf16(v);
+      }
     }
   });
+}
+
+template <typename Tile, int Offset, typename S>
+at::Tensor tile_widen(const at::Tensor& tiles, const at::Tensor& scales, const std::optional<at::Tensor>& mins,
+                      int64_t n, int64_t k) {
+  at::Tensor w = at::empty({n, k}, tiles.options().dtype(at::kFloat));
+  tile_widen_into<Tile, Offset, S>(tiles, scales, mins, n, k, kQBlock, w.data_ptr<float>());
   return w;
 }
 
@@ -1080,86 +942,60 @@ at::Tensor tile_dequantize_meta(const at::Tensor& tiles, const at::Tensor& scale
   return at::empty_symint({c10::SymInt(n), tiles.sym_size(1) * kQBlock}, tiles.options().dtype(at::kFloat));
 }
 
-template <typename S>
-void q8g_run(const float* x, const uint8_t* w, const at::Tensor& scales, const std::optional<at::Tensor>& mins,
-             int64_t group, int64_t k, at::Tensor& y) {
-  const S* sp = static_cast<const S*>(scales.const_data_ptr());
-  const S* mp = mins ? static_cast<const S*>(mins->const_data_ptr()) : nullptr;
-  if (group == 32) int_run<Bytes, 32, S>(x, w, sp, mp, k, y);
-  else int_run<Bytes, 16, S>(x, w, sp, mp, k, y);
-}
-
-at::Tensor q8g_gemv(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
-                    const std::optional<at::Tensor>& mins, int64_t group) {
-  TORCH_CHECK(group == 16 || group == 32, "q8g_gemv: group must be 16 or 32, got ", group);
-  const int64_t m = x.size(0), k = x.size(1), n = codes.size(0);
-  check_rows("q8g_gemv", x, codes, k);
-  TORCH_CHECK(codes.scalar_type() == at::kChar && codes.size(1) == k, "q8g_gemv: int8 codes [N, K] expected, got ",
-              codes.scalar_type(), " ", codes.sizes());
-  const bool half = scales.scalar_type() == at::kHalf;   // float16 scales (and mins): 2 bytes a group
-  check_group_operands("q8g_gemv", scales, mins ? &*mins : nullptr, n, k / group, half ? at::kHalf : at::kFloat);
-  at::Tensor y = at::empty({m, n}, x.options().dtype(at::kFloat));
-  if (m == 0 || n == 0) return y.to(x.scalar_type());
-  const at::Tensor xf = float_rows(x, false);
-  const float* xp = xf.const_data_ptr<float>();
-  const uint8_t* wp = static_cast<const uint8_t*>(codes.const_data_ptr());
-  if (half) q8g_run<uint16_t>(xp, wp, scales, mins, group, k, y);
-  else q8g_run<float>(xp, wp, scales, mins, group, k, y);
-  return x.scalar_type() == at::kFloat ? y : y.to(x.scalar_type());
-}
-
-// The int8-group weight [N, K] as floats (float32, or bfloat16 rounded to nearest even):
-// w = code * scale (+ min), scales [N, K/G] and mins [K/G, N] (optional) float16 or float32.
-template <typename S, typename O>
-void q8g_widen(const int8_t* codes, const S* scales, const S* mins, int64_t n, int64_t k, int64_t group, O* w) {
-  const int64_t groups = k / group;
-  at::parallel_for(0, n * groups, 256, [&](int64_t g0, int64_t g1) {
-    for (int64_t g = g0; g < g1; ++g) {
-      const float scale = scale_value(scales[g]);
-      const float min = mins ? scale_value(mins[g % groups * n + g / groups]) : 0.f;
-      for (int64_t i = 0; i < group; ++i) {
-        const float v = static_cast<float>(codes[g * group + i]) * scale + min;
-        if constexpr (std::is_same_v<O, float>) w[g * group + i] = v;
-        else w[g * group + i] = kvserve::float_to_bf16(v);
-      }
-    }
-  });
-}
-
-template <typename S>
-void q8g_widen_to(const at::Tensor& codes, const at::Tensor& scales, const std::optional<at::Tensor>& mins,
-                  int64_t group, at::Tensor& w) {
-  const int8_t* cp = codes.const_data_ptr<int8_t>();
-  const S* sp = static_cast<const S*>(scales.const_data_ptr());
-  const S* mp = mins ? static_cast<const S*>(mins->const_data_ptr()) : nullptr;
-  if (w.scalar_type() == at::kFloat) q8g_widen(cp, sp, mp, codes.size(0), codes.size(1), group, w.data_ptr<float>());
-  else q8g_widen(cp, sp, mp, codes.size(0), codes.size(1), group, static_cast<uint16_t*>(w.data_ptr()));
-}
-
-at::Tensor q8g_dequantize(const at::Tensor& codes, const at::Tensor& scales, const std::optional<at::Tensor>& mins,
-                          int64_t group, at::ScalarType dtype) {
+// int8 codes [N, K] and scales [N, K/group] (float16 or float32) -> byte tiles [T, K/32, 512], scales
+// [T, K/group, 16].
+std::tuple<at::Tensor, at::Tensor> q8g_tile(const at::Tensor& codes, const at::Tensor& scales, int64_t group) {
+  TORCH_CHECK(group == 16 || group == 32, "q8g_tile: group must be 16 or 32, got ", group);
   TORCH_CHECK(codes.dim() == 2 && codes.is_contiguous() && codes.scalar_type() == at::kChar,
-              "q8g_dequantize: contiguous int8 codes [N, K] expected");
+              "q8g_tile: contiguous int8 codes [N, K] expected, got ", codes.scalar_type(), " ", codes.sizes());
+  const int64_t n = codes.size(0), k = codes.size(1);
+  TORCH_CHECK(k % kQBlock == 0, "q8g_tile: K must be a multiple of 32, got ", k);
+  check_group_operands("q8g_tile", scales, nullptr, n, k / group,
+                       scales.scalar_type() == at::kHalf ? at::kHalf : at::kFloat);
+  const int8_t* src = codes.const_data_ptr<int8_t>();
+  return make_tiles<ByteTile>(n, k, scales, [&](int64_t ch, int64_t i) { return src[ch * k + i]; });
+}
+
+at::Tensor q8g_gemv(const at::Tensor& x, const at::Tensor& tiles, const at::Tensor& scales,
+                    const std::optional<at::Tensor>& mins, int64_t group, int64_t n) {
+  TORCH_CHECK(group == 16 || group == 32, "q8g_gemv: group must be 16 or 32, got ", group);
+  const int64_t k = check_tiles("q8g_gemv", tiles, ByteTile::kBytes, scales, true, mins, n, group);
+  const bool half = scales.scalar_type() == at::kHalf;   // float16 scales (and mins): 2 bytes a group
+  if (group == 32) {
+    if (half) return tile_gemv<ByteTile, 0, uint16_t, 32>("q8g_gemv", x, tiles, scales, mins, n, k);
+    return tile_gemv<ByteTile, 0, float, 32>("q8g_gemv", x, tiles, scales, mins, n, k);
+  }
+  if (half) return tile_gemv<ByteTile, 0, uint16_t, 16>("q8g_gemv", x, tiles, scales, mins, n, k);
+  return tile_gemv<ByteTile, 0, float, 16>("q8g_gemv", x, tiles, scales, mins, n, k);
+}
+
+// W [n, K] in float32 or bfloat16 (rounded to nearest even): w = code * scale (+ min).
+at::Tensor q8g_dequantize(const at::Tensor& tiles, const at::Tensor& scales, const std::optional<at::Tensor>& mins,
+                          int64_t group, int64_t n, at::ScalarType dtype) {
   TORCH_CHECK(group == 16 || group == 32, "q8g_dequantize: group must be 16 or 32, got ", group);
   TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "q8g_dequantize: float32 or bfloat16 out, not ", dtype);
-  const int64_t n = codes.size(0), k = codes.size(1);
-  TORCH_CHECK(k % group == 0, "q8g_dequantize: K must be a multiple of the group, got ", k);
+  const int64_t k = check_tiles("q8g_dequantize", tiles, ByteTile::kBytes, scales, true, mins, n, group);
+  at::Tensor w = at::empty({n, k}, tiles.options().dtype(dtype));
   const bool half = scales.scalar_type() == at::kHalf;
-  check_group_operands("q8g_dequantize", scales, mins ? &*mins : nullptr, n, k / group, half ? at::kHalf : at::kFloat);
-  at::Tensor w = at::empty({n, k}, codes.options().dtype(dtype));
-  if (half) q8g_widen_to<uint16_t>(codes, scales, mins, group, w);
-  else q8g_widen_to<float>(codes, scales, mins, group, w);
+  if (dtype == at::kFloat) {
+    if (half) tile_widen_into<ByteTile, 0, uint16_t>(tiles, scales, mins, n, k, group, w.data_ptr<float>());
+    else tile_widen_into<ByteTile, 0, float>(tiles, scales, mins, n, k, group, w.data_ptr<float>());
+  } else {
+    uint16_t* wp = static_cast<uint16_t*>(w.data_ptr());
+    if (half) tile_widen_into<ByteTile, 0, uint16_t>(tiles, scales, mins, n, k, group, wp);
+    else tile_widen_into<ByteTile, 0, float>(tiles, scales, mins, n, k, group, wp);
+  }
   return w;
 }
 
-at::Tensor q8g_dequantize_meta(const at::Tensor& codes, const at::Tensor& scales,
-                               const std::optional<at::Tensor>& mins, int64_t group, at::ScalarType dtype) {
-  return at::empty_symint(codes.sym_sizes(), codes.options().dtype(dtype));
+at::Tensor q8g_dequantize_meta(const at::Tensor& tiles, const at::Tensor& scales, const std::optional<at::Tensor>& mins,
+                               int64_t group, int64_t n, at::ScalarType dtype) {
+  return at::empty_symint({c10::SymInt(n), tiles.sym_size(1) * kQBlock}, tiles.options().dtype(dtype));
 }
 
-at::Tensor q8g_gemv_meta(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
-                         const std::optional<at::Tensor>& mins, int64_t group) {
-  return at::empty_symint({x.sym_size(0), codes.sym_size(0)}, x.options());
+at::Tensor q8g_gemv_meta(const at::Tensor& x, const at::Tensor& tiles, const at::Tensor& scales,
+                         const std::optional<at::Tensor>& mins, int64_t group, int64_t n) {
+  return at::empty_symint({x.sym_size(0), c10::SymInt(n)}, x.options());
 }
 
 at::Tensor int8_gemv_meta(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale, bool invariant) {
@@ -1176,8 +1012,9 @@ TORCH_LIBRARY(kvserve_cpu, m) {
   m.def("int8_gemv(Tensor x, Tensor w, Tensor scale, bool invariant=False) -> Tensor");
   m.def("bf16_gemv(Tensor x, Tensor w, bool invariant=False) -> Tensor");
   m.def("f16_gemv(Tensor x, Tensor w, bool invariant=False) -> Tensor");
-  m.def("q8g_gemv(Tensor x, Tensor codes, Tensor scales, Tensor? mins, int group) -> Tensor");
-  m.def("q8g_dequantize(Tensor codes, Tensor scales, Tensor? mins, int group, ScalarType dtype) -> Tensor");
+  m.def("q8g_tile(Tensor codes, Tensor scales, int group) -> (Tensor, Tensor)");
+  m.def("q8g_gemv(Tensor x, Tensor tiles, Tensor scales, Tensor? mins, int group, int n) -> Tensor");
+  m.def("q8g_dequantize(Tensor tiles, Tensor scales, Tensor? mins, int group, int n, ScalarType dtype) -> Tensor");
   m.def("q4g_tile(Tensor nibbles, Tensor scales) -> (Tensor, Tensor)");
   m.def("q4g_gemv(Tensor x, Tensor tiles, Tensor scales, Tensor? mins, int n) -> Tensor");
   m.def("q4g_dequantize(Tensor tiles, Tensor scales, Tensor? mins, int n) -> Tensor");
@@ -1190,6 +1027,7 @@ TORCH_LIBRARY_IMPL(kvserve_cpu, CPU, m) {
   m.impl("int8_gemv", int8_gemv);
   m.impl("bf16_gemv", bf16_gemv);
   m.impl("f16_gemv", f16_gemv);
+  m.impl("q8g_tile", q8g_tile);
   m.impl("q8g_gemv", q8g_gemv);
   m.impl("q8g_dequantize", q8g_dequantize);
   m.impl("q4g_tile", q4g_tile);

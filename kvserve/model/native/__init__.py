@@ -121,8 +121,8 @@ def build(model: torch.nn.Module, pools, kv_index, groups, max_rows: int) -> Nat
         stack.add_layer(f.in_norm, f.mlp_norm, f.attn_out_norm, f.mlp_out_norm, f.q_norm, f.k_norm, f.eps,
                         layer.self_attn.scale, k, v, group, ropes.index(f.rope))
         for which, linears in zip(PROJECTIONS, projection):
-            for kind, tensors, group_size, bias in linears:
-                stack.add_linear(which, kind, *tensors, group_size, bias)
+            for kind, tensors, group_size, n, bias in linears:
+                stack.add_linear(which, kind, *tensors, group_size, n, bias)
     return NativeStack(stack, ropes)
 
 
@@ -138,7 +138,7 @@ def _layer_form(layer) -> LayerForm | None:
 
 
 def _projections(layer, max_rows: int):
-    """Each projection's linears as (kind, (a, b, c), group, bias) for Stack.add_linear, or None where
+    """Each projection's linears as (kind, (a, b, c), group, outputs, bias) for Stack.add_linear, or None where
     one runs a kernel the stack does not call."""
     from kvserve.model.quant import KeptLinear
     a, mlp = layer.self_attn, layer.mlp
@@ -149,7 +149,7 @@ def _projections(layer, max_rows: int):
         forms = [m.native_form(max_rows) for m in members]
         if any(f is None for f in forms):
             return None
-        out.append([(kind, tensors, group, m.bias) for (kind, tensors, group), m in zip(forms, members)])
+        out.append([(kind, tensors, group, m.out_features, m.bias) for (kind, tensors, group), m in zip(forms, members)])
     return out
 
 

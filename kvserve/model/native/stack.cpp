@@ -34,15 +34,16 @@ c10::TypedOperatorHandle<Fn> op(const char* name) {
   return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Fn>();
 }
 
-using Q8g = Tensor(const Tensor&, const Tensor&, const Tensor&, const OptTensor&, int64_t);
+using Tiled = Tensor(const Tensor&, const Tensor&, const Tensor&, const OptTensor&, int64_t);
+using Q8g = Tensor(const Tensor&, const Tensor&, const Tensor&, const OptTensor&, int64_t, int64_t);
 using Half = Tensor(const Tensor&, const Tensor&, bool);
 using Decode = Tensor(const Tensor&, const Tensor&, const Tensor&, Tensor, Tensor, const Tensor&, const Tensor&,
                       const Tensor&, double);   // as kvserve_attn registers them: the pools by value
 
 // The ops, looked up once (their libraries are loaded before a Stack is built).
 struct Ops {
-  c10::TypedOperatorHandle<Q8g> q4g = op<Q8g>("kvserve_cpu::q4g_gemv");
-  c10::TypedOperatorHandle<Q8g> q5g = op<Q8g>("kvserve_cpu::q5g_gemv");
+  c10::TypedOperatorHandle<Tiled> q4g = op<Tiled>("kvserve_cpu::q4g_gemv");
+  c10::TypedOperatorHandle<Tiled> q5g = op<Tiled>("kvserve_cpu::q5g_gemv");
   c10::TypedOperatorHandle<Q8g> q8g = op<Q8g>("kvserve_cpu::q8g_gemv");
   c10::TypedOperatorHandle<Half> bf16 = op<Half>("kvserve_cpu::bf16_gemv");
   c10::TypedOperatorHandle<Half> f16 = op<Half>("kvserve_cpu::f16_gemv");
@@ -57,9 +58,10 @@ using Kernel = Tensor (*)(const Ops&, const Linear&, const Tensor&);
 // its kind names (picked once, in add_linear).
 struct Linear {
   Kernel kernel;
-  Tensor a, b;      // q4g / q5g: tiles, tile scales; q8g: codes, scales; 16-bit / float: weight
+  Tensor a, b;      // q4g / q5g / q8g: tiles, tile scales; 16-bit / float: weight
   OptTensor c;      // q4g / q5g / q8g: mins [K/group, N], or none (q4g / q5g: Q4_0's, Q5_0's centred codes)
-  int64_t group;    // q8g's group; q4g's / q5g's output channels
+  int64_t group;    // q8g's group
+  int64_t n;        // output channels (the tiles' last one may be padded)
   OptTensor bias;
 
   Tensor operator()(const Ops& ops, const Tensor& x) const {
@@ -69,9 +71,9 @@ struct Linear {
   }
 };
 
-Tensor q4g(const Ops& ops, const Linear& l, const Tensor& x) { return ops.q4g.call(x, l.a, l.b, l.c, l.group); }
-Tensor q5g(const Ops& ops, const Linear& l, const Tensor& x) { return ops.q5g.call(x, l.a, l.b, l.c, l.group); }
-Tensor q8g(const Ops& ops, const Linear& l, const Tensor& x) { return ops.q8g.call(x, l.a, l.b, l.c, l.group); }
+Tensor q4g(const Ops& ops, const Linear& l, const Tensor& x) { return ops.q4g.call(x, l.a, l.b, l.c, l.n); }
+Tensor q5g(const Ops& ops, const Linear& l, const Tensor& x) { return ops.q5g.call(x, l.a, l.b, l.c, l.n); }
+Tensor q8g(const Ops& ops, const Linear& l, const Tensor& x) { return ops.q8g.call(x, l.a, l.b, l.c, l.group, l.n); }
 Tensor bf16(const Ops& ops, const Linear& l, const Tensor& x) {
   return ops.bf16.call(x.to(at::kBFloat16), l.a, false).to(at::kFloat);
 }
@@ -286,13 +288,13 @@ struct Stack : torch::CustomClassHolder {
 
   // A linear of the last layer's projection `which` (qkv, o, gate_up, down), in order.
   void add_linear(const std::string& which, const std::string& kind, Tensor a, Tensor b, OptTensor c,
-                  int64_t group, OptTensor bias) {
+                  int64_t group, int64_t n, OptTensor bias) {
     TORCH_CHECK(!layers.empty(), "native stack: add_layer comes before add_linear");
     Layer& l = layers.back();
     Projection* p = which == "qkv" ? &l.qkv : which == "o" ? &l.o : which == "gate_up" ? &l.gate_up
                     : which == "down" ? &l.down : nullptr;
     TORCH_CHECK(p != nullptr, "native stack: no projection '", which, "'");
-    p->parts.push_back(Linear{kernel_of(kind), a, b, c, group, bias});
+    p->parts.push_back(Linear{kernel_of(kind), a, b, c, group, n, bias});
   }
 
   // x [R, H] float32 (R decode rows) through every layer -> [R, H]; the rotary tables (cos[i], sin[i]
