@@ -895,22 +895,32 @@ at::Tensor tile_gemv_meta(const at::Tensor& x, const at::Tensor& tiles, const at
 template <typename Tile, int Offset, typename S, typename O = float>
 void tile_widen_into(const at::Tensor& tiles, const at::Tensor& scales, const std::optional<at::Tensor>& mins,
                      int64_t n, int64_t k, int64_t group, O* wp) {
-  const int64_t blocks = k / kQBlock, groups = k / group;
+  const int64_t blocks = k / kQBlock, groups = k / group, per = kQBlock / group;
   const uint8_t* tp = tiles.const_data_ptr<uint8_t>();
   const S* sp = static_cast<const S*>(scales.const_data_ptr());
   const S* mp = mins ? static_cast<const S*>(mins->const_data_ptr()) : nullptr;
-  at::parallel_for(0, n * groups, 256, [&](int64_t g0, int64_t g1) {
-    for (int64_t cg = g0; cg < g1; ++cg) {
-      const int64_t ch = cg / groups, g = cg % groups, t = ch / kTile, b = g * group / kQBlock;
-      const int c = static_cast<int>(ch % kTile), first = static_cast<int>(g * group % kQBlock);
-      const uint8_t* block = tp + (t * blocks + b) * Tile::kBytes;
-      O* out = wp + cg * group;
-      const float scale = scale_value(sp[(t * groups + g) * kTile + c]);
-      const float min = mp ? scale_value(mp[g * n + ch]) : -static_cast<float>(Offset) * scale;
-      for (int i = 0; i < group; ++i) {
-        const float v = static_cast<float>(Tile::code(block, c, first + i)) * scale + min;
-        if constexpr (std::is_same_v<O, float>) out[i] = v;
-        else out[i] = kvserve::float_to_bf16(v);
+  // a tile's block at a time: each channel's 32 codes unpacked once (the input's position in the
+  // block a constant), then its outputs written in a row
+  at::parallel_for(0, tiles.size(0) * blocks, 16, [&](int64_t tb0, int64_t tb1) {
+    for (int64_t tb = tb0; tb < tb1; ++tb) {
+      const int64_t t = tb / blocks, b = tb % blocks;
+      const uint8_t* block = tp + tb * Tile::kBytes;
+      for (int c = 0; c < kTile && t * kTile + c < n; ++c) {
+        const int64_t ch = t * kTile + c;
+        float codes[kQBlock];
+#pragma GCC unroll 32
+        for (int i = 0; i < kQBlock; ++i) codes[i] = static_cast<float>(Tile::code(block, c, i));
+        for (int64_t j = 0; j < per; ++j) {
+          const int64_t g = b * per + j;
+          const float scale = scale_value(sp[(t * groups + g) * kTile + c]);
+          const float min = mp ? scale_value(mp[g * n + ch]) : -static_cast<float>(Offset) * scale;
+          O* out = wp + ch * k + g * group;
+          for (int64_t i = 0; i < group; ++i) {
+            const float v = codes[j * group + i] * scale + min;
+            if constexpr (std::is_same_v<O, float>) out[i] = v;
+            else out[i] = kvserve::float_to_bf16(v);
+          }
+        }
       }
     }
   });
