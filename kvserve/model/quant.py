@@ -656,17 +656,17 @@ class Int8GroupLinear(KeptLinear):
     fmt = "int8g"
 
     def __init__(self, groups: Int8Groups, bias: torch.Tensor | None = None, copies: bool = True,
-                 device: torch.device | None = None, tiles: tuple[torch.Tensor, torch.Tensor] | None = None):
-        """`device`: where the layer runs, default the codes'; `tiles`: the codes and scales already in
-        tiles (a tied head's, the embedding's own), `groups` then giving the shape, group and mins."""
+                 device: torch.device | None = None, held: tuple[torch.Tensor, torch.Tensor] | None = None):
+        """`device`: where the layer runs, default the codes'; `held`: the two tensors to keep as they
+        are (a tied head's: the embedding's own tiles), `groups` then giving the shape, group and mins."""
         super().__init__()
         self.copies = copies
         self._setup(groups.codes.shape, bias, device or groups.codes.device)
         self.group = groups.group
         scales = scale_tensor(groups.scales)
-        if tiles is None:
-            tiles = q8g_tiles(groups.codes.contiguous(), scales.contiguous(), self.group)
-        self._store(*tiles)
+        if held is None:
+            held = q8g_tiles(groups.codes.contiguous(), scales.contiguous(), self.group)
+        self._store(*held)
         # [K/G, N], the scales' dtype: the GEMV sums eight channels' mins at once
         self.register_buffer("mins_t", None if groups.mins is None else groups.mins.to(scales.dtype).t().contiguous())
         self.use_gemv(True)
@@ -771,7 +771,7 @@ class Int8CodesLinear(Int8GroupLinear):
     def __init__(self, groups: Int8Groups, bias: torch.Tensor | None = None, copies: bool = True,
                  device: torch.device | None = None):
         codes, scales = groups.codes.contiguous(), scale_tensor(groups.scales).contiguous()
-        super().__init__(groups, bias, copies, device, tiles=(codes, scales))
+        super().__init__(groups, bias, copies, device, held=(codes, scales))
 
     def _store(self, codes: torch.Tensor, scales: torch.Tensor) -> None:
         self.register_buffer("codes", codes)
@@ -1020,7 +1020,7 @@ class TiledEmbedding(GroupEmbedding):
 
     def tied_head(self, device: torch.device | None) -> KeptLinear:
         return Int8GroupLinear(self.groups(), None, copies=False, device=device or self.tiles.device,
-                               tiles=(self.tiles, self.tile_scales))
+                               held=(self.tiles, self.tile_scales))
 
 
 def group_embedding(groups: Int8Groups, device: torch.device) -> GroupEmbedding:
