@@ -575,16 +575,24 @@ class Int4GroupLinear(PackedGroupLinear):
         return ("q4g", (self.tiles, self.tile_scales, self.mins), 0) if self.runs(type(self).gemv_kernel, rows) else None
 
 
-TILE = 16   # output channels a q4g tile holds
+TILE = 16   # output channels a tile of the C++ GEMVs' codes holds
+# bytes a tile holds for a block of 32 inputs, per op (gemv.cpp's NibbleTile, FiveBitTile, ByteTile)
+TILE_BYTES = {"q4g": 256, "q5g": 320, "q8g": 512}
+
+
+def meta_tiles(op: str, codes: torch.Tensor, scales: torch.Tensor, group: int = GROUP_SIZE):
+    """The shapes of `op`'s tiles and tile scales for codes [N, K] on the meta device (a weight-cache
+    build: the ops' meta path imports torch._dynamo)."""
+    n, k = codes.shape
+    t = -(-n // TILE)
+    return (torch.empty((t, k // GROUP_SIZE, TILE_BYTES[op]), dtype=torch.uint8, device="meta"),
+            torch.empty((t, k // group, TILE), dtype=scales.dtype, device="meta"))
 
 
 def q4g_tiles(codes: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """4-bit codes [N, K] and float16 scales [N, K/32] as q4g_gemv's tiles and tile scales."""
-    n, k = codes.shape
-    if codes.is_meta:   # a weight-cache build: the shapes (the ops' meta path imports torch._dynamo)
-        t = -(-n // TILE)
-        return (torch.empty((t, k // GROUP_SIZE, 256), dtype=torch.uint8, device="meta"),
-                torch.empty((t, k // GROUP_SIZE, TILE), dtype=torch.float16, device="meta"))
+    if codes.is_meta:
+        return meta_tiles("q4g", codes, scales)
     return torch.ops.kvserve_cpu.q4g_tile(gguf_nibbles(codes), scales.contiguous())
 
 
@@ -795,13 +803,9 @@ def tile_rows(tiles: torch.Tensor, tile_scales: torch.Tensor, rows: torch.Tensor
 
 
 def q8g_tiles(codes: torch.Tensor, scales: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """int8 codes [N, K] and scales [N, K/group] as q8g_gemv's tiles and tile scales; on the meta device
-    (a weight-cache build) only the shapes."""
-    n, k = codes.shape
+    """int8 codes [N, K] and scales [N, K/group] as q8g_gemv's tiles and tile scales."""
     if codes.is_meta:
-        t = -(-n // TILE)
-        return (torch.empty((t, k // GROUP_SIZE, Q8G_TILE_BYTES), dtype=torch.uint8, device="meta"),
-                torch.empty((t, k // group, TILE), dtype=scales.dtype, device="meta"))
+        return meta_tiles("q8g", codes, scales, group)
     return torch.ops.kvserve_cpu.q8g_tile(codes, scales, group)
 
 
@@ -850,8 +854,6 @@ class Int5GroupLinear(PackedGroupLinear):
 
 
 FIVE_BITS = 5
-Q5G_TILE_BYTES = 320   # a tile's 16 channels' 5-bit codes for a group of 32 inputs (gemv.cpp's FiveBitTile)
-Q8G_TILE_BYTES = 512   # a tile's 16 channels' int8 codes for a block of 32 inputs (gemv.cpp's ByteTile)
 
 
 def five_bit_layer(groups: Int8Groups, device: torch.device) -> bool:
@@ -861,13 +863,9 @@ def five_bit_layer(groups: Int8Groups, device: torch.device) -> bool:
 
 
 def q5g_tiles(codes: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """5-bit codes [N, K] (0..31) and scales [N, K/32] as q5g_gemv's tiles and tile scales; on the meta
-    device (a weight-cache build) only the shapes."""
-    n, k = codes.shape
+    """5-bit codes [N, K] (0..31) and scales [N, K/32] as q5g_gemv's tiles and tile scales."""
     if codes.is_meta:
-        t = -(-n // TILE)
-        return (torch.empty((t, k // GROUP_SIZE, Q5G_TILE_BYTES), dtype=torch.uint8, device="meta"),
-                torch.empty((t, k // GROUP_SIZE, TILE), dtype=scales.dtype, device="meta"))
+        return meta_tiles("q5g", codes, scales)
     return torch.ops.kvserve_cpu.q5g_tile(codes.to(torch.uint8).contiguous(), scales.contiguous())
 
 
