@@ -149,9 +149,9 @@ def test_without_mins_the_4_and_5_bit_codes_are_centred(rows, n, k):
     codes5 = torch.randint(0, 32, (n, k), generator=g, dtype=torch.uint8)
     scales5 = (torch.rand(n, k // 32, generator=g) * 0.02 + 1e-3).half()
     for name, (gemv, dequantize), codes, stored, scales, offset in [
-            ("q4g", (lambda x, *w: ops.q4g_gemv(x, *w, n), lambda *w: ops.q4g_dequantize(*w, n)), codes4,
+            ("q4g", (lambda x, *w: ops.q4g_gemv(x, *w, n), lambda *w: ops.q4g_dequantize(*w, n, torch.float32)), codes4,
              tiled, scales4, 8),
-            ("q5g", (lambda x, *w: ops.q5g_gemv(x, *w, n), lambda *w: ops.q5g_dequantize(*w, n)), codes5,
+            ("q5g", (lambda x, *w: ops.q5g_gemv(x, *w, n), lambda *w: ops.q5g_dequantize(*w, n, torch.float32)), codes5,
              ops.q5g_tile(codes5, scales5), scales5, 16)]:
         w = ((codes.double() - offset).view(n, k // 32, 32) * scales.double()[..., None]).view(n, k)
         got = gemv(x, *stored, None)
@@ -196,7 +196,7 @@ def _check_q5g(rows: int, n: int, k: int) -> None:
         assert (got.double() - want).abs().max() <= 1e-5 * want.abs().max(), case
         got16 = ops.q5g_gemv(x.bfloat16(), *tiled, mins_t, n)
         assert torch.equal(got16, ops.q5g_gemv(x.bfloat16().float(), *tiled, mins_t, n).bfloat16()), case
-        wide = ops.q5g_dequantize(*tiled, mins_t, n)   # a product and a sum, fused or not
+        wide = ops.q5g_dequantize(*tiled, mins_t, n, torch.float32)   # a product and a sum, fused or not
         terms = codes.double().view(n, k // 32, 32) * scales.double()[..., None] - mins.double()[..., None]
         assert ((wide.double() - w).abs() <= 2**-23 * terms.abs().view(n, k)).all(), case
 
@@ -228,11 +228,11 @@ def test_the_tiles_keep_every_code_and_refuse_wider_ones():
     n, k = 37, 64
     ones, zeros = torch.ones(n, k // 32), torch.zeros(k // 32, n)
     codes5 = torch.randint(0, 32, (n, k), generator=g, dtype=torch.uint8)
-    assert torch.equal(ops.q5g_dequantize(*ops.q5g_tile(codes5, ones), zeros, n), codes5.float())
-    assert torch.equal(ops.q5g_dequantize(*ops.q5g_tile(codes5, ones.half()), zeros.half(), n), codes5.float())
+    assert torch.equal(ops.q5g_dequantize(*ops.q5g_tile(codes5, ones), zeros, n, torch.float32), codes5.float())
+    assert torch.equal(ops.q5g_dequantize(*ops.q5g_tile(codes5, ones.half()), zeros.half(), n, torch.float32), codes5.float())
     codes4 = codes5 % 16
     tiled4 = ops.q4g_tile(gguf_nibbles(codes4), ones.half())
-    assert torch.equal(ops.q4g_dequantize(*tiled4, zeros.half(), n), codes4.float())
+    assert torch.equal(ops.q4g_dequantize(*tiled4, zeros.half(), n, torch.float32), codes4.float())
     with pytest.raises(RuntimeError, match="codes must lie in 0..31, got 32"):
         ops.q5g_tile(torch.full((16, 32), 32, dtype=torch.uint8), torch.ones(16, 1))
     with pytest.raises(RuntimeError, match=r"uint8 tiles \[N/16, K/32, 320\] expected"):
@@ -427,6 +427,35 @@ def test_q8g_gemv_in_a_compiled_graph_gives_eager_results():
     assert torch.equal(compiled(x), f(x))
 
 
+def test_widening_to_bfloat16_rounds_the_float32_weight():
+    """q4g / q5g / q8g dequantized to bfloat16 are their float32 weights rounded to nearest even (torch's
+    own rounding) at every channel and input: a padded last tile, groups of 16 and 32, with and without
+    mins, float16 and float32 scales; another dtype is refused with what to ask for."""
+    assert cpu.available()
+    ops = torch.ops.kvserve_cpu
+    g = torch.Generator().manual_seed(12)
+    n, k = 37, 96
+    _, tiled4, _, _, mins4 = _q4g_operands(n, k, g)
+    _, tiled5, _, mins5 = _q5g_operands(n, k, g, False)
+    codes8 = torch.randint(-128, 128, (n, k), generator=g, dtype=torch.int8)
+    scales8 = torch.rand(n, k // 16, generator=g) * 0.02 + 1e-3
+    tiled8 = ops.q8g_tile(codes8, scales8.half(), 16)
+    mins8 = (-scales8[:, ::2] * 3).t().contiguous()
+    widen = {"q4g": lambda m, d: ops.q4g_dequantize(*tiled4, m, n, d),
+             "q5g": lambda m, d: ops.q5g_dequantize(*tiled5, m, n, d),
+             "q8g-16": lambda m, d: ops.q8g_dequantize(*tiled8, m if m is None else m.half(), 16, n, d),
+             "q8g-32": lambda m, d: ops.q8g_dequantize(*ops.q8g_tile(codes8, scales8[:, ::2].contiguous(), 32),
+                                                       m, 32, n, d)}
+    mins = {"q4g": mins4, "q5g": mins5.t().contiguous(), "q8g-16": torch.cat([mins8, mins8]), "q8g-32": mins8}
+    for name, f in widen.items():
+        for m in (mins[name], None):
+            wide = f(m, torch.float32)
+            assert wide.dtype == torch.float32 and wide.shape == (n, k)
+            assert torch.equal(f(m, torch.bfloat16), wide.to(torch.bfloat16)), name
+        with pytest.raises(RuntimeError, match="float32 or bfloat16 out, not Half"):
+            f(None, torch.float16)
+
+
 NARROW_CHECKS = """
 import torch
 from kvserve import native
@@ -448,6 +477,7 @@ for rows in (1, 3, 5):
 t.test_q4g_rows_do_not_depend_on_the_row_count()
 t.test_q5g_rows_do_not_depend_on_the_row_count()
 t.test_the_tiles_keep_every_code_and_refuse_wider_ones()
+t.test_widening_to_bfloat16_rounds_the_float32_weight()
 pa.test_cpu_kernel_equals_attention_formula(64, 3, 9)
 pa.test_cpu_kernel_float32_queries_over_bfloat16_pools(4, 64)
 print(cpu.library())

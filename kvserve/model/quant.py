@@ -561,8 +561,9 @@ class Int4GroupLinear(PackedGroupLinear):
         return self.tile_scales.permute(0, 2, 1).reshape(t * TILE, blocks)[:self.out_features]
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        wide = dtype if dtype in WIDE_DTYPES else torch.float32
         return torch.ops.kvserve_cpu.q4g_dequantize(self.tiles, self.tile_scales, self.mins,
-                                                    self.out_features).to(dtype)
+                                                    self.out_features, wide).to(dtype)
 
     def q4g_gemv(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype not in GEMV_DTYPES:
@@ -576,6 +577,7 @@ class Int4GroupLinear(PackedGroupLinear):
 
 
 TILE = 16   # output channels a tile of the C++ GEMVs' codes holds
+WIDE_DTYPES = (torch.float32, torch.bfloat16)   # what the C++ dequantizers write
 # bytes a tile holds for a block of 32 inputs, per op (gemv.cpp's NibbleTile, FiveBitTile, ByteTile)
 TILE_BYTES = {"q4g": 256, "q5g": 320, "q8g": 512}
 
@@ -837,8 +839,9 @@ class Int5GroupLinear(PackedGroupLinear):
         self.pick_kernels()
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        wide = dtype if dtype in WIDE_DTYPES else torch.float32
         return torch.ops.kvserve_cpu.q5g_dequantize(self.tiles, self.tile_scales, self.mins_t,
-                                                    self.out_features).to(dtype)
+                                                    self.out_features, wide).to(dtype)
 
     def q5g_gemv(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype not in GEMV_DTYPES:

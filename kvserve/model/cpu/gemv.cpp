@@ -19,12 +19,13 @@
 //   q4g_gemv(x [M, K] float32|bfloat16, tiles, tile scales, mins [K/32, N] float16 or None, int N)
 //            -> [M, N] in x's dtype: w = code * scale + min, or without mins (Q4_0's form)
 //     w = (code - 8) * scale.
-//   q4g_dequantize(tiles, tile scales, mins, N) -> W [N, K] float32.
+//   q4g_dequantize(tiles, tile scales, mins, N, dtype) -> W [N, K] float32 or bfloat16 (the
+//     weight of a many-row step; the dequantizers transpose a tile's block in registers).
 //   q5g_tile(codes [N, K] uint8 0..31, scales [N, K/32] float16 or float32) -> (tiles
 //            [ceil(N/16), K/32, 320] uint8, tile scales [ceil(N/16), K/32, 16]): 5-bit codes in tiles.
 //   q5g_gemv(x, tiles, tile scales, mins [K/32, N] of the scales' dtype or None, int N) -> [M, N]
 //     in x's dtype: w = code * scale + min, or without mins (Q5_0's form) w = (code - 16) * scale;
-//     q5g_dequantize(tiles, tile scales, mins, N).
+//     q5g_dequantize(tiles, tile scales, mins, N, dtype).
 // q8g, q5g and q4g quantize x to int16 per block of 32 and multiply in integers ("Integer products"
 // below); their rows never depend on the call's row count or thread count. int8, bfloat16 and
 // float16: sixteen output channels at a time: each channel's dot product runs along K with several
@@ -889,6 +890,40 @@ at::Tensor tile_gemv_meta(const at::Tensor& x, const at::Tensor& tiles, const at
   return at::empty_symint({x.sym_size(0), c10::SymInt(n)}, x.options());
 }
 
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+// 16 x 16 dwords transposed in registers: dword c of r[m] moves to dword m of r[c].
+inline void transpose16(__m512i r[16]) {
+  __m512i t[16];
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 16; i += 4) {
+    r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+    r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+    r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+    r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+  }
+  for (int h = 0; h < 16; h += 8)
+    for (int i = 0; i < 4; ++i) {
+      t[h + i] = _mm512_shuffle_i32x4(r[h + i], r[h + i + 4], 0x88);
+      t[h + i + 4] = _mm512_shuffle_i32x4(r[h + i], r[h + i + 4], 0xdd);
+    }
+  for (int i = 0; i < 8; ++i) {
+    r[i] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0x88);
+    r[i + 8] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0xdd);
+  }
+}
+
+inline void store_wide(float* out, __m512 v) { _mm512_storeu_ps(out, v); }
+inline void store_wide(uint16_t* out, __m512 v) {   // bfloat16, rounded to nearest even as float_to_bf16
+  const __m512i bits = _mm512_castps_si512(v);
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  const __m512i up = _mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF)));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), _mm512_cvtepi32_epi16(_mm512_srli_epi32(up, 16)));
+}
+#endif
+
 // W [n, K] as O (float32, or bfloat16 rounded to nearest even) from the tiles: code * scale + min,
 // or (code - Offset) * scale written as code * scale - Offset * scale; groups of G inputs. The
 // weight of a step with more rows than the GEMV serves.
@@ -899,22 +934,45 @@ void tile_widen_into(const at::Tensor& tiles, const at::Tensor& scales, const st
   const uint8_t* tp = tiles.const_data_ptr<uint8_t>();
   const S* sp = static_cast<const S*>(scales.const_data_ptr());
   const S* mp = mins ? static_cast<const S*>(mins->const_data_ptr()) : nullptr;
-  // a tile's block at a time: each channel's 32 codes unpacked once (the input's position in the
-  // block a constant), then its outputs written in a row
+  // the scale and min of channel ch (tile t, its channel c) for group g
+  auto scale_min = [&](int64_t t, int c, int64_t ch, int64_t g, float& scale, float& min) {
+    scale = scale_value(sp[(t * groups + g) * kTile + c]);
+    min = mp ? scale_value(mp[g * n + ch]) : -static_cast<float>(Offset) * scale;
+  };
   at::parallel_for(0, tiles.size(0) * blocks, 16, [&](int64_t tb0, int64_t tb1) {
     for (int64_t tb = tb0; tb < tb1; ++tb) {
       const int64_t t = tb / blocks, b = tb % blocks;
       const uint8_t* block = tp + tb * Tile::kBytes;
-      for (int c = 0; c < kTile && t * kTile + c < n; ++c) {
+      const int channels = static_cast<int>(std::min<int64_t>(kTile, n - t * kTile));
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+      // the tile's quads as 16 x 16 dwords (register 2j + h: inputs 4j + 2h, +1 of the 16 channels),
+      // transposed so that register c holds channel c's 32 codes in input order
+      __m512i r[16];
+      for (int j = 0; j < 8; ++j) Tile::quad(block, j, r[2 * j], r[2 * j + 1]);
+      transpose16(r);
+      for (int c = 0; c < channels; ++c) {
+        const int64_t ch = t * kTile + c;
+        O* out = wp + ch * k + b * kQBlock;
+        for (int half = 0; half < 2; ++half) {   // inputs 16 half .. 16 half + 15: one group of 16
+          float scale, min;
+          scale_min(t, c, ch, b * per + half * per / 2, scale, min);
+          const __m256i codes = half ? _mm512_extracti64x4_epi64(r[c], 1) : _mm512_castsi512_si256(r[c]);
+          const __m512 v = _mm512_cvtepi32_ps(_mm512_cvtepi16_epi32(codes));
+          store_wide(out + 16 * half, _mm512_fmadd_ps(v, _mm512_set1_ps(scale), _mm512_set1_ps(min)));
+        }
+      }
+#else
+      // each channel's 32 codes unpacked once (the input's position in the block a constant), then
+      // its outputs written in a row
+      for (int c = 0; c < channels; ++c) {
         const int64_t ch = t * kTile + c;
         float codes[kQBlock];
 #pragma GCC unroll 32
         for (int i = 0; i < kQBlock; ++i) codes[i] = static_cast<float>(Tile::code(block, c, i));
         for (int64_t j = 0; j < per; ++j) {
-          const int64_t g = b * per + j;
-          const float scale = scale_value(sp[(t * groups + g) * kTile + c]);
-          const float min = mp ? scale_value(mp[g * n + ch]) : -static_cast<float>(Offset) * scale;
-          O* out = wp + ch * k + g * group;
+          float scale, min;
+          scale_min(t, c, ch, b * per + j, scale, min);
+          O* out = wp + ch * k + (b * per + j) * group;
           for (int64_t i = 0; i < group; ++i) {
             const float v = codes[j * group + i] * scale + min;
             if constexpr (std::is_same_v<O, float>) out[i] = v;
@@ -922,34 +980,39 @@ void tile_widen_into(const at::Tensor& tiles, const at::Tensor& scales, const st
           }
         }
       }
+#endif
     }
   });
 }
 
+// W [n, K] in float32 or bfloat16 (rounded to nearest even).
 template <typename Tile, int Offset, typename S>
-at::Tensor tile_widen(const at::Tensor& tiles, const at::Tensor& scales, const std::optional<at::Tensor>& mins,
-                      int64_t n, int64_t k) {
-  at::Tensor w = at::empty({n, k}, tiles.options().dtype(at::kFloat));
-  tile_widen_into<Tile, Offset, S>(tiles, scales, mins, n, k, kQBlock, w.data_ptr<float>());
+at::Tensor tile_widen(const char* op, const at::Tensor& tiles, const at::Tensor& scales,
+                      const std::optional<at::Tensor>& mins, int64_t n, int64_t k, int64_t group, at::ScalarType dtype) {
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, op, ": float32 or bfloat16 out, not ", dtype);
+  at::Tensor w = at::empty({n, k}, tiles.options().dtype(dtype));
+  if (dtype == at::kFloat) tile_widen_into<Tile, Offset, S>(tiles, scales, mins, n, k, group, w.data_ptr<float>());
+  else tile_widen_into<Tile, Offset, S>(tiles, scales, mins, n, k, group, static_cast<uint16_t*>(w.data_ptr()));
   return w;
 }
 
 at::Tensor q4g_dequantize(const at::Tensor& tiles, const at::Tensor& scales, const std::optional<at::Tensor>& mins,
-                          int64_t n) {
+                          int64_t n, at::ScalarType dtype) {
   const int64_t k = check_tiles("q4g_dequantize", tiles, NibbleTile::kBytes, scales, false, mins, n);
-  return tile_widen<NibbleTile, 8, uint16_t>(tiles, scales, mins, n, k);
+  return tile_widen<NibbleTile, 8, uint16_t>("q4g_dequantize", tiles, scales, mins, n, k, kQBlock, dtype);
 }
 
 at::Tensor q5g_dequantize(const at::Tensor& tiles, const at::Tensor& scales, const std::optional<at::Tensor>& mins,
-                          int64_t n) {
+                          int64_t n, at::ScalarType dtype) {
   const int64_t k = check_tiles("q5g_dequantize", tiles, FiveBitTile::kBytes, scales, true, mins, n);
-  if (scales.scalar_type() == at::kHalf) return tile_widen<FiveBitTile, 16, uint16_t>(tiles, scales, mins, n, k);
-  return tile_widen<FiveBitTile, 16, float>(tiles, scales, mins, n, k);
+  if (scales.scalar_type() == at::kHalf)
+    return tile_widen<FiveBitTile, 16, uint16_t>("q5g_dequantize", tiles, scales, mins, n, k, kQBlock, dtype);
+  return tile_widen<FiveBitTile, 16, float>("q5g_dequantize", tiles, scales, mins, n, k, kQBlock, dtype);
 }
 
 at::Tensor tile_dequantize_meta(const at::Tensor& tiles, const at::Tensor& scales,
-                                const std::optional<at::Tensor>& mins, int64_t n) {
-  return at::empty_symint({c10::SymInt(n), tiles.sym_size(1) * kQBlock}, tiles.options().dtype(at::kFloat));
+                                const std::optional<at::Tensor>& mins, int64_t n, at::ScalarType dtype) {
+  return at::empty_symint({c10::SymInt(n), tiles.sym_size(1) * kQBlock}, tiles.options().dtype(dtype));
 }
 
 // int8 codes [N, K] and scales [N, K/group] (float16 or float32) -> byte tiles [T, K/32, 512], scales
@@ -983,19 +1046,10 @@ at::Tensor q8g_gemv(const at::Tensor& x, const at::Tensor& tiles, const at::Tens
 at::Tensor q8g_dequantize(const at::Tensor& tiles, const at::Tensor& scales, const std::optional<at::Tensor>& mins,
                           int64_t group, int64_t n, at::ScalarType dtype) {
   TORCH_CHECK(group == 16 || group == 32, "q8g_dequantize: group must be 16 or 32, got ", group);
-  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "q8g_dequantize: float32 or bfloat16 out, not ", dtype);
   const int64_t k = check_tiles("q8g_dequantize", tiles, ByteTile::kBytes, scales, true, mins, n, group);
-  at::Tensor w = at::empty({n, k}, tiles.options().dtype(dtype));
-  const bool half = scales.scalar_type() == at::kHalf;
-  if (dtype == at::kFloat) {
-    if (half) tile_widen_into<ByteTile, 0, uint16_t>(tiles, scales, mins, n, k, group, w.data_ptr<float>());
-    else tile_widen_into<ByteTile, 0, float>(tiles, scales, mins, n, k, group, w.data_ptr<float>());
-  } else {
-    uint16_t* wp = static_cast<uint16_t*>(w.data_ptr());
-    if (half) tile_widen_into<ByteTile, 0, uint16_t>(tiles, scales, mins, n, k, group, wp);
-    else tile_widen_into<ByteTile, 0, float>(tiles, scales, mins, n, k, group, wp);
-  }
-  return w;
+  if (scales.scalar_type() == at::kHalf)   // float16 scales (and mins): 2 bytes a group
+    return tile_widen<ByteTile, 0, uint16_t>("q8g_dequantize", tiles, scales, mins, n, k, group, dtype);
+  return tile_widen<ByteTile, 0, float>("q8g_dequantize", tiles, scales, mins, n, k, group, dtype);
 }
 
 at::Tensor q8g_dequantize_meta(const at::Tensor& tiles, const at::Tensor& scales, const std::optional<at::Tensor>& mins,
@@ -1027,10 +1081,10 @@ TORCH_LIBRARY(kvserve_cpu, m) {
   m.def("q8g_dequantize(Tensor tiles, Tensor scales, Tensor? mins, int group, int n, ScalarType dtype) -> Tensor");
   m.def("q4g_tile(Tensor nibbles, Tensor scales) -> (Tensor, Tensor)");
   m.def("q4g_gemv(Tensor x, Tensor tiles, Tensor scales, Tensor? mins, int n) -> Tensor");
-  m.def("q4g_dequantize(Tensor tiles, Tensor scales, Tensor? mins, int n) -> Tensor");
+  m.def("q4g_dequantize(Tensor tiles, Tensor scales, Tensor? mins, int n, ScalarType dtype) -> Tensor");
   m.def("q5g_tile(Tensor codes, Tensor scales) -> (Tensor, Tensor)");
   m.def("q5g_gemv(Tensor x, Tensor tiles, Tensor scales, Tensor? mins, int n) -> Tensor");
-  m.def("q5g_dequantize(Tensor tiles, Tensor scales, Tensor? mins, int n) -> Tensor");
+  m.def("q5g_dequantize(Tensor tiles, Tensor scales, Tensor? mins, int n, ScalarType dtype) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(kvserve_cpu, CPU, m) {
