@@ -15,7 +15,7 @@ from kvserve import native
 from kvserve.model import cpu
 from kvserve.model.quant import (
     GEMV_ROWS,
-    INT4_WIDE_ROWS,
+    TILE_ROWS,
     Int4GroupLinear,
     cpu_int4_rows,
     gguf_nibbles,
@@ -582,7 +582,7 @@ def test_layers_use_the_gemv_for_few_rows_and_match_torchs_path(fmt):
     q = make_linear(w, b, fmt)
     assert q.gemv
     dtype = torch.bfloat16 if fmt == "bfloat16" else torch.float32
-    for rows in sorted({1, 2, {"int8": 16, "int4": INT4_WIDE_ROWS}.get(fmt) or GEMV_ROWS[fmt]}):
+    for rows in sorted({1, 2, {"int8": 16, "int4": TILE_ROWS}.get(fmt) or GEMV_ROWS[fmt]}):
         x = torch.randn(rows, 96, generator=g).to(dtype)
         with torch.profiler.profile() as prof:
             fast = q(x)

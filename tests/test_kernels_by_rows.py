@@ -135,14 +135,15 @@ def test_int4_rows_that_do_not_tile_torchs_layout_keep_nibbles(monkeypatch):
 
 
 def test_int8_groups():
-    """1-16 rows: the C++ q8g GEMV (torch's formula without it); more: the bfloat16 copy, 16 rows at a
-    time on the GEMV for a layer without copies (a tied head), else the widened weight."""
+    """1-128 rows: the C++ q8g GEMV, then the widened weight, or 128 rows at a time on the GEMV for a
+    layer without copies (a tied head); with a bfloat16 copy 1-16 rows on the GEMV, more on the copy;
+    without the GEMV torch's formula for 1-16 rows."""
     layer = make_linear(groups(), None, "int8g")
-    assert picked(layer) == ranges((16, "q8g_gemv"), (None, "widened"))
+    assert picked(layer) == ranges((128, "q8g_gemv"), (None, "widened"))
     layer.add_bf16_copy()
     assert picked(layer) == ranges((16, "q8g_gemv"), (None, "bf16_copy"))
     head = make_linear(groups(), None, "int8g", copies=False)
-    assert picked(head) == ranges((16, "q8g_gemv"), (None, "gemv_chunks"))
+    assert picked(head) == ranges((128, "q8g_gemv"), (None, "gemv_chunks"))
     head.use_gemv(False)
     assert picked(head) == ranges((16, "q8g_torch"), (None, "widened"))
 
@@ -196,10 +197,10 @@ def test_every_int8_group_kernel_computes_x_w_t(kind, copies, copy):
     if copy:
         layer.add_bf16_copy()
     w = layer.dequantize().double()
-    wide_bf16 = copy or (copies and layer.bf16_units)   # copies=False: the head, on the GEMV 16 rows at a time
-    for rows in (1, 16, 17, 40):
+    wide_bf16 = copy or (copies and layer.bf16_units)   # copies=False: the head, on the GEMV 128 rows at a time
+    for rows in (1, 16, 17, 40, 129):
         x = torch.randn(rows, layer.in_features, generator=torch.Generator().manual_seed(rows))
-        rel = 2 ** -7 if wide_bf16 and rows > 16 else 1e-5
+        rel = 2 ** -7 if wide_bf16 and rows > (16 if copy else 128) else 1e-5
         err = (layer(x).double() - x.double() @ w.t()).abs()
         assert (err <= rel * (x.double().abs() @ w.abs().t()) + 1e-30).all(), (rows, kind)
 

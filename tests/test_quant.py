@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from kvserve.model import quant
-from kvserve.model.quant import GROUP_SIZE, INT4_WIDE_ROWS, F16Linear, Int4GroupLinear, make_linear
+from kvserve.model.quant import GROUP_SIZE, TILE_ROWS, F16Linear, Int4GroupLinear, make_linear
 
 
 def _layer(fmt, n=96, k=128, bias=True, seed=0):
@@ -30,7 +30,7 @@ def test_dequantized_weight_is_within_half_a_step(fmt, n):
 
 @pytest.mark.parametrize("fmt,n", [("float32", 96), ("bfloat16", 96), ("float16", 96), ("int8", 96),
                                    ("int4", 96), ("int4", 128)])
-@pytest.mark.parametrize("rows", [1, 5, 16, 17, 64, INT4_WIDE_ROWS + 3])
+@pytest.mark.parametrize("rows", [1, 5, 16, 17, 64, TILE_ROWS + 3])
 def test_kernel_matches_the_dequantized_reference(fmt, n, rows):
     """Each kernel (int8 small-row kernel, widened path, int4 kernel) computes x W^T + b for the stored W."""
     w, b, q = _layer(fmt, n=n)
@@ -51,7 +51,7 @@ def test_widened_paths_give_each_row_the_result_it_gets_alone(fmt, monkeypatch):
     (its int16-quantized row) is within 1e-4 of the largest value of the exact product it gets with many."""
     monkeypatch.setattr(quant, "_native_half_cpu", lambda: False)
     w, b, q = _layer(fmt, n=128)
-    x = torch.randn(INT4_WIDE_ROWS + 3, w.shape[1], generator=torch.Generator().manual_seed(2))
+    x = torch.randn(TILE_ROWS + 3, w.shape[1], generator=torch.Generator().manual_seed(2))
     alone = torch.cat([q(x[i:i + 1]) for i in range(len(x))])
     together = q(x)
     if fmt == "int4":
@@ -64,12 +64,12 @@ def test_widened_paths_give_each_row_the_result_it_gets_alone(fmt, monkeypatch):
 
 
 def test_int4_many_rows_run_a_bfloat16_matmul_where_the_cpu_has_bfloat16_units(monkeypatch):
-    """With bfloat16 units, a step of more than INT4_WIDE_ROWS rows multiplies in bfloat16 by the
+    """With bfloat16 units, a step of more than TILE_ROWS rows multiplies in bfloat16 by the
     dequantized weight rounded to bfloat16: within a bfloat16 step (of the largest output) of the
     exact product and of each row's one-row result (the GEMV's int16 rows: within 1e-4)."""
     monkeypatch.setattr(quant, "_native_half_cpu", lambda: True)
     w, b, q = _layer("int4", n=128)
-    x = torch.randn(INT4_WIDE_ROWS + 3, w.shape[1], generator=torch.Generator().manual_seed(2))
+    x = torch.randn(TILE_ROWS + 3, w.shape[1], generator=torch.Generator().manual_seed(2))
     together = q(x)
     w_bf16 = q.dequantize().to(torch.bfloat16)
     assert torch.equal(together, torch.nn.functional.linear(x.to(torch.bfloat16), w_bf16).float() + b)

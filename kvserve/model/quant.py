@@ -16,15 +16,15 @@ its GEMVs are switched (`use_gemv`). `make_linear` picks the class from the form
 - `Int4GroupLinear` (int4 on a CPU with kvserve's ops: GGUF's nibble order, a float16 scale and min
   per group of GROUP_SIZE inputs: Q4_0 / Q4_1 exactly, Q4_K's sub-blocks rounded): the C++
   `q4g_gemv` (rows quantized to int16 per group, integer dot products, row results independent of
-  the row count) up to INT4_WIDE_ROWS rows, then the weight dequantized for a float32 matmul.
+  the row count) up to TILE_ROWS rows, then the weight dequantized for a float32 matmul.
 - `Int4PackedLinear` / `Int4NibbleLinear` (`Int4Linear`: bfloat16 scale and zero per group): on a
   CPU without kvserve's ops torch's packed layout (`_weight_int4pack_mm_for_cpu` up to
-  INT4_WIDE_ROWS, then the unpacked weight); off the CPU nibbles unpacked inside the matmul.
+  TILE_ROWS, then the unpacked weight); off the CPU nibbles unpacked inside the matmul.
 - `Int8GroupLinear` (int8 codes in groups of 32 or 16 with float16 scales and mins where the file
   stores them so, else float32: GGUF's Q8_0 / Q5_* / Q6_K, exact): the C++ `q8g_gemv` (integer
-  products, as q4g) up to SMALL_ROWS rows, then widened (`q8g_dequantize`).
+  products, as q4g) up to TILE_ROWS rows, then widened (`q8g_dequantize`).
 - `Int5GroupLinear` (the 5-bit types Q5_0 / Q5_1 / Q5_K on a CPU with kvserve's ops: 20 bytes a group
-  of 32 and the file's scales and mins): the C++ `q5g_gemv` up to INT4_WIDE_ROWS rows, then the
+  of 32 and the file's scales and mins): the C++ `q5g_gemv` up to TILE_ROWS rows, then the
   weight dequantized for a float32 matmul.
 With a bfloat16 copy (the engine's bf16_weight_copy) int8 / int4 steps of more than COPY_ROWS rows,
 int8-group steps of more than SMALL_ROWS, run one bfloat16 GEMM on it.
@@ -59,8 +59,8 @@ FLOAT_FORMATS = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16"
 GROUP_SIZE = 32
 INT8_KERNEL_K = 16       # the CPU int8 kernel needs in_features in multiples of 16 (else: widened path)
 SMALL_ROWS = 16          # int8 on CPU: rows up to this use the int8 kernel, more use a widened weight
-INT4_WIDE_ROWS = 128     # int4 on CPU: rows up to this use the C++ GEMV (torch's int4 kernel without it), more
-                         # dequantize the weight for a float32 matmul (prefill)
+TILE_ROWS = 128          # GGUF group codes on CPU (the tiled C++ GEMVs q4g / q5g / q8g; torch's int4 kernel
+                         # without them): rows up to this run them, more widen the weight for one matmul
 COPY_ROWS = 12           # with a bfloat16 copy: more rows than this read it
 GEMV_ROWS = {"bfloat16": 8, "float16": 8}   # 16-bit weights on CPU: rows up to this use the C++ GEMV
 HALF_WIDE_ROWS = 16      # 16-bit weights on a CPU without 16-bit units: more rows widen to float32
@@ -432,7 +432,7 @@ class Int4Linear(KeptLinear):
 
 class Int4PackedLinear(Int4Linear):
     """int4 in torch's CPU packed layout (rows a multiple of CPU_INT4_ROWS), where kvserve's C++ ops
-    are not built: `_weight_int4pack_mm_for_cpu` (bfloat16 activations) up to INT4_WIDE_ROWS rows;
+    are not built: `_weight_int4pack_mm_for_cpu` (bfloat16 activations) up to TILE_ROWS rows;
     more rows (a prefill chunk) unpack the weight once and run a bfloat16 matmul where the CPU has
     bfloat16 units (the weight rounded to bfloat16 too), a float32 one where it has not. With a
     bfloat16 copy, steps of more than COPY_ROWS rows read it."""
@@ -444,7 +444,7 @@ class Int4PackedLinear(Int4Linear):
         if self.bf16_t is not None:
             return kernel_table((COPY_ROWS, Int4PackedLinear.int4pack_mm), (None, KeptLinear.bf16_copy))
         unpacked = Int4PackedLinear.unpacked_bf16 if self.bf16_units else Int4PackedLinear.unpacked_f32
-        return kernel_table((INT4_WIDE_ROWS, Int4PackedLinear.int4pack_mm), (None, unpacked))
+        return kernel_table((TILE_ROWS, Int4PackedLinear.int4pack_mm), (None, unpacked))
 
     def codes(self) -> torch.Tensor:
         return int4_codes_t(self.packed).t().contiguous()
@@ -491,7 +491,7 @@ class Int4NibbleLinear(Int4Linear):
 
 class PackedGroupLinear(KeptLinear):
     """The CPU layers of GGUF codes packed for kvserve's ops (int4, 5-bit): the class's GEMV
-    (`gemv_kernel`) up to INT4_WIDE_ROWS rows, or COPY_ROWS where the engine keeps a bfloat16 copy
+    (`gemv_kernel`) up to TILE_ROWS rows, or COPY_ROWS where the engine keeps a bfloat16 copy
     (then read beyond), else the weight dequantized for the call in a float32 matmul (bfloat16 on a
     CPU with bfloat16 units). With the GEMVs off (`use_gemv(False)`) every step runs the dequantized
     weight."""
@@ -507,7 +507,7 @@ class PackedGroupLinear(KeptLinear):
         gemv = type(self).gemv_kernel if self.gemv else None
         if self.bf16_t is not None:
             return kernel_table((COPY_ROWS, gemv), (None, KeptLinear.bf16_copy))
-        return kernel_table((INT4_WIDE_ROWS, gemv), (None, PackedGroupLinear.dequantized_linear))
+        return kernel_table((TILE_ROWS, gemv), (None, PackedGroupLinear.dequantized_linear))
 
     def invariant_gemv(self):
         return type(self).gemv_kernel if self.gemv else None   # its rows are independent already
@@ -526,7 +526,7 @@ class Int4GroupLinear(PackedGroupLinear):
     exactly as the file stores them; Q4_K's sub-block scale and min, d * scale6, rounded to
     float16); Q4_0's centred codes keep no mins (w = (code - 8) * scale: a tenth fewer bytes a step
     reads).
-    - up to INT4_WIDE_ROWS rows (float32 or bfloat16 activations): the C++ `q4g_gemv`, which
+    - up to TILE_ROWS rows (float32 or bfloat16 activations): the C++ `q4g_gemv`, which
       quantizes each row to int16 per group of 32 (llama.cpp's Q8_1 with 16-bit codes: an error of
       1/65534 of the group's largest value) and takes integer dot products; a row's result does not
       depend on the rows beside it;
@@ -654,14 +654,15 @@ class Int8GroupLinear(KeptLinear):
     Where kvserve's C++ GEMV runs it (CPU, in_features a multiple of 32) the codes and scales are kept
     in tiles of 16 output channels (`q8g_tile`: per tile and block of 32 inputs 512 bytes, a pair of
     inputs' codes for the sixteen channels in 32 bytes), elsewhere as [N, K] codes (Int8CodesLinear).
-    - up to SMALL_ROWS rows (float32 or bfloat16 activations): kvserve's C++ GEMV `q8g_gemv` on CPU
+    - up to TILE_ROWS rows (float32 or bfloat16 activations): kvserve's C++ GEMV `q8g_gemv` on CPU
       (the rows quantized to int16 per block of 32 and multiplied in integers, as `q4g_gemv`: a row's
-      result does not depend on the rows beside it), else the same formula in torch;
+      result does not depend on the rows beside it), SMALL_ROWS where the engine keeps a bfloat16 copy;
+      without the C++ GEMV the same formula in torch up to SMALL_ROWS;
     - more rows: one bfloat16 GEMM on the bfloat16 copy when the engine keeps one (add_bf16_copy),
-      else the weight widened to float32 (the activations' dtype off the CPU) inside the matmul,
-      WIDE_CHUNK weights at a time.
+      else the weight widened for the call (`q8g_dequantize`; without it to float32, the activations'
+      dtype off the CPU, WIDE_CHUNK weights at a time).
     `copies=False` (a tied LM head, whose copy would be the largest tensor of a small model): no
-    bfloat16 copy; its steps of more rows run the C++ GEMV SMALL_ROWS rows at a time."""
+    bfloat16 copy; its steps of more rows run the C++ GEMV TILE_ROWS rows at a time."""
 
     fmt = "int8g"
 
@@ -705,12 +706,11 @@ class Int8GroupLinear(KeptLinear):
     def table(self):
         few = Int8GroupLinear.q8g_gemv if self.gemv else Int8GroupLinear.q8g_torch
         if self.bf16_t is not None:
-            many = KeptLinear.bf16_copy
-        else:
-            # the head (run eagerly) stays on the GEMV, another layer widens its weight for the call
-            # (C++; a fixed graph for any row count)
-            many = Int8GroupLinear.gemv_chunks if self.gemv and not self.copies else Int8GroupLinear.widened
-        return kernel_table((SMALL_ROWS, few), (None, many))
+            return kernel_table((SMALL_ROWS, few), (None, KeptLinear.bf16_copy))
+        # the head (run eagerly) stays on the GEMV, another layer widens its weight for the call (C++;
+        # a fixed graph for any row count)
+        many = Int8GroupLinear.gemv_chunks if self.gemv and not self.copies else Int8GroupLinear.widened
+        return kernel_table((TILE_ROWS if self.gemv else SMALL_ROWS, few), (None, many))
 
     def groups(self) -> Int8Groups:
         return Int8Groups(*self.codes_scales(), self.mins, self.group)
@@ -741,10 +741,10 @@ class Int8GroupLinear(KeptLinear):
         return _q8g_torch(x.contiguous(), codes, scales, self.mins, self.group)
 
     def gemv_chunks(self, x: torch.Tensor) -> torch.Tensor:
-        """SMALL_ROWS rows at a time on the GEMV (eager callers only: the chunk count follows the rows)."""
+        """TILE_ROWS rows at a time on the GEMV (eager callers only: the chunk count follows the rows)."""
         if x.dtype not in GEMV_DTYPES:
             return self.widened(x)
-        return torch.cat([self._gemv(part) for part in x.split(SMALL_ROWS)])
+        return torch.cat([self._gemv(part) for part in x.split(TILE_ROWS)])
 
     def widened(self, x: torch.Tensor) -> torch.Tensor:
         """The weight widened for the call: to bfloat16 on a CPU with bfloat16 units (as the bfloat16
@@ -818,7 +818,7 @@ class Int5GroupLinear(PackedGroupLinear):
     the scales as kept (float16 for Q5_0 / Q5_1, Q5_K's products float32) beside them and a min per
     group: w = code * scale + min, as the file's values; Q5_0 (signed codes) keeps no mins:
     w = (code - 16) * scale.
-    - up to INT4_WIDE_ROWS rows: the C++ `q5g_gemv` (integer products, as q4g: a row's result does not
+    - up to TILE_ROWS rows: the C++ `q5g_gemv` (integer products, as q4g: a row's result does not
       depend on the rows beside it);
     - more rows: the bfloat16 copy from COPY_ROWS where the engine keeps one, else the weight
       dequantized for the call (`q5g_dequantize`) in a float32 matmul."""

@@ -32,7 +32,7 @@ log = logging.getLogger("kvserve")
 # Row counts at which model/quant.py switches kernels (a step of more rows than a bound runs another
 # one): each range between two bounds is a graph of its own in every region.
 ROW_BOUNDS = sorted({*quant.GEMV_ROWS.values(), quant.COPY_ROWS, quant.SMALL_ROWS,
-                     quant.HALF_WIDE_ROWS, quant.TIED_WIDE_ROWS, quant.INT4_WIDE_ROWS})
+                     quant.HALF_WIDE_ROWS, quant.TIED_WIDE_ROWS, quant.TILE_ROWS})
 # Steps of up to this many tokens run the whole stack as one graph (the rows of a speculating
 # request's verification, a few requests' decodes).
 STACK_ROWS = 8
