@@ -922,6 +922,35 @@ inline void store_wide(uint16_t* out, __m512 v) {   // bfloat16, rounded to near
   const __m512i up = _mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF)));
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), _mm512_cvtepi32_epi16(_mm512_srli_epi32(up, 16)));
 }
+#elif defined(__AVX2__)
+// 8 x 8 dwords transposed in registers: dword c of r[m] moves to dword m of r[c].
+inline void transpose8(__m256i r[8]) {
+  __m256i t[8];
+  for (int i = 0; i < 8; i += 2) {
+    t[i] = _mm256_unpacklo_epi32(r[i], r[i + 1]);
+    t[i + 1] = _mm256_unpackhi_epi32(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 8; i += 4) {
+    r[i] = _mm256_unpacklo_epi64(t[i], t[i + 2]);
+    r[i + 1] = _mm256_unpackhi_epi64(t[i], t[i + 2]);
+    r[i + 2] = _mm256_unpacklo_epi64(t[i + 1], t[i + 3]);
+    r[i + 3] = _mm256_unpackhi_epi64(t[i + 1], t[i + 3]);
+  }
+  for (int i = 0; i < 4; ++i) {
+    t[i] = _mm256_permute2x128_si256(r[i], r[i + 4], 0x20);
+    t[i + 4] = _mm256_permute2x128_si256(r[i], r[i + 4], 0x31);
+  }
+  for (int i = 0; i < 8; ++i) r[i] = t[i];
+}
+
+inline void store_wide(float* out, __m256 v) { _mm256_storeu_ps(out, v); }
+inline void store_wide(uint16_t* out, __m256 v) {   // bfloat16, rounded to nearest even as float_to_bf16
+  const __m256i bits = _mm256_castps_si256(v);
+  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+  const __m256i up = _mm256_srli_epi32(_mm256_add_epi32(bits, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7FFF))), 16);
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(out),   // each value fits 16 bits: the saturating pack keeps it
+                   _mm_packus_epi32(_mm256_castsi256_si128(up), _mm256_extracti128_si256(up, 1)));
+}
 #endif
 
 // W [n, K] as O (float32, or bfloat16 rounded to nearest even) from the tiles: code * scale + min,
@@ -959,6 +988,29 @@ void tile_widen_into(const at::Tensor& tiles, const at::Tensor& scales, const st
           const __m256i codes = half ? _mm512_extracti64x4_epi64(r[c], 1) : _mm512_castsi512_si256(r[c]);
           const __m512 v = _mm512_cvtepi32_ps(_mm512_cvtepi16_epi32(codes));
           store_wide(out + 16 * half, _mm512_fmadd_ps(v, _mm512_set1_ps(scale), _mm512_set1_ps(min)));
+        }
+      }
+#elif defined(__AVX2__)
+      // each half of the tile (8 channels) as 16 x 8 dwords, transposed as two 8 x 8 blocks: register
+      // c of the first holds channel c's inputs 0..15, of the second its inputs 16..31
+      for (int h = 0; h < 2; ++h) {
+        __m256i r[16];
+        for (int j = 0; j < 8; ++j) Tile::quad(block, j, h, r[2 * j], r[2 * j + 1]);
+        transpose8(r);
+        transpose8(r + 8);
+        for (int c = 8 * h; c < std::min(8 * h + 8, channels); ++c) {
+          const int64_t ch = t * kTile + c;
+          O* out = wp + ch * k + b * kQBlock;
+          for (int half = 0; half < 2; ++half) {   // one group of 16
+            float scale, min;
+            scale_min(t, c, ch, b * per + half * per / 2, scale, min);
+            const __m256i codes = r[8 * half + c - 8 * h];
+            for (int q = 0; q < 2; ++q) {
+              const __m128i part = q ? _mm256_extracti128_si256(codes, 1) : _mm256_castsi256_si128(codes);
+              const __m256 v = _mm256_cvtepi32_ps(_mm256_cvtepi16_epi32(part));
+              store_wide(out + 16 * half + 8 * q, _mm256_fmadd_ps(v, _mm256_set1_ps(scale), _mm256_set1_ps(min)));
+            }
+          }
         }
       }
 #else
