@@ -505,3 +505,28 @@ def test_the_native_stack_runs_the_mixed_file_as_its_layers_do(mixed_gguf):
     forced = [(ids[:4], ids[4:])]
     got, want = run_forced(stacked, forced, [])[0][0], run_forced(eager, forced, [])[0][0]
     assert (got - want).abs().max() < 1e-3 * want.abs().max()
+
+
+def test_a_model_built_from_the_kept_cache_does_not_hold_the_file_mapped(mixed_gguf, tmp_path):
+    """The second load reads the kept layouts from their safetensors cache (mapped); once the model is
+    built from them and they are dropped, no tensor of the model is a view of that file, so the
+    process no longer maps it (every page of it read to build the tiles would otherwise stay in its
+    RSS: 148 MB on a Q4_K_M SmolLM2)."""
+    import gc
+    from pathlib import Path
+
+    from kvserve.engine.builder import _build_kept_model
+    from kvserve.model.loader import CACHE_KEPT, load_gguf_kept
+    load_gguf_kept(mixed_gguf, cache_root=tmp_path)   # writes the cache
+    config, floats, kept = load_gguf_kept(mixed_gguf, cache_root=tmp_path)
+    cached = [str(p) for p in Path(tmp_path).rglob(CACHE_KEPT)]
+    assert cached
+
+    def mapped() -> bool:
+        return any(c in Path("/proc/self/maps").read_text() for c in cached)
+    assert mapped()   # the layouts as read
+    model = _build_kept_model(config, floats, kept, torch.device("cpu"), torch.float32)
+    del floats, kept
+    gc.collect()
+    assert not mapped()
+    assert sum(p.numel() for p in model.parameters()) > 0

@@ -293,7 +293,7 @@ def read_kept(file: Path) -> tuple[dict[str, torch.Tensor], dict[str, KeptTensor
     from safetensors import safe_open
     with safe_open(str(file), "pt") as f:
         meta, tensors = f.metadata(), {k: f.get_tensor(k) for k in f.keys()}
-    floats = {k: v for k, v in tensors.items() if ":" not in k}
+    floats = {k: v.clone() for k, v in tensors.items() if ":" not in k}   # not views of the mapped file
     kept = {}
     for name, text in meta.items():
         info = json.loads(text)
