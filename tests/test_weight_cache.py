@@ -142,3 +142,21 @@ def test_the_fast_bf16_copy_equals_the_dequantize_based_one(n):
     want = layer.dequantize(torch.float32).t().contiguous().to(torch.bfloat16)
     layer.add_bf16_copy()
     assert layer.bf16_t.is_contiguous() and torch.equal(layer.bf16_t, want)
+
+
+def test_writing_the_cache_drops_this_configs_files_of_other_builds(mixed_gguf, tmp_path):  # noqa: F811
+    """An upgrade (another torch, CPU or kvserve source) writes a new file; writing it removes the same
+    config's files of other builds and the files named before keys had two parts, and keeps other
+    configs' files (another dtype or copy setting is still read by starts that ask for it)."""
+    key = weight_cache.cache_key(weights="gguf", dtype=torch.float32, device="cpu", bf16_weight_copy="on")
+    config, build_part = key.split("-")
+    other_config = weight_cache.cache_key(weights="gguf", dtype=torch.bfloat16, device="cpu", bf16_weight_copy="on")
+    assert other_config.split("-")[0] != config and other_config.split("-")[1] == build_part
+    file = weight_cache.cache_file(mixed_gguf, key, tmp_path)
+    file.parent.mkdir(parents=True)
+    stale = [file.with_name(f"built-{config}-{'0' * 12}.pt"), file.with_name(f"built-{'a' * 20}.pt")]
+    kept = [file.with_name(f"built-{other_config}.pt"), file.with_name(f"built-{other_config.split('-')[0]}-{'0' * 12}.pt")]
+    for f in stale + kept:
+        f.write_bytes(b"old")
+    weight_cache.save(torch.nn.Linear(4, 4), file)
+    assert file.is_file() and all(f.is_file() for f in kept) and not any(f.exists() for f in stale)

@@ -31,15 +31,19 @@ LAYOUT_SOURCES = ("*.py", "cpu/*.cpp")
 
 
 def cache_key(**fields) -> str:
-    """A digest of `fields` (the weight format config, dtype, device), the torch version and its CPU
-    capability (its int4 pack layout), the CPU flags and the sources that lay the tensors out."""
+    """"<config>-<build>": a digest of `fields` (the weight format config, dtype, device), then one of
+    the torch version and its CPU capability (its int4 pack layout), the CPU flags and the sources
+    that lay the tensors out (what an upgrade changes: `save` drops the config's files of other builds)."""
     sources = hashlib.sha256()
     for file in sorted(f for pattern in LAYOUT_SOURCES for f in SOURCES.glob(pattern)):
         sources.update(file.read_bytes())
-    text = json.dumps({"version": FORMAT_VERSION, "torch": torch.__version__, "cpu": cpu_flags(),
-                       "capability": torch.backends.cpu.get_cpu_capability(),
-                       "sources": sources.hexdigest(), **fields}, sort_keys=True, default=str)
-    return hashlib.sha256(text.encode()).hexdigest()[:20]
+    build = {"version": FORMAT_VERSION, "torch": torch.__version__, "cpu": cpu_flags(),
+             "capability": torch.backends.cpu.get_cpu_capability(), "sources": sources.hexdigest()}
+    return f"{_digest(fields)}-{_digest(build)}"
+
+
+def _digest(fields: dict) -> str:
+    return hashlib.sha256(json.dumps(fields, sort_keys=True, default=str).encode()).hexdigest()[:12]
 
 
 def cache_file(model_path: str, key: str, cache_root: str | Path | None = None) -> Path:
@@ -73,6 +77,23 @@ def save(model: nn.Module, file: Path) -> None:
         _atomic_write(file, lambda tmp: torch.save({k: v.detach() for k, v in state.items()}, tmp))
     except (OSError, RuntimeError) as exc:
         log.warning("could not write the weight cache %s: %s", file, exc)
+        return
+    _drop_stale(file)
+
+
+def _drop_stale(file: Path) -> None:
+    """Delete the files beside `file` that no start of this build will read: the same config's under
+    another build (an earlier kvserve, torch or CPU), and those named before keys had two parts. A
+    process still mapping one keeps its pages (the file goes when it unmaps)."""
+    config = file.stem.removeprefix("built-").split("-")[0]
+    for other in file.parent.glob("built-*.pt"):
+        parts = other.stem.removeprefix("built-").split("-")
+        if other != file and (len(parts) != 2 or parts[0] == config):
+            try:
+                other.unlink()
+                log.info("removed the stale weight cache %s", other.name)
+            except OSError as exc:
+                log.warning("could not remove the stale weight cache %s: %s", other, exc)
 
 
 def load(model: nn.Module, file: Path) -> bool:
